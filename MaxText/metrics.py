@@ -1,0 +1,118 @@
+"""Run progress and the closing summary, fed per train step by
+patches/metric_logger.py with the scalars upstream already computed."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_seconds(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+@dataclass
+class StepRecord:
+  step: int
+  loss: float
+  step_time_s: float
+  tflops_per_device: float | None
+  tokens_per_s_per_device: float | None
+
+
+@dataclass
+class ProgressTracker:
+  """Collects per-step scalars; prints a progress line with the ETA.
+
+  `total_steps` is the run's last step + 1 (upstream counts steps from 0).
+  The first step holds compilation, so step-time statistics skip it.
+  """
+
+  total_steps: int
+  print_every: int = 1
+  records: list[StepRecord] = field(default_factory=list)
+  started: float = field(default_factory=time.monotonic)
+
+  def on_train_step(self, step: int, scalars: dict[str, Any]) -> None:
+    def scalar(name):
+      value = scalars.get(name)
+      return None if value is None else float(value)
+
+    record = StepRecord(
+        step=step,
+        loss=scalar("learning/loss"),
+        step_time_s=scalar("perf/step_time_seconds") or 0.0,
+        tflops_per_device=scalar("perf/per_device_tflops_per_sec"),
+        tokens_per_s_per_device=scalar("perf/per_device_tokens_per_sec"),
+    )
+    self.records.append(record)
+    if self.print_every and (step + 1) % self.print_every == 0 or step + 1 == self.total_steps:
+      print(self.progress_line(record), file=sys.stdout, flush=True)
+
+  def steady_step_times(self) -> list[float]:
+    times = [r.step_time_s for r in self.records[1:]]
+    return times or [r.step_time_s for r in self.records]
+
+  def progress_line(self, record: StepRecord) -> str:
+    done = record.step + 1
+    remaining = max(self.total_steps - done, 0)
+    per_step = statistics.median(self.steady_step_times())
+    pct = 100.0 * done / max(self.total_steps, 1)
+    return (
+        f"[progress] step {done}/{self.total_steps} ({pct:.0f}%) loss {record.loss:.4f} "
+        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)}"
+    )
+
+  def summary(self, run_dir: Path, upstream: dict[str, Any]) -> dict[str, Any]:
+    steady = self.steady_step_times()
+    tflops = [r.tflops_per_device for r in self.records[1:] if r.tflops_per_device]
+    return {
+        "steps_completed": len(self.records),
+        "last_step": self.records[-1].step if self.records else None,
+        "median_step_time_s": statistics.median(steady) if self.records else None,
+        "median_tflops_per_device": statistics.median(tflops) if tflops else None,
+        "first_loss": self.records[0].loss if self.records else None,
+        "final_loss": self.records[-1].loss if self.records else None,
+        "wall_time_s": time.monotonic() - self.started,
+        "run_dir": str(run_dir),
+        "checkpoints": str(run_dir / "checkpoints") if upstream.get("enable_checkpointing", True) else None,
+        "tensorboard": str(run_dir / "tensorboard"),
+        "losses": {r.step: r.loss for r in self.records},
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+  def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+  lines = [
+      "=" * 72,
+      "maxtext-moe run summary",
+      f"  steps completed     {summary['steps_completed']} (last step {summary['last_step']})",
+      f"  median step time    {fmt(summary['median_step_time_s'], '.3f')} s (first step, with compile, excluded)",
+      f"  median TFLOP/s/dev  {fmt(summary['median_tflops_per_device'], '.2f')}",
+      f"  loss                {fmt(summary['first_loss'], '.4f')} -> {fmt(summary['final_loss'], '.4f')}",
+      f"  wall time           {_fmt_seconds(summary['wall_time_s'])}",
+      f"  run directory       {summary['run_dir']}",
+      f"  checkpoints         {summary['checkpoints'] or 'disabled'}",
+      f"  tensorboard         tensorboard --logdir {summary['tensorboard']}",
+      "=" * 72,
+  ]
+  print("\n".join(lines), flush=True)
+
+
+def write_summary(summary: dict[str, Any], run_dir: Path) -> Path:
+  path = run_dir / "summary.json"
+  path.write_text(json.dumps(summary, indent=2, sort_keys=True))
+  return path

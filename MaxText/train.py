@@ -1,0 +1,138 @@
+"""Entry point: `python -m MaxText.train [config.yml] [key=value ...]`.
+
+load our config -> set the run's environment -> apply patches -> validate with
+upstream -> run upstream's pre-training main -> print the summary.
+
+Everything that can be wrong with the config is reported (one line, exit 2)
+before the run directory is created or anything is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from MaxText import config as fork_config
+from MaxText import metrics
+
+# Used when no XLA flag is set and no HLO dump is asked for. Upstream 0.2.5
+# fills an empty XLA_FLAGS with `--xla_dump_to=/tmp/xla_dump/` (types.py,
+# validate_and_set_hlo_dump_defaults), so every run would dump HLO outside its
+# run directory. This flag is a no-op (false is XLA's default) that keeps
+# XLA_FLAGS non-empty; XLA rejects a blank value.
+NEUTRAL_XLA_FLAGS = "--xla_cpu_enable_fast_math=false"
+
+
+def log(msg: str) -> None:
+  print(f"[maxtext-moe] {msg}", flush=True)
+
+
+def run_environment(run: fork_config.RunConfig, environ: dict[str, str]) -> dict[str, str]:
+  """Environment variables this run sets (only those that change)."""
+  env: dict[str, str] = {}
+  # Local-first: never reach for Google Cloud clients; patches/tensorboard.py
+  # keeps event files in the run directory in this mode.
+  if "DECOUPLE_GCLOUD" not in environ:
+    env["DECOUPLE_GCLOUD"] = "TRUE"
+  xla_flags = environ.get("XLA_FLAGS", "").strip()
+  dump_hlo = bool(run.upstream.get("dump_hlo", False))
+  if not xla_flags and not dump_hlo:
+    env["XLA_FLAGS"] = NEUTRAL_XLA_FLAGS
+  return env
+
+
+def validate_with_upstream(run: fork_config.RunConfig):
+  """Upstream's own full validation (cross-field checks included), no compile."""
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import train_utils  # pylint: disable=import-outside-toplevel
+
+  try:
+    config = pyconfig.initialize(run.upstream_argv())
+    train_utils.validate_train_config(config)
+  except (ValueError, TypeError, KeyError, AssertionError) as e:
+    message = " ".join(str(e).split())
+    raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
+  return config
+
+
+def write_run_files(run: fork_config.RunConfig, env: dict[str, str], applied: list[str]) -> None:
+  """The effective config and environment, so a run can be reproduced."""
+  out = run.run_dir / "maxtext-moe"
+  out.mkdir(parents=True, exist_ok=True)
+  effective = {
+      "config_path": str(run.config_path),
+      "fork": run.fork.model_dump(),
+      "upstream_overrides": run.upstream,
+      "environment": {**env, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+      "patches": applied,
+  }
+  (out / "effective_config.json").write_text(json.dumps(effective, indent=2, sort_keys=True, default=str))
+
+
+def _quiet_noisy_loggers() -> None:
+  # Orbax logs every checkpoint file operation at INFO; keep upstream's own lines.
+  for name in ("absl", "orbax"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
+  import patches  # pylint: disable=import-outside-toplevel
+
+  env = run_environment(run, dict(os.environ))
+  os.environ.update(env)
+  tracker: list[metrics.ProgressTracker] = []
+  applied = patches.apply_all(run.fork, on_train_step=lambda step, s: tracker[0].on_train_step(step, s))
+  config = validate_with_upstream(run)
+
+  tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))
+  write_run_files(run, env, applied)
+  log(f"run directory {run.run_dir}")
+  log(f"patches applied: {', '.join(applied) or 'none'}")
+  log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+  from absl import app  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+  _quiet_noisy_loggers()
+  try:
+    # app.run parses absl flags (upstream's logging reads them) and calls main.
+    app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
+  except SystemExit as e:
+    if e.code not in (0, None):
+      raise
+  summary = tracker[0].summary(run.run_dir, run.upstream)
+  metrics.write_summary(summary, run.run_dir)
+  metrics.print_summary(summary)
+  return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = sys.argv[1:] if argv is None else list(argv)
+  if args and args[0] in ("-h", "--help"):
+    print(__doc__.strip())
+    print(f"\nDefault config: {fork_config.DEFAULT_CONFIG}")
+    return 0
+  try:
+    run = fork_config.load(args)
+    run_training(run)
+  except fork_config.ConfigError as e:
+    print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except Exception as e:  # patches refusing an upstream they were not written for
+    if type(e).__name__ == "UpstreamMismatch":
+      print(f"maxtext-moe: {e}", file=sys.stderr, flush=True)
+      return 3
+    raise
+  return 0
+
+
+def cli() -> None:
+  sys.exit(main())
+
+
+if __name__ == "__main__":
+  cli()
