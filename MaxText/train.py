@@ -85,7 +85,8 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   env = run_environment(run, dict(os.environ))
   os.environ.update(env)
   tracker: list[metrics.ProgressTracker] = []
-  applied = patches.apply_all(run.fork, on_train_step=lambda step, s: tracker[0].on_train_step(step, s))
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
+  applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
 
   tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))

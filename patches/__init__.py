@@ -3,52 +3,81 @@
 Nothing outside this package touches upstream internals. Each module declares
 a `SEAM` (patches/_seam.py) that checks the installed maxtext version and the
 target's source hash before it patches, refuses on a mismatch, is idempotent,
-and can be undone.
+and can be undone. Each module also exposes:
+
+  wanted(fork) -> bool      whether this run needs the seam (fork: ForkConfig)
+  apply(fork, hooks)        patch (hooks: Hooks, callbacks into our code)
+  undo()                    restore upstream
 
 `apply_all` is what `python -m MaxText.train` calls; tests use `undo_all`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
 from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_maxtext_version
 
-# Seam modules in the order they are applied. Each exposes SEAM, apply(...), undo().
+# Seam modules, in the order they are applied. One line each.
 SEAM_MODULES = (
-    "patches.config_errors",
-    "patches.metric_logger",
-    "patches.tensorboard",
+    "patches.config_errors",  # upstream config errors reach our one-line reporter
+    "patches.metric_logger",  # per-step scalars feed our progress line and summary
+    "patches.tensorboard",  # event files in the run directory in decoupled mode
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """Callbacks from patched upstream code into ours."""
+
+  on_train_step: Callable[[int, dict[str, Any]], None] = lambda step, scalars: None
+
+
+def _modules():
+  return [importlib.import_module(name) for name in SEAM_MODULES]
+
+
 def seams() -> list[Seam]:
-  return [importlib.import_module(name).SEAM for name in SEAM_MODULES]
+  return [module.SEAM for module in _modules()]
 
 
-def check_all() -> None:
-  """Raises UpstreamMismatch for the first seam whose target moved; patches nothing."""
-  for seam in seams():
-    seam.check()
+def check_all(fork: Any = None) -> None:
+  """Raises UpstreamMismatch for the first wanted seam whose target moved."""
+  for module in _modules():
+    if fork is None or module.wanted(fork):
+      module.SEAM.check()
 
 
-def apply_all(fork_config: Any, on_train_step: Callable[[int, dict], None] | None = None) -> list[str]:
-  """Applies every seam for this run; returns the names applied.
+def apply_all(fork: Any, hooks: Hooks | None = None) -> list[str]:
+  """Applies every seam this run wants; returns their names.
 
-  All seams are checked first, so a mismatch leaves upstream untouched.
+  All are checked first, so a mismatch leaves upstream untouched.
   """
-  del fork_config  # seams that need our keys read them here as they are added
-  check_all()
-  importlib.import_module("patches.config_errors").apply()
-  importlib.import_module("patches.metric_logger").apply(on_train_step or (lambda step, scalars: None))
-  importlib.import_module("patches.tensorboard").apply()
-  return [seam.name for seam in seams() if seam.applied]
+  hooks = hooks or Hooks()
+  check_all(fork)
+  applied = []
+  for module in _modules():
+    if module.wanted(fork):
+      module.apply(fork, hooks)
+      applied.append(module.SEAM.name)
+  return applied
 
 
 def undo_all() -> None:
-  for name in reversed(SEAM_MODULES):
-    importlib.import_module(name).undo()
+  for module in reversed(_modules()):
+    module.undo()
 
 
-__all__ = ["UPSTREAM_VERSION", "Seam", "UpstreamMismatch", "apply_all", "check_all", "installed_maxtext_version", "seams", "undo_all"]
+__all__ = [
+    "UPSTREAM_VERSION",
+    "Hooks",
+    "Seam",
+    "UpstreamMismatch",
+    "apply_all",
+    "check_all",
+    "installed_maxtext_version",
+    "seams",
+    "undo_all",
+]

@@ -27,7 +27,11 @@ def _wrap(original):
   return _handle_config_exception
 
 
-def apply() -> None:
+def wanted(fork) -> bool:  # pylint: disable=unused-argument
+  return True
+
+
+def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   SEAM.apply(_wrap)
 
 

@@ -34,9 +34,13 @@ def _wrap(original):
   return write_metrics
 
 
-def apply(observer: Callable[[int, dict[str, Any]], None]) -> None:
+def wanted(fork) -> bool:  # pylint: disable=unused-argument
+  return True
+
+
+def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   global _observer
-  _observer = observer
+  _observer = hooks.on_train_step if hooks is not None else None
   SEAM.apply(_wrap)
 
 

@@ -38,7 +38,11 @@ def _wrap(original):
   return initialize_summary_writer
 
 
-def apply() -> None:
+def wanted(fork) -> bool:  # pylint: disable=unused-argument
+  return True
+
+
+def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   SEAM.apply(_wrap)
 
 
