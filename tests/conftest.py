@@ -1,0 +1,52 @@
+"""Shared helpers: run `python -m MaxText.train` in a clean subprocess.
+
+Training tests run in subprocesses so that each gets a fresh JAX backend
+(device count, XLA_FLAGS) and a fresh set of upstream patches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class TrainResult:
+  returncode: int
+  stdout: str
+  stderr: str
+  run_dir: Path
+
+  @property
+  def summary(self) -> dict:
+    return json.loads((self.run_dir / "summary.json").read_text())
+
+  def losses(self) -> dict[int, float]:
+    return {int(k): v for k, v in self.summary["losses"].items()}
+
+
+def run_train(tmp_path: Path, *args: str, run_name: str = "run", env: dict | None = None,
+              cwd: Path | None = None, timeout: int = 300) -> TrainResult:
+  """Runs the entry point with outputs under tmp_path/outputs/<run_name>."""
+  out_dir = tmp_path / "outputs"
+  full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  full_env.update(env or {})
+  cmd = [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}", f"run_name={run_name}"]
+  proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
+  return TrainResult(proc.returncode, proc.stdout, proc.stderr, out_dir / run_name)
+
+
+@pytest.fixture
+def train(tmp_path):
+  def _train(*args, **kwargs):
+    return run_train(tmp_path, *args, **kwargs)
+
+  return _train

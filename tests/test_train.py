@@ -1,0 +1,114 @@
+"""The fork trains: the tiny DeepSeek-V3 on CPU through `python -m MaxText.train`."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+from tensorboard.backend.event_processing import event_accumulator
+
+from conftest import run_train
+
+TINY = "configs/deepseek3-tiny.yml"
+
+
+def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, float]:
+  event_files = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+  assert event_files, f"no TensorBoard event file under {run_dir / 'tensorboard'}"
+  acc = event_accumulator.EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0})
+  acc.Reload()
+  assert tag in acc.Tags()["scalars"], f"{tag} not in {acc.Tags()['scalars']}"
+  return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
+  result = run_train(tmp_path, TINY, "steps=5", "checkpoint_period=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  losses = result.losses()
+  assert sorted(losses) == [0, 1, 2, 3, 4]
+  assert all(math.isfinite(v) for v in losses.values())
+  assert losses[4] < losses[0] - 0.1, losses  # a fixed synthetic batch: loss must fall
+
+  tb_loss = _tensorboard_scalars(result.run_dir, "learning/loss")
+  assert sorted(tb_loss) == [0, 1, 2, 3, 4]
+  assert abs(tb_loss[4] - losses[4]) < 1e-4
+
+  saved = sorted(int(p.name) for p in (result.run_dir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved == [0, 2, 4], saved  # every checkpoint_period steps, plus the last step
+
+  assert "[progress] step 5/5 (100%)" in result.stdout
+  assert "ETA" in result.stdout
+  assert "maxtext-moe run summary" in result.stdout
+  assert f"run directory       {result.run_dir}" in result.stdout
+  effective = (result.run_dir / "maxtext-moe" / "effective_config.json").read_text()
+  assert '"steps": 5' in effective
+
+
+def _files_under(root: Path) -> set[Path]:
+  return {p for p in root.rglob("*")} if root.exists() else set()
+
+
+def test_run_writes_only_under_its_run_directory(tmp_path):
+  """Upstream's defaults dump HLO to /tmp/xla_dump and cache compiles in ~/jax_cache."""
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  started = time.time()
+  result = run_train(tmp_path, str(Path(__file__).parent.parent / TINY), "steps=2", "enable_checkpointing=false",
+                     env={"HOME": str(home)}, cwd=cwd)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  assert _files_under(home) == set(), f"written to $HOME: {sorted(_files_under(home))}"
+  assert list(cwd.iterdir()) == [], f"written to the working directory: {list(cwd.iterdir())}"
+  fresh_dumps = [p for p in _files_under(Path("/tmp/xla_dump")) if p.stat().st_mtime >= started]
+  assert fresh_dumps == [], f"HLO dumped outside the run directory: {fresh_dumps[:3]}"
+  written = {p.relative_to(tmp_path).parts[0] for p in _files_under(tmp_path) if p.is_file()}
+  assert written == {"outputs"}, written
+  assert (result.run_dir / "jax_cache").is_dir()  # the compile cache lives with the run
+
+
+def test_resume_matches_an_unbroken_run(tmp_path):
+  # The LR schedule length is fixed so both runs see the same schedule.
+  common = [TINY, "learning_rate_schedule_steps=6", "checkpoint_period=3"]
+  unbroken = run_train(tmp_path, *common, "steps=6", run_name="unbroken")
+  assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+
+  first = run_train(tmp_path, *common, "steps=3", run_name="resumed")
+  assert first.returncode == 0, first.stderr[-3000:]
+  first_losses = first.losses()  # summary.json describes the latest invocation
+  second = run_train(tmp_path, *common, "steps=6", run_name="resumed")
+  assert second.returncode == 0, second.stderr[-3000:]
+
+  assert sorted(first_losses) == [0, 1, 2]
+  resumed = {**first_losses, **second.losses()}
+  assert sorted(second.losses()) == [3, 4, 5], "the second run must continue from the checkpoint, not restart"
+  assert resumed == unbroken.losses()  # exact on CPU
+
+
+def test_bad_input_fails_fast_with_one_clear_line(tmp_path):
+  cases = {
+      ("stepz=3",): "unknown config key 'stepz' (command line); did you mean 'steps'?",
+      ("steps=abc",): "config key 'steps' = 'abc' (command line)",
+      ("configs/no-such-file.yml",): "config file not found: configs/no-such-file.yml",
+      ("moe_gmm_backend=cutlass",): "config key 'moe_gmm_backend' = 'cutlass'",
+  }
+  for args, expected in cases.items():
+    started = time.monotonic()
+    result = run_train(tmp_path, *args, run_name="bad")
+    assert result.returncode == 2, (args, result.stderr[-2000:])
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe: config error:")]
+    assert len(error_lines) == 1 and expected in error_lines[0], (args, result.stderr[-2000:])
+    assert not result.run_dir.exists(), "a rejected config must not start a run"
+    assert time.monotonic() - started < 60
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+  cfg = tmp_path / "broken.yml"
+  cfg.write_text("base_config: deepseek3-tiny.yml\nnum_expertz: 4\n")
+  result = run_train(tmp_path, str(cfg), run_name="bad")
+  assert result.returncode == 2
+  assert f"unknown config key 'num_expertz' ({cfg}); did you mean 'num_experts'?" in result.stderr
+  assert not os.path.exists(result.run_dir)
