@@ -1,0 +1,87 @@
+"""Checks that this Python environment holds what docker/manifest.yaml pins.
+
+  python3 docker/check_image.py [--manifest docker/manifest.yaml] [--no-te]
+
+Run by the Dockerfile after installing, and by docker/smoke.sh. Exits 1 with
+one line per mismatch:
+- maxtext, jax, jaxlib and tokamax at exactly the manifest's versions;
+- Transformer Engine for JAX at least at the manifest's floor (`--no-te` skips
+  this, for environments built without the [te] extra, such as CI's venv);
+- `MaxText` resolving to our package (NVIDIA's images may carry an upstream
+  checkout under the same import name), and the training chain importing
+  (our entry point, our patches, upstream's trainer and with it tokamax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import sys
+from pathlib import Path
+
+import yaml
+from packaging.version import Version
+
+HERE = Path(__file__).resolve().parent
+
+
+def installed(name: str) -> str | None:
+  try:
+    return md.version(name)
+  except md.PackageNotFoundError:
+    return None
+
+
+def te_versions() -> dict[str, str]:
+  """Every Transformer Engine distribution (the core and its JAX binding)."""
+  found = {}
+  for dist in md.distributions():
+    name = dist.metadata["Name"].lower().replace("_", "-")
+    if name.startswith("transformer-engine"):
+      found[name] = dist.version
+  return found
+
+
+def problems(manifest: dict, check_te: bool = True) -> list[str]:
+  out = []
+  for name, want in manifest["pins"].items():
+    have = installed(name)
+    if have != str(want):
+      out.append(f"{name}: manifest pins {want}, installed {have or 'nothing'}")
+  if check_te:
+    floor = Version(str(manifest["transformer_engine_floor"]))
+    te = te_versions()
+    if not te:
+      out.append(f"transformer-engine: not installed (manifest floor {floor})")
+    out += [f"{n}: {v} is below the manifest floor {floor}" for n, v in te.items() if Version(v) < floor]
+  if installed("maxtext-moe") is None:
+    out.append("maxtext-moe: our package is not installed")
+  try:  # the whole chain MaxText.train loads: ours, our patches, upstream's trainer (tokamax too)
+    import MaxText.train  # pylint: disable=import-outside-toplevel
+    import patches  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import maxtext.trainers.pre_train.train  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except Exception as e:  # noqa: BLE001  any failure to import is the finding
+    out.append(f"the training chain does not import: {type(e).__name__}: {e}")
+  else:
+    if not hasattr(MaxText.train, "cli"):
+      out.append(f"MaxText resolves to {Path(MaxText.__file__).parent}, not maxtext-moe's package")
+  return out
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--manifest", type=Path, default=HERE / "manifest.yaml")
+  ap.add_argument("--no-te", action="store_true", help="don't require Transformer Engine")
+  args = ap.parse_args()
+  found = problems(yaml.safe_load(args.manifest.read_text()), check_te=not args.no_te)
+  for line in found:
+    print(f"check_image: FAIL: {line}")
+  if not found:
+    pins = {n: installed(n) for n in yaml.safe_load(args.manifest.read_text())["pins"]}
+    import MaxText  # pylint: disable=import-outside-toplevel
+    print(f"check_image: PASS: {pins}, TE {te_versions() or 'not checked'}, MaxText from {Path(MaxText.__file__).parent}")
+  return 1 if found else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Smoke test inside the container (its default command): prints PASS/FAIL per
+# item and exits non-zero if any failed.
+#
+#   docker run --gpus all --rm maxtext-moe            # or: bash docker/smoke.sh
+#   SMOKE_STEPS=3 SMOKE_OUT=/tmp/smoke SMOKE_NO_TE=1 bash docker/smoke.sh
+#
+# Items:
+#   pins        docker/check_image.py: manifest versions, TE floor, our MaxText
+#   gpu         JAX sees a GPU backend
+#   selftest    scripts/gpu_selftest.py (the MoE backends' GPU checks), when this build has it
+#   train-tiny  configs/deepseek3-tiny.yml for SMOKE_STEPS steps on one GPU; the run's
+#               summary must hold SMOKE_STEPS steps and a finite final loss
+# SMOKE_NO_TE=1 drops the TE requirement (a GPU node set up from the wheelhouse has none).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+steps="${SMOKE_STEPS:-3}"
+out="${SMOKE_OUT:-$(mktemp -d /tmp/maxtext-moe-smoke.XXXXXX)}"
+mkdir -p "$out"
+# Run from the log folder: `python3 -m MaxText` must find the installed package,
+# not a source tree that happens to be the working directory.
+cd "$out" || exit 2
+py="${PYTHON:-python3}"
+failed=()
+
+item() {  # item NAME COMMAND...: runs it, logs to $out/NAME.log, prints PASS/FAIL
+  local name="$1"; shift
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "PASS $name"
+  else
+    echo "FAIL $name (exit $?; log: $out/$name.log)"; tail -n 15 "$out/$name.log" | sed 's/^/    /'
+    failed+=("$name")
+  fi
+}
+
+te_flag=(); [ "${SMOKE_NO_TE:-0}" = 1 ] && te_flag=(--no-te)
+item pins "$py" "$root/docker/check_image.py" "${te_flag[@]}"
+item gpu "$py" -c 'import jax; b = jax.default_backend(); print(b, jax.devices()); assert b == "gpu", b'
+
+if [ -f "$root/scripts/gpu_selftest.py" ]; then
+  item selftest "$py" "$root/scripts/gpu_selftest.py"
+else
+  echo "SKIP selftest (scripts/gpu_selftest.py is not in this build)"
+fi
+
+# The tiny config is written for CPU; on a GPU it needs hardware=gpu, and
+# dot_product attention (autoselected would pick Pallas flash attention at
+# 128 tokens, which the tiny MLA head sizes don't suit). One process, so no
+# jax.distributed (the config already skips it). Synthetic data, no downloads.
+train_tiny() {
+  "$py" -m MaxText.train "$root/configs/deepseek3-tiny.yml" hardware=gpu attention=dot_product \
+    steps="$steps" checkpoint_period="$steps" base_output_directory="$out/runs" run_name=tiny || return 1
+  "$py" - "$out/runs/tiny/summary.json" "$steps" <<'PY'
+import json, math, sys
+s = json.load(open(sys.argv[1]))
+assert s["steps_completed"] == int(sys.argv[2]), s["steps_completed"]
+assert math.isfinite(s["final_loss"]), s["final_loss"]
+print(f"steps {s['steps_completed']}, final loss {s['final_loss']:.4f}, median step {s['median_step_time_s']}")
+PY
+}
+item train-tiny train_tiny
+tail -n 1 "$out/train-tiny.log"
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "smoke: FAIL (${failed[*]})"
+  exit 1
+fi
+echo "smoke: PASS (logs in $out)"
