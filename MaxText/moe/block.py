@@ -1,0 +1,162 @@
+"""The MoE block: route -> dispatch -> grouped GEMM -> combine.
+
+    routing = route(x, router)                       # which K experts, what weights
+    x_MD, meta = dispatcher.dispatch(x, routing.ids) # rows grouped by expert
+    y_MD = expert_ffn(x_MD, meta, experts)           # three grouped GEMMs
+    y = dispatcher.combine(y_MD, routing.weights, meta)
+
+Routing runs in the global (auto-sharded) view; dispatch -> combine runs per
+shard inside `jax.shard_map` when a mesh is given, the expert axis carrying
+expert parallelism (the dispatcher owns its collectives). Upstream-agnostic:
+patches/routed_moe.py feeds it upstream RoutedMoE's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from MaxText.moe import routing as routing_lib
+from MaxText.moe.dispatch import Dispatcher
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "linear": lambda x: x,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """Router parameters: kernel_DE, and the routing bias_E (or None)."""
+
+  kernel_DE: jax.Array
+  bias_E: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """SwiGLU expert weights of the experts this shard holds (all without EP).
+
+  E is the number of local experts; F the expert MLP width.
+  """
+
+  w0_EDF: jax.Array  # gate projection (activation applied)
+  w1_EDF: jax.Array  # up projection (linear)
+  wo_EFD: jax.Array  # down projection
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Static settings of the block.
+
+  Attributes:
+    router: routing hyper-parameters.
+    activation: name in ACTIVATIONS for the gate projection.
+    gmm_backend: MaxText.moe.gmm backend name.
+    dtype: compute dtype of the grouped GEMMs and the output.
+    gate_dtype: dtype of the router matmul (upstream: float32_gate_logits).
+  """
+
+  router: routing_lib.RouterConfig
+  activation: str = "silu"
+  gmm_backend: str = "xla"
+  dtype: jnp.dtype = jnp.float32
+  gate_dtype: jnp.dtype | None = None
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str, group_offset, out_dtype):
+  """The grouped GEMM (MaxText/moe/gmm, see notes/GMM_SPEC.md)."""
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  if not hasattr(gmm_lib, "gmm"):  # TEMPORARY until MaxText/moe/gmm/__init__.py lands
+    return _ragged_dot_gmm(lhs_MK, rhs_GKN, group_sizes_G, group_offset=group_offset, out_dtype=out_dtype)
+  return gmm_lib.gmm(lhs_MK, rhs_GKN, group_sizes_G, backend=backend, group_offset=group_offset,
+                     preferred_element_type=out_dtype)
+
+
+def _ragged_dot_gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, out_dtype):
+  """TEMPORARY stand-in: ragged_dot on the local groups' rows, rolled to the front."""
+  num_local = rhs_GKN.shape[0]
+  start = jnp.sum(jnp.where(jnp.arange(group_sizes_G.shape[0]) < group_offset, group_sizes_G, 0))
+  local_gs = jax.lax.dynamic_slice_in_dim(group_sizes_G, group_offset, num_local)
+  out = jax.lax.ragged_dot(jnp.roll(lhs_MK, -start, axis=0), rhs_GKN, local_gs, preferred_element_type=out_dtype)
+  return jnp.roll(out, start, axis=0)
+
+
+def _vary_like(w, x):
+  """Inside shard_map: marks w as varying over x's token axes too.
+
+  The grouped GEMM's custom VJP returns dW varying like the rows (each token
+  shard's partial); declaring that up front lets JAX's transpose of this cast
+  psum the partials over the token axes, where plain autodiff would put it.
+  """
+  missing = tuple(sorted(jax.typeof(x).manual_axis_type.varying - jax.typeof(w).manual_axis_type.varying))
+  return jax.lax.pcast(w, missing, to="varying") if missing else w
+
+
+def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig):
+  """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo."""
+  with jax.named_scope("gmm"):
+    kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, out_dtype=cfg.dtype)
+    w0, w1, wo = (_vary_like(w.astype(cfg.dtype), x_MD) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
+    h0_MF = gmm(x_MD, w0, meta.group_sizes_G, **kw)
+    h1_MF = gmm(x_MD, w1, meta.group_sizes_G, **kw)
+    h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
+    return gmm(h_MF, wo, meta.group_sizes_G, **kw)
+
+
+def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
+  """Per-shard part of the block: tokens and routing in, weighted expert sum out.
+
+  Returns (y_TD, overflow): overflow is a bool[1], True where a bounded
+  dispatch buffer (a2a_padded) could not hold every row; False otherwise.
+  """
+  with jax.named_scope("dispatch"):
+    x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
+  y_MD = expert_ffn(x_MD, meta, experts, cfg)
+  with jax.named_scope("combine"):
+    y_TD = dispatcher.combine(y_MD, weights_TK, meta)
+  return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """How the block is laid out on a mesh (None: no shard_map, one device).
+
+  Attributes:
+    mesh: the device mesh.
+    token_axes: mesh axes the token dimension is split over (batch axes).
+    expert_axis: mesh axis splitting the experts (EP), or None.
+  """
+
+  mesh: jax.sharding.Mesh
+  token_axes: Sequence[str]
+  expert_axis: str | None = None
+
+
+def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
+              sharding: Sharding | None = None):
+  """Routed experts of T tokens; returns (y_TD, Routing, overflow: bool[]).
+
+  With `sharding`, `experts` holds every expert (global view) and the shard_map
+  hands each expert shard its slice.
+  """
+  with jax.named_scope("route"):
+    r = routing_lib.route(x_TD, router.kernel_DE, router.bias_E, cfg.router, dtype=cfg.gate_dtype)
+  body = lambda x, ids, w, e: dispatch_ffn_combine(x, ids, w, e, cfg, dispatcher)  # noqa: E731
+  if sharding is not None:
+    tok = P(tuple(sharding.token_axes) or None)
+    exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
+    every_shard = P(tuple(sharding.mesh.axis_names))  # one overflow flag per device
+    body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp), out_specs=(tok, every_shard))
+  y_TD, overflow = body(x_TD, r.ids_TK, r.weights_TK, experts)
+  return y_TD.astype(cfg.dtype), r, jnp.any(overflow)
+
+
+jax.tree_util.register_dataclass(Experts, data_fields=["w0_EDF", "w1_EDF", "wo_EFD"], meta_fields=[])

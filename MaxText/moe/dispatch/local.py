@@ -1,0 +1,134 @@
+"""Local dispatch/combine: one gather out, one gather + weighted sum back.
+
+The T*K (token, choice) slots are sorted once by expert id (a stable argsort,
+so ties keep token order). From that one permutation we derive both maps:
+
+  order_M: sorted row m holds slot order_M[m]   (token order_M[m] // K)
+  slot_row_TK: slot (t, k) sits at row slot_row_TK[t, k]  (the inverse, built
+    with a scatter, not a second argsort)
+
+dispatch gathers x rows by token; combine gathers y rows by slot and sums the
+K of each token with its weights in float32. Both are custom VJPs whose
+backward is again a gather with the *other* map (plus a sum over K for
+dispatch), so the backward never sorts, never scatters, and never builds a
+[tokens x experts] one-hot. Upstream's `_sort_activations` backward re-runs an
+argsort, and its unpermute argsorts again in the forward.
+
+The helpers below are reused by the EP backends on their exchanged rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NAME = "local"
+
+
+def unavailable_reason() -> str | None:
+  return None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["order_M", "slot_row_TK", "group_sizes_G",
+                                                                    "group_offset"],
+                   meta_fields=["num_local_experts"])
+@dataclasses.dataclass(frozen=True)
+class LocalMeta:
+  """What combine needs to undo a local dispatch.
+
+  Attributes:
+    order_M: int32[M], M = T*K: the (token, choice) slot each sorted row holds.
+    slot_row_TK: int32[T, K]: the sorted row of each slot (inverse of order_M).
+    group_sizes_G: int32[G]: rows per expert; G = every expert in `ids`.
+    group_offset: int32[]: first expert id the grouped GEMM should compute
+      (0 here; EP backends reuse LocalMeta for their gathered tokens).
+    num_local_experts: experts whose rows the grouped GEMM computes.
+  """
+
+  order_M: jax.Array
+  slot_row_TK: jax.Array
+  group_sizes_G: jax.Array
+  group_offset: jax.Array
+  num_local_experts: int
+
+
+def sort_by_expert(ids_TK, num_groups: int, group_offset=0, num_local_experts: int | None = None) -> LocalMeta:
+  """The permutation that groups (token, choice) slots by expert id."""
+  flat_M = ids_TK.reshape(-1)
+  order_M = jnp.argsort(flat_M, stable=True).astype(jnp.int32)
+  slot_row = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0], dtype=jnp.int32))
+  group_sizes = jnp.zeros((num_groups,), jnp.int32).at[flat_M].add(1, mode="drop")
+  return LocalMeta(order_M=order_M, slot_row_TK=slot_row.reshape(ids_TK.shape), group_sizes_G=group_sizes,
+                   group_offset=jnp.asarray(group_offset, jnp.int32),
+                   num_local_experts=num_groups if num_local_experts is None else num_local_experts)
+
+
+@jax.custom_vjp
+def permute_rows(x_TD, order_M, slot_row_TK):
+  """x_MD[m] = x_TD[order_M[m] // K]."""
+  return x_TD[order_M // slot_row_TK.shape[1]]
+
+
+def _permute_fwd(x_TD, order_M, slot_row_TK):
+  return permute_rows(x_TD, order_M, slot_row_TK), (order_M, slot_row_TK)
+
+
+def _permute_bwd(res, g_MD):
+  order_M, slot_row_TK = res
+  # Each token's K rows, found by the inverse map and summed: a gather, no scatter-add.
+  g_TD = g_MD[slot_row_TK].sum(axis=1, dtype=jnp.float32).astype(g_MD.dtype)
+  return g_TD, None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+@jax.custom_vjp
+def unpermute_rows(y_MD, order_M, slot_row_TK):
+  """y_TKD[t, k] = y_MD[slot_row_TK[t, k]]. Rows no slot points at get no gradient."""
+  return y_MD[slot_row_TK]
+
+
+def _unpermute_fwd(y_MD, order_M, slot_row_TK):
+  return unpermute_rows(y_MD, order_M, slot_row_TK), (order_M, slot_row_TK, y_MD.shape[0])
+
+
+def _unpermute_bwd(res, g_TKD):
+  order_M, slot_row_TK, rows = res
+  g_MD = g_TKD.reshape(-1, g_TKD.shape[-1])[order_M]  # the forward permutation read the other way
+  if rows > g_MD.shape[0]:  # padding rows past the T*K slots
+    g_MD = jnp.pad(g_MD, ((0, rows - g_MD.shape[0]), (0, 0)))
+  return g_MD, None, None
+
+
+unpermute_rows.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+def weighted_sum(y_TKD, weights_TK, out_dtype):
+  """sum_k w[t,k] * y[t,k,:] in float32 (upstream's float32_weight_sum default)."""
+  return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32)).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDispatcher:
+  """Every expert on this device: sort, gather, compute, gather back."""
+
+  num_experts: int
+  name: str = NAME
+
+  def dispatch(self, x_TD, ids_TK):
+    meta = sort_by_expert(ids_TK, self.num_experts)
+    return permute_rows(x_TD, meta.order_M, meta.slot_row_TK), meta
+
+  def combine(self, y_MD, weights_TK, meta: LocalMeta):
+    return weighted_sum(unpermute_rows(y_MD, meta.order_M, meta.slot_row_TK), weights_TK, y_MD.dtype)
+
+
+def make(*, num_experts: int, axis_name=None, ep_size: int = 1, **options) -> LocalDispatcher:
+  del axis_name
+  if ep_size != 1 or options:
+    raise ValueError(f"local dispatch takes no EP axis and no options (got ep_size={ep_size}, {options})")
+  return LocalDispatcher(num_experts=num_experts)

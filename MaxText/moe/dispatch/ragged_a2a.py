@@ -1,0 +1,135 @@
+"""EP by XLA's `jax.lax.ragged_all_to_all`: each peer's rows, exact sizes, one hop.
+
+GPU only: XLA:CPU does not implement ragged-all-to-all, so this raises on CPU
+(tests/ep_check.py checks the message). Measured on 2xH200 (jax 0.11.2):
+0.47 GB per device in 88 ms, ~30x slower than all_to_all of the same bytes;
+a2a_padded exists for that reason. Kept for comparison in the EP benchmark.
+
+Inside `shard_map` over the expert axis (n shards, E_l = E/n experts each):
+
+  dispatch: sort slots by global expert (`local`); all_to_all the per-(peer,
+    local expert) counts and each shard's receive offsets; ragged_all_to_all
+    the rows into a [R, D] buffer where peer p's rows start at the exclusive
+    cumsum of the receive counts; regroup expert-major (a2a_padded's map).
+  combine: regroup back, ragged_all_to_all home into the sender's sorted-slot
+    layout (offsets: the sender's send starts), weighted top-k sum.
+
+R = ceil(capacity_factor * T*K), default capacity_factor = EP size (never
+overflows). When a shard would receive more than R rows every shard learns it
+from the counts, nothing is sent (ragged_all_to_all must not write past R),
+and the overflow is raised or flagged as in a2a_padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.moe.dispatch import a2a_padded, local
+
+NAME = "ragged_a2a"
+
+
+def unavailable_reason() -> str | None:
+  if jax.default_backend() == "cpu":
+    return "XLA:CPU does not implement ragged-all-to-all; use 'ring' or 'a2a_padded' on CPU"
+  return None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slots", "send_start_P", "send_P", "recv_start_P", "recv_P", "home_offset_P", "src_R",
+                                "dest_R", "group_sizes_G", "group_offset", "overflow"],
+                   meta_fields=["num_local_experts"])
+@dataclasses.dataclass(frozen=True)
+class RaggedMeta:
+  """What combine needs to send rows home. n peers, R receive-buffer rows.
+
+  Attributes:
+    slots: LocalMeta of this shard's T*K slots sorted by global expert.
+    send_start_P, send_P: int32[n]: where my rows for peer p start, how many.
+    recv_start_P, recv_P: int32[n]: where peer p's rows sit in my buffer, how many.
+    home_offset_P: int32[n]: where my rows start in peer p's send order (the
+      offset to write results back at p).
+    src_R, dest_R: int32[R]: expert-major <-> received-row maps (R = padding).
+    group_sizes_G: int32[E_l] rows per local expert.
+    group_offset: int32[] = 0 (rows hold local experts only).
+    overflow: bool[]: some shard would have received more than R rows.
+    num_local_experts: E_l.
+  """
+
+  slots: local.LocalMeta
+  send_start_P: jax.Array
+  send_P: jax.Array
+  recv_start_P: jax.Array
+  recv_P: jax.Array
+  home_offset_P: jax.Array
+  src_R: jax.Array
+  dest_R: jax.Array
+  group_sizes_G: jax.Array
+  group_offset: jax.Array
+  overflow: jax.Array
+  num_local_experts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedA2ADispatcher:
+  """ragged_all_to_all EP over `axis_name`."""
+
+  num_experts: int
+  axis_name: str
+  ep_size: int
+  capacity_factor: float | None = None
+  on_overflow: a2a_padded.OnOverflow = "error"
+  name: str = NAME
+
+  def _a2a(self, x):
+    return jax.lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+  def dispatch(self, x_TD, ids_TK):
+    n, num_local = self.ep_size, self.num_experts // self.ep_size
+    slots = local.sort_by_expert(ids_TK, self.num_experts)
+    x_MD = local.permute_rows(x_TD, slots.order_M, slots.slot_row_TK)
+    rows = math.ceil((self.capacity_factor or n) * x_MD.shape[0])
+
+    send_PE = slots.group_sizes_G.reshape(n, num_local)
+    recv_PE = self._a2a(send_PE)
+    overflow = jax.lax.pmax((recv_PE.sum() > rows).astype(jnp.int32), self.axis_name) > 0
+    if self.on_overflow == "error":
+      jax.debug.callback(a2a_padded._raise_on_overflow, overflow, recv_PE.sum(1), rows)  # pylint: disable=protected-access
+    send_PE = jnp.where(overflow, 0, send_PE)  # never write past the receive buffer
+    recv_PE = jnp.where(overflow, 0, recv_PE)
+    send_P, recv_P = send_PE.sum(1), recv_PE.sum(1)
+    send_start_P, recv_start_P = a2a_padded._exclusive_cumsum(send_P), a2a_padded._exclusive_cumsum(recv_P)  # pylint: disable=protected-access
+    out_offset_P = self._a2a(recv_start_P)  # where my rows land in each peer's buffer
+    home_offset_P = self._a2a(send_start_P)  # where each peer's rows came from in its own order
+
+    buf_RD = jnp.zeros((rows, x_MD.shape[1]), x_MD.dtype)
+    recv_RD = jax.lax.ragged_all_to_all(x_MD, buf_RD, send_start_P, send_P, out_offset_P, recv_P,
+                                        axis_name=self.axis_name)
+    src_R, dest_R, group_sizes = a2a_padded.expert_major(recv_PE, recv_start_P, rows)
+    meta = RaggedMeta(slots=slots, send_start_P=send_start_P, send_P=send_P, recv_start_P=recv_start_P,
+                      recv_P=recv_P, home_offset_P=home_offset_P, src_R=src_R, dest_R=dest_R,
+                      group_sizes_G=group_sizes, group_offset=jnp.zeros((), jnp.int32), overflow=overflow,
+                      num_local_experts=num_local)
+    return recv_RD.at[src_R].get(mode="fill", fill_value=0), meta
+
+  def combine(self, y_RD, weights_TK, meta: RaggedMeta):
+    back_RD = y_RD.at[meta.dest_R].get(mode="fill", fill_value=0)
+    home_MD = jnp.zeros((meta.slots.order_M.shape[0], y_RD.shape[1]), y_RD.dtype)
+    y_MD = jax.lax.ragged_all_to_all(back_RD, home_MD, meta.recv_start_P, meta.recv_P, meta.home_offset_P,
+                                     meta.send_P, axis_name=self.axis_name)
+    y_TKD = local.unpermute_rows(y_MD, meta.slots.order_M, meta.slots.slot_row_TK)
+    return local.weighted_sum(y_TKD, weights_TK, y_RD.dtype)
+
+
+def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float | None = None,
+         on_overflow: a2a_padded.OnOverflow = "error") -> RaggedA2ADispatcher:
+  if axis_name is None or num_experts % ep_size:
+    raise ValueError(f"ragged_a2a dispatch needs an expert mesh axis and num_experts ({num_experts}) divisible "
+                     f"by its size ({ep_size})")
+  return RaggedA2ADispatcher(num_experts=num_experts, axis_name=axis_name, ep_size=ep_size,
+                             capacity_factor=capacity_factor, on_overflow=on_overflow)

@@ -1,0 +1,152 @@
+"""Route: the router's scores -> each token's top-k experts and combine weights.
+
+Mirrors upstream MaxText 0.2.5's `RoutedMoE` routing (`GateLogit.__call__` ~675,
+`get_topk` ~1277, `deepseek_routing` ~1406, `deepseek_scale_weights` ~1361) for
+the configs we ship, so that swapping our block in leaves the numbers alone:
+
+  scores = score_func(x @ w_router); selection = top-k of scores + bias.
+  bias_selects_only (upstream: model_name deepseek3*/deepseek4*/kimi-k2*): the
+    learned bias only selects (aux-loss-free balancing); the weights are the
+    chosen experts' pre-bias scores, and group-limited routing may apply (only
+    experts of the best `topk_groups` groups, by top-2 sum, compete). Otherwise
+    the weights are the biased scores themselves. NOTE: our tiny config keeps
+    upstream's model_name "default", so upstream (and we) weigh with the bias.
+  deepseek_weights (upstream: decoder_block deepseek/deepseek4): weights are
+    normalized to sum 1 for sigmoid/sqrtsoftplus, then times
+    routed_scaling_factor. Otherwise (Mixtral, Qwen3...): a softmax over the k
+    weights, optionally renormalized (norm_topk_prob).
+
+Also the two side outputs upstream's block returns: the Switch-style load
+balance loss (`load_balance_loss` ~3857) and the expert counts that drive the
+routing-bias update (`calculate_expert_counts` ~351).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+ScoreFunc = Literal["sigmoid", "softmax", "sqrtsoftplus", ""]
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """Routing hyper-parameters (static).
+
+  Attributes:
+    num_experts: E.
+    top_k: K, experts per token.
+    score_func: applied to the gate logits before bias and top-k ("" = none).
+    bias_selects_only: the bias picks experts but does not weigh them.
+    deepseek_weights: DeepSeek normalization and scaling of the top-k weights.
+    routed_scaling_factor: DeepSeek's multiplier on the normalized weights.
+    n_groups: expert groups for group-limited routing (-1 = off).
+    topk_groups: groups kept per token when n_groups > 0.
+    norm_topk_prob: renormalize the softmax top-k weights (Qwen3).
+  """
+
+  num_experts: int
+  top_k: int
+  score_func: ScoreFunc = "sigmoid"
+  bias_selects_only: bool = True
+  deepseek_weights: bool = True
+  routed_scaling_factor: float = 1.0
+  n_groups: int = -1
+  topk_groups: int = -1
+  norm_topk_prob: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """What route() decided, per token.
+
+  Attributes:
+    weights_TK: combine weight of each chosen expert (router dtype).
+    ids_TK: int32 global ids of the chosen experts.
+    scores_TE: the scores the load-balance loss sees (pre-bias if the bias
+      only selects, as upstream).
+  """
+
+  weights_TK: jax.Array
+  ids_TK: jax.Array
+  scores_TE: jax.Array
+
+
+def _score(logits, score_func: ScoreFunc):
+  if score_func == "sigmoid":
+    return jax.nn.sigmoid(logits)
+  if score_func == "softmax":
+    return jax.nn.softmax(logits, axis=-1)
+  if score_func == "sqrtsoftplus":
+    return jnp.sqrt(jax.nn.softplus(logits))
+  return logits
+
+
+def _group_mask_TE(scores_TE, cfg: RouterConfig):
+  """1 for experts in each token's best `topk_groups` groups (top-2 sum), else 0."""
+  grouped = scores_TE.reshape(*scores_TE.shape[:-1], cfg.n_groups, -1)
+  top2 = jax.lax.top_k(grouped, 2)[0].astype(jnp.float32).sum(-1)
+  _, best = jax.lax.top_k(top2, cfg.topk_groups)
+  keep = jnp.zeros(top2.shape, jnp.float32).at[jnp.arange(top2.shape[0])[:, None], best].set(1.0)
+  return jnp.repeat(keep, cfg.num_experts // cfg.n_groups, axis=-1)
+
+
+def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routing:
+  """Gate matmul, scores, top-k and weights for T tokens.
+
+  Args:
+    x_TD: tokens.
+    w_router_DE: router kernel.
+    bias_E: routing bias (selection only under deepseek), or None.
+    cfg: routing hyper-parameters.
+    dtype: dtype of the gate computation (upstream: float32 if
+      float32_gate_logits, else the activation dtype); default x's.
+  """
+  dtype = dtype or x_TD.dtype
+  logits_TE = jnp.dot(x_TD.astype(dtype), w_router_DE.astype(dtype))
+  scores_TE = _score(logits_TE, cfg.score_func)
+  select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(dtype)
+  aux_scores_TE = scores_TE if cfg.bias_selects_only else select_TE  # upstream's probs for the aux loss
+  if cfg.bias_selects_only and cfg.n_groups > 0:
+    select_TE = jnp.where(_group_mask_TE(select_TE, cfg) > 0, select_TE, -jnp.inf)
+  _, ids_TK = jax.lax.top_k(select_TE, cfg.top_k)
+  weights_TK = jnp.take_along_axis(scores_TE if cfg.bias_selects_only else select_TE, ids_TK, axis=-1)
+  if cfg.deepseek_weights:
+    if cfg.score_func in ("sigmoid", "sqrtsoftplus"):
+      weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
+    weights_TK = weights_TK * cfg.routed_scaling_factor
+  else:
+    weights_TK = jax.nn.softmax(weights_TK.astype(jnp.float32), axis=-1).astype(dtype)
+    if cfg.norm_topk_prob:
+      weights_TK = weights_TK / weights_TK.sum(-1, keepdims=True)
+  return Routing(weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32), scores_TE=aux_scores_TE)
+
+
+def expert_counts_E(ids_TK, num_experts: int):
+  """Assignments per expert (int32). Feeds the aux-loss-free bias update."""
+  return jnp.zeros((num_experts,), jnp.int32).at[ids_TK.reshape(-1)].add(1, mode="drop")
+
+
+def bias_update_E(counts_E, rate: float):
+  """DeepSeek-V3's bias step: +rate for under-loaded experts, -rate for over-loaded."""
+  mean = counts_E.sum(-1, keepdims=True) / counts_E.shape[-1]
+  return jnp.sign(mean - counts_E) * rate
+
+
+def load_balance_loss(ids_BSK, scores_BSE, weight: float):
+  """Upstream's per-sequence Switch loss: E^2 * mean_b(density . mean prob) * weight.
+
+  scores_BSE are turned into probabilities with a softmax, as upstream does
+  (`permute` ~1515) whatever the score function.
+  """
+  num_experts, top_k = scores_BSE.shape[-1], ids_BSK.shape[-1]
+  probs_BSE = jax.nn.softmax(scores_BSE.astype(jnp.float32), axis=-1).astype(scores_BSE.dtype)
+  hits_BSE = jnp.zeros(scores_BSE.shape, jnp.int32)
+  hits_BSE = hits_BSE.at[
+      jnp.arange(ids_BSK.shape[0])[:, None, None], jnp.arange(ids_BSK.shape[1])[None, :, None], ids_BSK
+  ].add(1)
+  density_BE = jnp.mean(hits_BSE, axis=1) / top_k
+  return jnp.mean(density_BE * jnp.mean(probs_BSE, axis=1)) * num_experts**2 * weight

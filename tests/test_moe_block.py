@@ -1,0 +1,112 @@
+"""The whole block (route -> dispatch -> gmm -> combine) against a float32 dense reference.
+
+Forward and gradients with respect to the tokens, the router kernel and every
+expert weight, on the `local` backend; the EP backends are checked against
+the same block in tests/test_ep.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.moe import block, dispatch, routing
+from moe_reference import assert_close, dense_ffn, make_params
+
+
+def _cfg(top_k, experts=8, **router):
+  return block.BlockConfig(router=routing.RouterConfig(num_experts=experts, top_k=top_k, routed_scaling_factor=2.5,
+                                                       **router), gmm_backend="xla", dtype=jnp.float32)
+
+
+def _losses(cfg, bias_E):
+  """(block loss, reference loss) as functions of (x, router kernel, experts)."""
+  disp = dispatch.make("local", num_experts=cfg.router.num_experts)
+  probe = jax.random.normal(jax.random.key(7), (64, 64))
+
+  def block_loss(x, kernel, ex):
+    y, _, _ = block.moe_block(x, block.Router(kernel, bias_E), ex, cfg, disp)
+    return jnp.sum(y * probe[: y.shape[0], : y.shape[1]])
+
+  def ref_loss(x, kernel, ex):
+    r = routing.route(x, kernel, bias_E, cfg.router)  # ids are discrete; weights carry the router gradient
+    y = dense_ffn(x, r.ids_TK, r.weights_TK, ex)
+    return jnp.sum(y * probe[: y.shape[0], : y.shape[1]])
+
+  return block_loss, ref_loss
+
+
+def _check(cfg, bias_E, tokens=13):
+  x, router, ex = make_params(jax.random.key(0), tokens=tokens, experts=cfg.router.num_experts)
+  block_loss, ref_loss = _losses(cfg, bias_E)
+  got, got_g = jax.value_and_grad(block_loss, argnums=(0, 1, 2))(x, router.kernel_DE, ex)
+  want, want_g = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(x, router.kernel_DE, ex)
+  assert_close(got, want, 1e-4, "loss")
+  for name, g, w in zip(("dx", "drouter", "dexperts"), got_g, want_g):
+    for gl, wl in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      assert_close(gl, wl, 1e-4, name)
+  return x, router
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_block_matches_dense_reference(top_k):
+  _check(_cfg(top_k), jnp.zeros((8,)))
+
+
+def test_all_tokens_to_one_expert_leaves_others_empty():
+  bias = jnp.zeros((8,)).at[3].set(100.0)  # selection only: every token picks expert 3 first
+  cfg = _cfg(1)
+  x, router = _check(cfg, bias)
+  r = routing.route(x, router.kernel_DE, bias, cfg.router)
+  assert np.all(np.asarray(r.ids_TK) == 3)
+
+
+def test_empty_experts_with_top2_and_odd_token_count():
+  bias = jnp.zeros((8,)).at[jnp.array([1, 6])].set(100.0)  # experts 0,2,3,4,5,7 get nothing
+  _check(_cfg(2), bias, tokens=7)
+
+
+def test_softmax_routing_with_bias_in_weights():
+  cfg = _cfg(2, score_func="softmax", bias_selects_only=False, deepseek_weights=False, norm_topk_prob=True)
+  _check(cfg, jnp.linspace(-0.1, 0.1, 8))
+
+
+def test_bfloat16_block_stays_close_to_float32_reference():
+  cfg = block.BlockConfig(router=routing.RouterConfig(num_experts=8, top_k=4, routed_scaling_factor=2.5),
+                          dtype=jnp.bfloat16, gate_dtype=jnp.float32)
+  x, router, ex = make_params(jax.random.key(1), tokens=11)
+  y, r, _ = block.moe_block(x, router, ex, cfg, dispatch.make("local", num_experts=8))
+  assert y.dtype == jnp.bfloat16
+  assert_close(y, dense_ffn(x, r.ids_TK, r.weights_TK, ex), 5e-2, "bf16 forward")
+
+
+def test_route_matches_deepseek_v3_formula():
+  """Selection by sigmoid + bias; weights = pre-bias sigmoid of the chosen, normalized, x scale."""
+  x, router, _ = make_params(jax.random.key(2), tokens=5)
+  bias = jnp.linspace(-0.3, 0.3, 8)
+  cfg = routing.RouterConfig(num_experts=8, top_k=3, routed_scaling_factor=2.5)
+  r = routing.route(x, router.kernel_DE, bias, cfg)
+  s = 1 / (1 + np.exp(-np.asarray(x) @ np.asarray(router.kernel_DE)))
+  ids = np.argsort(-(s + np.asarray(bias)), axis=-1)[:, :3]
+  w = np.take_along_axis(s, ids, -1)
+  np.testing.assert_array_equal(np.sort(np.asarray(r.ids_TK), -1), np.sort(ids, -1))
+  np.testing.assert_allclose(np.asarray(r.weights_TK), w / w.sum(-1, keepdims=True) * 2.5, rtol=1e-5)
+
+
+def test_group_limited_routing_only_picks_from_best_groups():
+  x, router, _ = make_params(jax.random.key(3), tokens=9)
+  cfg = routing.RouterConfig(num_experts=8, top_k=2, n_groups=4, topk_groups=1)
+  r = routing.route(x, router.kernel_DE, None, cfg)
+  groups = np.asarray(r.ids_TK) // 2
+  assert np.all(groups[:, 0] == groups[:, 1])  # both experts from the single kept group
+
+
+def test_named_scopes_mark_the_four_stages():
+  cfg = _cfg(2)
+  x, router, ex = make_params(jax.random.key(0))
+  disp = dispatch.make("local", num_experts=8)
+  hlo = jax.jit(lambda x: block.moe_block(x, router, ex, cfg, disp)[0]).lower(x).as_text(debug_info=True)
+  for scope in ("route", "dispatch", "gmm", "combine"):
+    assert f"{scope}/" in hlo, scope
