@@ -1,0 +1,117 @@
+"""Grouped-GEMM backend "mgpu": Pallas Mosaic-GPU kernels for Hopper (see GMM protocol in
+`MaxText/moe/gmm/__init__.py`).
+
+  gmm  -> `mgpu_kernels.grouped_matmul` (warp-specialized, work-table scheduled, zero-fills
+          rows outside the local groups, rhs optionally transposed for dlhs)
+  tgmm -> `mgpu_kernels.transposed_grouped_matmul` (dW over the local groups only)
+
+Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).
+`jax_ragged_dot` / `jax_transposed_ragged_dot` expose JAX's own kernels with the same
+tilings, as the baseline `scripts/bench_gmm.py` measures ours against.
+
+Requires a Hopper GPU (compute capability 9.x) and jax >= 0.11 with the CUDA plugin
+(`pip install "jax[cuda13]"`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NAME = "mgpu"
+_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def unavailable_reason() -> str | None:
+  """None if this backend can run here, else why not and what to install."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+  except ImportError as e:  # pragma: no cover - depends on the jax build
+    return f"jax.experimental.pallas.mosaic_gpu is not importable ({e}); install jax>=0.11"
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if not gpus:
+    return "no GPU: the mgpu backend needs an NVIDIA Hopper GPU and jax[cuda13]"
+  cc = getattr(gpus[0], "compute_capability", "")
+  if not str(cc).startswith("9"):
+    return f"GPU compute capability {cc!r}: the mgpu kernels use sm_90a wgmma (Hopper only)"
+  return None
+
+
+def _check_operands(lhs_MK, rhs, group_sizes_G, transpose_rhs):
+  if lhs_MK.ndim != 2 or rhs.ndim != 3 or group_sizes_G.ndim != 1:
+    raise ValueError(
+        f"expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got {lhs_MK.shape}, "
+        f"{rhs.shape}, {group_sizes_G.shape}")
+  if lhs_MK.dtype != rhs.dtype or lhs_MK.dtype not in _DTYPES:
+    raise ValueError(f"lhs/rhs must share a 16-bit float dtype, got {lhs_MK.dtype}/{rhs.dtype}")
+  if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integers, got {group_sizes_G.dtype}")
+  k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+  if lhs_MK.shape[1] != k:
+    raise ValueError(
+        f"contraction mismatch: lhs {lhs_MK.shape}, rhs {rhs.shape} ({transpose_rhs=})")
+  if rhs.shape[0] > group_sizes_G.shape[0]:
+    raise ValueError(
+        f"rhs has {rhs.shape[0]} local groups but group_sizes only {group_sizes_G.shape[0]}")
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None):
+  """out_MN[rows of local group g] = lhs_MK[rows] @ rhs[g] (rhs[g].T with transpose_rhs);
+  rows of non-local groups and rows past sum(group_sizes) are zeros."""
+  from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
+
+  _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+  m, k = lhs_MK.shape
+  n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+  tiling = mgpu_tiling.lookup("fwd", k, n).fit_output(out_dtype.itemsize)
+  table = mgpu_kernels.work_table(
+      group_sizes_G, group_offset, rhs_GKN.shape[0], m, tiling.block_m)
+  return mgpu_kernels.grouped_matmul(
+      lhs_MK, rhs_GKN, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
+  """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros."""
+  from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
+
+  if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
+    raise ValueError(f"expected lhs [M, K] and dout [M, N], got {lhs_MK.shape}, {dout_MN.shape}")
+  if lhs_MK.dtype != dout_MN.dtype or lhs_MK.dtype not in _DTYPES:
+    raise ValueError(f"lhs/dout must share a 16-bit float dtype, got {lhs_MK.dtype}/{dout_MN.dtype}")
+  if num_local_groups > group_sizes_G.shape[0]:
+    raise ValueError(f"{num_local_groups=} > {group_sizes_G.shape[0]} groups")
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+  m, k = lhs_MK.shape
+  n = dout_MN.shape[1]
+  starts, ends = mgpu_kernels.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
+  return mgpu_kernels.transposed_grouped_matmul(
+      lhs_MK, dout_MN, starts, ends, tiling=mgpu_tiling.lookup("tgmm", k, n), out_dtype=out_dtype)
+
+
+def jax_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, transpose_rhs=False):
+  """JAX's own ragged_dot_mgpu with our tiling table (baseline; all groups local, rows past
+  sum(group_sizes) are left unwritten by that kernel)."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+  from MaxText.moe.gmm import mgpu_tiling
+
+  _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
+  k = lhs_MK.shape[1]
+  n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+  t = mgpu_tiling.lookup("jax_fwd", k, n)
+  return ragged_dot_mgpu.ragged_dot(
+      lhs_MK, rhs_GKN, group_sizes=group_sizes_G.astype(jnp.int32), block_m=t.block_m,
+      block_n=t.block_n, block_k=t.block_k, max_concurrent_steps=t.max_concurrent_steps,
+      grid_block_n=t.grid_block_n, transpose_rhs=transpose_rhs)
+
+
+def jax_transposed_ragged_dot(lhs_MK, dout_MN, group_sizes_G):
+  """JAX's own transposed_ragged_dot_mgpu (baseline dW over all groups)."""
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+  from MaxText.moe.gmm import mgpu_tiling
+
+  t = mgpu_tiling.lookup("tgmm", lhs_MK.shape[1], dout_MN.shape[1])
+  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      lhs_MK, dout_MN, group_sizes=group_sizes_G.astype(jnp.int32), block_m=t.block_m,
+      block_n=t.block_n, block_k=t.block_k, max_concurrent_steps=t.stages,
+      grid_block_n=t.grid_block_n)

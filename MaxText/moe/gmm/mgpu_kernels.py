@@ -1,0 +1,322 @@
+"""Pallas Mosaic-GPU grouped-GEMM kernels for Hopper (sm_90a), used by `mgpu.py`.
+
+Two kernels, written after JAX's `pallas/ops/gpu/{ragged_dot_mgpu,transposed_ragged_dot_mgpu,
+hopper_matmul_mgpu}.py` (jax 0.11.2), with what the MoE layer needs and they lack:
+
+* `grouped_matmul`: out_MN = lhs_MK @ rhs[g] per row group. Warp-specialized like
+  hopper_matmul_mgpu (one TMA-issuing memory warpgroup, two wgmma warpgroups sharing the lhs
+  tile, block_m x 2*block_n per block), on a persistent grid whose tiles come from a work
+  table built outside the kernel (`work_table`), so that
+    - only local groups (group_offset .. group_offset+G_local) are computed,
+    - rows of non-local groups and rows past sum(group_sizes) are written as zeros,
+    - empty groups and tile-aligned boundaries cost no tile (JAX's kernel spends a full
+      tile on each),
+  and rhs may be used transposed ([G, N, K], the dlhs product).
+* `transposed_grouped_matmul`: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g], for the local
+  groups only (start/end per group passed in, so ring EP computes no foreign rows).
+
+Shapes: lhs_MK [M, K] rows sorted by group; rhs_GKN [G_local, K, N] (or [G_local, N, K]).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from MaxText.moe.gmm.mgpu_tiling import FwdTiling, TgmmTiling
+
+# Work-table item kinds (see `work_table`).
+SKIP, ZERO, COMPUTE = -1, 0, 1
+
+
+def local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows):
+  """[start, end) rows of each local group (clipped to num_rows), int32 [G_local] each."""
+  sizes = group_sizes_G.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  offset = jnp.asarray(group_offset, jnp.int32)
+  starts = lax.dynamic_slice_in_dim(starts, offset, num_local_groups)
+  ends = lax.dynamic_slice_in_dim(ends, offset, num_local_groups)
+  return jnp.clip(starts, 0, num_rows), jnp.clip(ends, 0, num_rows)
+
+
+def num_work_items(num_rows: int, num_local_groups: int, block_m: int) -> int:
+  """Static bound on work items: every cut point inside [0, M) (local start, the G_local-1
+  inner boundaries, local end) adds at most one piece to the cdiv(M, block_m) row blocks."""
+  return pl.cdiv(num_rows, block_m) + num_local_groups + 1
+
+
+def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m):
+  """Row-tile schedule of the forward kernel, as int32 arrays of length `num_work_items`.
+
+  Rows [0, M) are cut into segments: [0, local_start) zero, one per local group, and
+  [local_end, M) zero. Each segment is cut into pieces at block_m boundaries; a piece is
+  one work item:
+    kind:  COMPUTE (rows of a local group), ZERO (rows to be written as zeros), SKIP (unused
+           tail of the table),
+    group: local group id (COMPUTE only),
+    block: row-block index (rows block*block_m .. +block_m are loaded),
+    row0:  first row of the piece within the block, size: number of rows of the piece.
+  """
+  starts, ends = local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows)
+  zero = jnp.zeros((1,), jnp.int32)
+  seg_lo = jnp.concatenate([zero, starts, ends[-1:]])
+  seg_hi = jnp.concatenate([starts[:1], ends, zero + num_rows])
+  num_segments = num_local_groups + 2
+  nonempty = seg_hi > seg_lo
+  first_block = seg_lo // block_m
+  last_block = jnp.maximum(seg_hi - 1, 0) // block_m
+  count = jnp.where(nonempty, last_block - first_block + 1, 0)
+  cum_end = jnp.cumsum(count)
+  cum_start = cum_end - count
+
+  w = jnp.arange(num_work_items(num_rows, num_local_groups, block_m), dtype=jnp.int32)
+  seg = jnp.clip(jnp.searchsorted(cum_end, w, side="right"), 0, num_segments - 1)
+  seg = seg.astype(jnp.int32)
+  block = first_block[seg] + (w - cum_start[seg])
+  lo = jnp.maximum(seg_lo[seg], block * block_m)
+  hi = jnp.minimum(seg_hi[seg], block * block_m + block_m)
+  valid = w < cum_end[-1]
+  is_group = (seg > 0) & (seg < num_segments - 1)
+  kind = jnp.where(valid, jnp.where(is_group, COMPUTE, ZERO), SKIP).astype(jnp.int32)
+  group = jnp.clip(seg - 1, 0, num_local_groups - 1)
+  block = jnp.where(valid, block, 0)
+  row0 = jnp.where(valid, lo - block * block_m, 0)
+  size = jnp.where(valid, hi - lo, 0)
+  return kind, group, block, row0, size
+
+
+def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
+  """TMA-stores rows [row0, row0+size) of src_smem to the same rows of dst_gmem.
+
+  TMA boxes are static, so `size` is decomposed in powers of two (one conditional store per
+  bit), the same ladder as JAX's ragged_dot_mgpu epilogue."""
+  start = row0
+  bit = 1 << int(math.log2(max_rows))
+  while bit >= 1:
+    @pl.when((size & bit) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(start, bit)], dst_gmem.at[pl.ds(start, bit)])
+    start = start + (size & bit)
+    bit //= 2
+
+
+def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype):
+  """out_MN[rows of group g] = lhs_MK[rows] @ rhs[g]; ZERO rows are written as zeros.
+
+  rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs. table: `work_table(...)`.
+  """
+  m, k = lhs_MK.shape
+  if transpose_rhs:
+    _, n, k2 = rhs.shape
+  else:
+    _, k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(f"contraction mismatch: lhs {lhs_MK.shape} rhs {rhs.shape} ({transpose_rhs=})")
+  t = tiling
+  t.validate(k, n, jnp.dtype(out_dtype).itemsize)
+  num_items = table[0].shape[0]
+  grid_n = n // t.cta_n
+  k_steps = k // t.block_k
+  dtype = lhs_MK.dtype
+  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  rhs_block = (t.cta_n, t.block_k) if transpose_rhs else (t.block_k, t.cta_n)
+  rhs_index = (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0))
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((t.block_m, t.block_k), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec(rhs_block, rhs_index, transforms=transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=t.stages,
+        compute_context=compute_context,
+    )
+
+  def body(kind_g, group_g, block_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm")
+      def _tiles(loop_info):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n), 1, t.grid_block_n)
+        kind = kind_g[mi]
+        block = block_g[mi]
+        row0 = row0_g[mi]
+        size = size_g[mi]
+        rows = pl.ds(block * t.block_m, t.block_m)
+
+        def epilogue(chunk):  # chunk(c): [block_m, epi_n] values of this warpgroup's tile
+          for c in range(t.block_n // t.epi_n):
+            col = ni * t.cta_n + wg * t.block_n + c * t.epi_n
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[wg] = chunk(c)
+            plgpu.commit_smem()
+            _store_rows(out_smem.at[wg], out_gmem.at[rows, pl.ds(col, t.epi_n)],
+                        row0, size, t.block_m)
+
+        @pl.when(kind == COMPUTE)
+        def _compute():
+          def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.block_m, t.block_n), jnp.float32))
+            def _acc(acc_ref):
+              run_pipeline(acc_ref)
+              acc = acc_ref[...].astype(out_dtype)
+              epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n])
+
+          def mma(_, lhs_smem, rhs_smem, acc_ref):
+            if transpose_rhs:
+              rhs_wg = rhs_smem.at[pl.ds(wg * t.block_n, t.block_n)].transpose((1, 0))
+            else:
+              rhs_wg = rhs_smem.at[:, pl.ds(wg * t.block_n, t.block_n)]
+            plgpu.wgmma(acc_ref, lhs_smem, rhs_wg)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+          cols = pl.ds(ni * t.cta_n, t.cta_n)
+          rhs_g = rhs_gmem.at[group_g[mi]]
+          rhs_tile = rhs_g.at[cols, :] if transpose_rhs else rhs_g.at[:, cols]
+          pipeline(mma, compute_context)(lhs_gmem.at[rows, :], rhs_tile, allocations=allocs)
+
+        @pl.when((kind == ZERO) & (wg < 2))
+        def _zero():
+          # Built per chunk: a whole zero tile would hold 128 registers per thread.
+          epilogue(lambda c: plgpu.layout_cast(
+              jnp.zeros((t.block_m, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return kernel(*table, lhs_MK, rhs)
+
+
+def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: TgmmTiling, out_dtype):
+  """drhs[g] = lhs_MK[starts[g]:ends[g]]^T @ dout_MN[same rows] -> [G, K, N]; empty -> 0.
+
+  The contraction runs over rows in steps of block_k; the first and last step of a group
+  mask the rows that belong to its neighbours (as JAX's transposed_ragged_dot_mgpu does),
+  but the groups are given by explicit bounds, so only local groups are visited.
+  """
+  rows, k = lhs_MK.shape
+  rows2, n = dout_MN.shape
+  if rows != rows2:
+    raise ValueError(f"row mismatch: lhs {lhs_MK.shape} dout {dout_MN.shape}")
+  t = tiling
+  t.validate(k, n)
+  g = starts_G.shape[0]
+  starts = starts_G.astype(jnp.int32)
+  ends = ends_G.astype(jnp.int32)
+  block_starts = starts // t.block_k * t.block_k
+  block_ends = -(ends // -t.block_k) * t.block_k
+  num_steps = jnp.where(ends > starts, (block_ends - block_starts) // t.block_k, 0)
+  dtype = lhs_MK.dtype
+  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  out_swizzle = plgpu.find_swizzle(t.block_n * out_itemsize * 8)
+  out_transforms = (
+      plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+  grid_m, grid_n = k // t.block_m, n // t.block_n
+  delay = 1 if t.stages > 1 else 0
+
+  def body(starts_g, ends_g, steps_g, bstart_g, lhs_gmem, dout_gmem, o_gmem):
+    @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+    def _tiles(loop_info):
+      gi = loop_info.index[0]
+      mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, t.grid_block_n)
+      first = pl.multiple_of(bstart_g[gi], t.block_k)
+      steps = steps_g[gi]
+      # The slice may run past the end of the arrays; the pipeline never reads that part.
+      window = pl.ds(first, rows)
+
+      def mask_rows(lhs_smem, keep):
+        idx = plgpu.layout_cast(
+            lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_m), 0), plgpu.Layout.WGMMA)
+        lhs_smem[...] = lhs_smem[...] * keep(idx).astype(lhs_smem.dtype)
+        plgpu.commit_smem()
+
+      def acc_scope(acc_ref):
+        def step(idx, lhs_smem, dout_smem):
+          (si,) = idx
+
+          @pl.when(si == 0)
+          def _():
+            lo = starts_g[gi] - first
+            mask_rows(lhs_smem, lambda r: r >= lo)
+
+          @pl.when(si == steps - 1)
+          def _():
+            hi = ends_g[gi] - first - si * t.block_k
+            mask_rows(lhs_smem, lambda r: r < hi)
+
+          plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_smem)
+          if delay == 0:
+            plgpu.wgmma_wait(0)
+
+        @pl.when(steps > 0)
+        def _():
+          plgpu.emit_pipeline(
+              step,
+              grid=(steps,),
+              in_specs=[
+                  plgpu.BlockSpec((t.block_k, t.block_m), lambda si: (si, mi),
+                                  delay_release=delay, transforms=transforms),
+                  plgpu.BlockSpec((t.block_k, t.block_n), lambda si: (si, ni),
+                                  delay_release=delay, transforms=transforms),
+              ],
+              max_concurrent_steps=t.stages,
+          )(lhs_gmem.at[window, :], dout_gmem.at[window, :])
+
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((t.block_m, t.block_n)))
+
+      @functools.partial(
+          pl.run_scoped,
+          o_smem=plgpu.SMEM((t.block_m, t.block_n), out_dtype, transforms=out_transforms))
+      def _store(o_smem):
+        o_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem,
+            o_gmem.at[gi, pl.ds(mi * t.block_m, t.block_m), pl.ds(ni * t.block_n, t.block_n)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return kernel(starts, ends, num_steps, block_starts, lhs_MK, dout_MN)

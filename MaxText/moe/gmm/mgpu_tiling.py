@@ -1,0 +1,133 @@
+"""Tilings for the Mosaic-GPU grouped GEMMs (`mgpu.py`), chosen per problem shape.
+
+Pure Python (no jax import) so that the table and its lookup are testable on CPU.
+
+The table is keyed by (op, K, N) where K is the contraction length and N the output width
+of one group's product:
+  op="fwd"  : out_MN = lhs_MK @ rhs[g]_KN          (up/down projection, and dlhs with
+                                                    transpose_rhs=True: K and N are then the
+                                                    forward's N and K)
+  op="tgmm" : drhs[g]_KN = lhs_g^T @ dout_g         (dW; the contraction runs over rows)
+A shape missing from the table falls back to the op's default entry. `scripts/tune_gmm.py`
+is where a sweep would regenerate `TABLE`; the entries below come from the team's H200
+measurement of JAX's ragged_dot_mgpu (block 128x128x64, 4-6 stages, grid_block_n 4-8 best:
+581 TF/s up-proj, 552 down-proj) and from the shared-memory budget of the warp-specialized
+kernel (see `FwdTiling.smem_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Hopper: 227 KiB of shared memory per block (opt-in maximum on sm_90).
+SMEM_LIMIT_BYTES = 227 * 1024
+BF16_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdTiling:
+  """Tiling of the warp-specialized grouped GEMM (one memory + two compute warpgroups).
+
+  block_m:   rows per tile; group boundaries are quantized to this (a boundary inside a
+             tile computes that tile twice, once per group).
+  block_n:   columns per compute warpgroup; the block's tile is block_m x (2 * block_n).
+  block_k:   contraction step per pipeline stage (64 bf16 = one 128-byte swizzle row).
+  stages:    pipeline depth (shared-memory buffers in flight).
+  epi_n:     columns per epilogue store (the epilogue buffer is unswizzled so that any row
+             range can be stored; a narrow one keeps shared memory for the pipeline).
+  grid_block_n: width, in tiles, of the band the persistent loop sweeps along N before
+             moving down M (weights of one group stay in L2 across its row tiles).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  stages: int = 4
+  epi_n: int = 64
+  grid_block_n: int = 4
+
+  @property
+  def cta_n(self) -> int:
+    return 2 * self.block_n
+
+  def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
+    stage = (self.block_m * self.block_k + self.block_k * self.cta_n) * BF16_BYTES
+    epilogue = 2 * self.block_m * self.epi_n * out_itemsize
+    return self.stages * stage + epilogue
+
+  def fit_output(self, out_itemsize: int) -> "FwdTiling":
+    """This tiling with fewer stages if a wider output dtype's epilogue needs the room."""
+    tiling = self
+    while tiling.stages > 2 and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
+    return tiling
+
+  def validate(self, k: int, n: int, out_itemsize: int = BF16_BYTES) -> None:
+    if k % self.block_k:
+      raise ValueError(f"K={k} must be a multiple of block_k={self.block_k}")
+    if n % self.cta_n:
+      raise ValueError(f"N={n} must be a multiple of 2*block_n={self.cta_n}")
+    if self.block_n % self.epi_n:
+      raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
+    if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      raise ValueError(
+          f"{self} needs {self.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmTiling:
+  """Tiling of the transposed grouped GEMM (dW): output tiles of block_m x block_n of the
+  [K, N] per-group result, contraction over rows in steps of block_k."""
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  stages: int = 4
+  grid_block_n: int = 4
+
+  def validate(self, k: int, n: int) -> None:
+    if k % self.block_m:
+      raise ValueError(f"K={k} must be a multiple of block_m={self.block_m}")
+    if n % self.block_n:
+      raise ValueError(f"N={n} must be a multiple of block_n={self.block_n}")
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxFwdTiling:
+  """Arguments of JAX's own `ragged_dot_mgpu.ragged_dot` (the baseline path)."""
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_block_n: int = 4
+
+
+DEFAULTS = {
+    "fwd": FwdTiling(),
+    "tgmm": TgmmTiling(),
+    "jax_fwd": JaxFwdTiling(),
+}
+
+# (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
+# (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
+TABLE: dict[tuple[str, int, int], object] = {
+    ("fwd", 7168, 2048): FwdTiling(stages=4, grid_block_n=4),
+    ("fwd", 7168, 4096): FwdTiling(stages=4, grid_block_n=8),
+    ("fwd", 2048, 7168): FwdTiling(stages=4, grid_block_n=4),
+    ("fwd", 4096, 7168): FwdTiling(stages=4, grid_block_n=4),
+    ("jax_fwd", 7168, 2048): JaxFwdTiling(max_concurrent_steps=4, grid_block_n=4),
+    ("jax_fwd", 7168, 4096): JaxFwdTiling(max_concurrent_steps=4, grid_block_n=8),
+    ("jax_fwd", 2048, 7168): JaxFwdTiling(max_concurrent_steps=6, grid_block_n=4),
+    ("jax_fwd", 4096, 7168): JaxFwdTiling(max_concurrent_steps=6, grid_block_n=4),
+}
+
+
+def lookup(op: str, k: int, n: int):
+  """The tiling for `op` on a K x N per-group product (falls back to the op's default)."""
+  if op not in DEFAULTS:
+    raise ValueError(f"unknown op {op!r}; valid: {sorted(DEFAULTS)}")
+  tiling = TABLE.get((op, k, n))
+  if tiling is None:
+    tiling = DEFAULTS[op]
+  return tiling

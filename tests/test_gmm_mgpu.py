@@ -1,0 +1,148 @@
+"""CPU-side tests of the mgpu grouped-GEMM backend: tiling table, work-table schedule,
+argument validation, and that the Mosaic-GPU kernels lower for CUDA (shape plumbing and
+the shared-memory budget are checked at lowering, which needs no GPU). The kernels' numbers
+are checked on a GPU by `scripts/bench_gmm.py --edge` (PASS/FAIL per case)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_tiling
+
+
+# ------------------------------------------------------------------ tiling table
+def test_lookup_hits_table_and_falls_back_to_default():
+  assert mgpu_tiling.lookup("fwd", 7168, 4096) is mgpu_tiling.TABLE[("fwd", 7168, 4096)]
+  assert mgpu_tiling.lookup("fwd", 512, 768) == mgpu_tiling.FwdTiling()
+  assert mgpu_tiling.lookup("tgmm", 512, 768) == mgpu_tiling.TgmmTiling()
+  with pytest.raises(ValueError, match="valid"):
+    mgpu_tiling.lookup("nope", 1, 1)
+
+
+def test_table_entries_fit_their_shapes_and_shared_memory():
+  for (op, k, n), tiling in mgpu_tiling.TABLE.items():
+    if op in ("fwd", "tgmm"):
+      tiling.validate(k, n)  # raises if K/N indivisible or smem over the Hopper limit
+
+
+def test_fit_output_drops_stages_for_f32_epilogue():
+  t = mgpu_tiling.FwdTiling(stages=4)
+  assert t.smem_bytes(4) > mgpu_tiling.SMEM_LIMIT_BYTES
+  f32 = t.fit_output(4)
+  assert f32.stages < 4 and f32.smem_bytes(4) <= mgpu_tiling.SMEM_LIMIT_BYTES
+  assert t.fit_output(2) == t
+
+
+def test_validate_rejects_bad_shapes():
+  t = mgpu_tiling.FwdTiling()
+  with pytest.raises(ValueError, match="block_k"):
+    t.validate(100, 256)
+  with pytest.raises(ValueError, match="2\\*block_n"):
+    t.validate(128, 128)
+  with pytest.raises(ValueError, match="shared memory"):
+    dataclasses.replace(t, stages=6).validate(128, 256)
+
+
+# ------------------------------------------------------------------ work table
+def _check_schedule(sizes, offset, num_local, m, block_m):
+  kind, group, block, row0, size = (
+      np.asarray(a) for a in mgpu_kernels.work_table(
+          jnp.asarray(sizes, jnp.int32), offset, num_local, m, block_m))
+  assert kind.shape == (mgpu_kernels.num_work_items(m, num_local, block_m),)
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+  owner = np.full(m, -1)  # expected local group per row, -1 = zero row
+  for g in range(num_local):
+    owner[min(starts[offset + g], m):min(ends[offset + g], m)] = g
+  covered = np.zeros(m, int)
+  for kd, g, b, r0, sz in zip(kind, group, block, row0, size):
+    if kd == mgpu_kernels.SKIP:
+      assert sz == 0
+      continue
+    assert sz > 0 and 0 <= r0 and r0 + sz <= block_m  # a piece stays inside its block
+    rows = np.arange(b * block_m + r0, b * block_m + r0 + sz)
+    covered[rows] += 1
+    expect = g if kd == mgpu_kernels.COMPUTE else -1
+    assert (owner[rows] == expect).all()
+  assert (covered == 1).all()  # every row written exactly once
+  valid = kind != mgpu_kernels.SKIP
+  assert (np.diff(valid.astype(int)) <= 0).all()  # SKIP items only at the tail
+
+
+@pytest.mark.parametrize("sizes,offset,num_local,m", [
+    ([0, 5, 130, 0, 3, 256, 1, 0], 0, 8, 400),   # empty groups, padding rows
+    ([0, 5, 130, 0, 3, 256, 1, 0], 2, 3, 400),   # ring EP: local groups 2..4
+    ([128, 128, 128], 0, 3, 384),                # tile-aligned: no extra pieces
+    ([0, 0, 0], 0, 3, 50),                       # nothing routed
+    ([300, 300], 1, 1, 500),                     # local group runs past M: clipped
+])
+def test_work_table_partitions_rows(sizes, offset, num_local, m):
+  _check_schedule(sizes, offset, num_local, m, 128)
+
+
+def test_work_table_random_schedules():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    g = int(rng.integers(1, 9))
+    sizes = rng.integers(0, 300, g) * (rng.random(g) > 0.3)
+    m = int(sizes.sum() + rng.integers(0, 200))
+    num_local = int(rng.integers(1, g + 1))
+    offset = int(rng.integers(0, g - num_local + 1))
+    _check_schedule(sizes.tolist(), offset, num_local, max(m, 1), int(rng.choice([64, 128])))
+
+
+def test_aligned_groups_cost_no_extra_tiles():
+  kind, *_ = mgpu_kernels.work_table(jnp.full((4,), 256, jnp.int32), 0, 4, 1024, 128)
+  assert int((np.asarray(kind) == mgpu_kernels.COMPUTE).sum()) == 8
+
+
+# ------------------------------------------------------------------ validation / availability
+def test_unavailable_on_cpu_says_why():
+  reason = mgpu.unavailable_reason()
+  assert reason is not None and "GPU" in reason
+
+
+def test_argument_validation():
+  bf = jnp.bfloat16
+  x = jnp.ones((16, 64), bf)
+  with pytest.raises(ValueError, match="dtype"):
+    mgpu.gmm(x, jnp.ones((2, 64, 256), jnp.float32), jnp.array([8, 8]))
+  with pytest.raises(ValueError, match="contraction"):
+    mgpu.gmm(x, jnp.ones((2, 128, 256), bf), jnp.array([8, 8]))
+  with pytest.raises(ValueError, match="local groups"):
+    mgpu.gmm(x, jnp.ones((3, 64, 256), bf), jnp.array([8, 8]))
+  with pytest.raises(ValueError, match="integers"):
+    mgpu.gmm(x, jnp.ones((2, 64, 256), bf), jnp.array([8.0, 8.0]))
+  with pytest.raises(ValueError, match="dout"):
+    mgpu.tgmm(x, jnp.ones((8, 128), bf), jnp.array([8, 8]), num_local_groups=2)
+  with pytest.raises(ValueError, match="num_local_groups"):
+    mgpu.tgmm(x, jnp.ones((16, 128), bf), jnp.array([8, 8]), num_local_groups=3)
+
+
+# ------------------------------------------------------------------ lowering for CUDA
+def _lower(fn, *shapes):
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("transpose,offset,num_local,out_dtype", [
+    (False, 0, 8, jnp.bfloat16),
+    (True, 0, 8, jnp.bfloat16),
+    (False, 4, 4, jnp.float32),
+])
+def test_gmm_lowers_to_mosaic_gpu(transpose, offset, num_local, out_dtype):
+  m, k, n, bf = 1000, 256, 512, jnp.bfloat16
+  w = (num_local, n, k) if transpose else (num_local, k, n)
+  text = _lower(lambda x, w, gs: mgpu.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose,
+                                           out_dtype=out_dtype),
+                ((m, k), bf), (w, bf), ((8,), jnp.int32))
+  assert "mosaic_gpu" in text
+
+
+def test_tgmm_lowers_to_mosaic_gpu():
+  text = _lower(lambda x, d, gs: mgpu.tgmm(x, d, gs, group_offset=2, num_local_groups=4),
+                ((1000, 256), jnp.bfloat16), ((1000, 512), jnp.bfloat16), ((8,), jnp.int32))
+  assert "mosaic_gpu" in text
