@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
+from MaxText import launch
 from MaxText import metrics
+from MaxText import xla_presets
 
 # Used when no XLA flag is set and no HLO dump is asked for. Upstream 0.2.5
 # fills an empty XLA_FLAGS with `--xla_dump_to=/tmp/xla_dump/` (types.py,
@@ -31,14 +33,21 @@ def log(msg: str) -> None:
   print(f"[maxtext-moe] {msg}", flush=True)
 
 
-def run_environment(run: fork_config.RunConfig, environ: dict[str, str]) -> dict[str, str]:
-  """Environment variables this run sets (only those that change)."""
+def run_environment(
+    run: fork_config.RunConfig, environ: dict[str, str], composed: xla_presets.Composed | None = None
+) -> dict[str, str]:
+  """Environment variables this run sets (only those that change).
+
+  `composed`: the run's XLA presets merged with the user's environment
+  (xla_presets.compose_for); computed here when not given.
+  """
   env: dict[str, str] = {}
   # Local-first: never reach for Google Cloud clients; patches/tensorboard.py
   # keeps event files in the run directory in this mode.
   if "DECOUPLE_GCLOUD" not in environ:
     env["DECOUPLE_GCLOUD"] = "TRUE"
-  xla_flags = environ.get("XLA_FLAGS", "").strip()
+  env.update((composed or xla_presets.compose_for(run, environ)).env)
+  xla_flags = env.get("XLA_FLAGS", environ.get("XLA_FLAGS", "")).strip()
   dump_hlo = bool(run.upstream.get("dump_hlo", False))
   if not xla_flags and not dump_hlo:
     env["XLA_FLAGS"] = NEUTRAL_XLA_FLAGS
@@ -50,16 +59,23 @@ def validate_with_upstream(run: fork_config.RunConfig):
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
   from maxtext.utils import train_utils  # pylint: disable=import-outside-toplevel
 
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.WARNING)  # upstream logs the full config again when the run starts
   try:
     config = pyconfig.initialize(run.upstream_argv())
     train_utils.validate_train_config(config)
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     message = " ".join(str(e).split())
     raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
+  finally:
+    absl_logger.setLevel(level)
   return config
 
 
-def write_run_files(run: fork_config.RunConfig, env: dict[str, str], applied: list[str]) -> None:
+def write_run_files(
+    run: fork_config.RunConfig, env: dict[str, str], applied: list[str], presets: dict[str, Any] | None = None
+) -> None:
   """The effective config and environment, so a run can be reproduced."""
   out = run.run_dir / "maxtext-moe"
   out.mkdir(parents=True, exist_ok=True)
@@ -69,36 +85,45 @@ def write_run_files(run: fork_config.RunConfig, env: dict[str, str], applied: li
       "upstream_overrides": run.upstream,
       "environment": {**env, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
       "patches": applied,
+      "xla_presets": presets or {},
   }
   (out / "effective_config.json").write_text(json.dumps(effective, indent=2, sort_keys=True, default=str))
 
 
-def _quiet_noisy_loggers() -> None:
-  # Orbax logs every checkpoint file operation at INFO; keep upstream's own lines.
-  for name in ("absl", "orbax"):
-    logging.getLogger(name).setLevel(logging.WARNING)
+class _DropOrbaxInfo(logging.Filter):
+  """Orbax logs each checkpoint file operation at INFO through absl's logger
+  (about 12 lines a save); upstream's own INFO lines (loss, TFLOP/s) stay."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
 def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   import patches  # pylint: disable=import-outside-toplevel
 
-  env = run_environment(run, dict(os.environ))
-  os.environ.update(env)
+  composed = xla_presets.compose_for(run, dict(os.environ))
+  run = xla_presets.with_upstream_defaults(run, composed)
+  env = run_environment(run, dict(os.environ), composed)
+  os.environ.update(env)  # before anything creates a jax backend: XLA reads these once
+  process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
   tracker: list[metrics.ProgressTracker] = []
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
 
   tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))
-  write_run_files(run, env, applied)
+  write_run_files(run, env, applied, xla_presets.report(composed))
   log(f"run directory {run.run_dir}")
   log(f"patches applied: {', '.join(applied) or 'none'}")
+  log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
+  for line in xla_presets.summary_lines(composed, env):
+    log(line)
   log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
 
   from absl import app  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
-  _quiet_noisy_loggers()
+  logging.getLogger("absl").addFilter(_DropOrbaxInfo())
   try:
     # app.run parses absl flags (upstream's logging reads them) and calls main.
     app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
