@@ -44,12 +44,27 @@ class ForkConfig(pydantic.BaseModel):
   progress_every: int = pydantic.Field(default=1, ge=0)
 
   # --- MoE (MaxText/moe) ---
-  # Grouped-GEMM backend; "upstream" leaves upstream's MoE path untouched.
+  # Grouped-GEMM backend (MaxText/moe/gmm) for upstream's sparse_matmul; "upstream" leaves
+  # upstream's MoE path untouched. Others set megablox=true (see moe_gmm_upstream_keys).
   moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = "upstream"
+
+  # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
+  # Routed-MoE block: upstream's, ours (route->dispatch->gmm->combine), or upstream's TE MoEBlock path.
+  moe_block: Literal["upstream", "ours", "te"] = "upstream"
+  # Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU).
+  moe_dispatch_backend: Literal["auto", "local", "ring", "ragged_a2a", "a2a_padded", "te_ncclep"] = "auto"
+  # a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).
+  moe_a2a_padded_capacity_factor: float = pydantic.Field(default=2.0, gt=0)
+  # a2a_padded/ragged_a2a overflow: raise, or only flag moe_has_overflow (pair with moe_dropless_fallback=step).
+  moe_a2a_padded_on_overflow: Literal["error", "flag"] = "error"
+  # ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).
+  moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(default=None, gt=0)
 
   # --- XLA / environment presets (MaxText/xla_presets.py) ---
   # Named flag/env presets, merged in order; the user's XLA_FLAGS win.
   xla_presets: list[str] = pydantic.Field(default_factory=list)
+  # GPUs a recipe (configs/recipes/) is written for; the run refuses any other count.
+  recipe_num_gpus: int | None = pydantic.Field(default=None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,44 @@ def _fork_error(e: pydantic.ValidationError, origins: dict[str, str]) -> ConfigE
   return ConfigError(f"config key '{key}' = {err.get('input')!r} ({origins.get(key, 'default')}): {err['msg']}")
 
 
+# Upstream keys under which upstream's sparse_matmul sends its grouped GEMMs to
+# `maxtext.kernels.megablox.gmm`, the seam patches/megablox_gmm.py replaces
+# (layers/moe.py ~2296-2319 in maxtext 0.2.5); upstream's defaults all qualify.
+MOE_GMM_UPSTREAM_KEYS: dict[str, Any] = {
+    "sparse_matmul": True,  # else the dense capacity path runs: no grouped GEMM
+    "megablox": True,  # else jax.lax.ragged_dot is called directly, not the seam
+    "use_tokamax_gmm": False,  # else tokamax.ragged_dot is called directly
+    "te_moe_block": False,  # else TE's whole MoE block runs instead of sparse_matmul
+    "quantization": "",  # our backends do not quantize
+}
+
+
+def moe_gmm_upstream_keys(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
+  """Upstream keys with what moe_gmm_backend needs; ConfigError on a conflict.
+
+  megablox=false set in a config file (as the CPU configs do, to keep upstream's
+  Pallas kernel out of interpret mode) becomes true: our patch replaces that
+  call, so no Pallas kernel runs. Any conflicting value given on the command
+  line, or any other conflicting key, is an error naming the key.
+  """
+  if fork.moe_gmm_backend == "upstream":
+    return upstream
+  out = dict(upstream)
+  for key, need in MOE_GMM_UPSTREAM_KEYS.items():
+    have = upstream.get(key, need)
+    if have == need or (need == "" and not have):  # quantization: "" and None both mean off
+      continue
+    if key == "megablox" and origins.get(key) != "command line":
+      out[key] = True
+      continue
+    raise ConfigError(
+        f"config key '{key}' = {have!r} ({origins.get(key, 'default')}) conflicts with "
+        f"moe_gmm_backend={fork.moe_gmm_backend}: it needs {key}={json.dumps(need)} "
+        "(or moe_gmm_backend=upstream)"
+    )
+  return out
+
+
 def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[str, Any]:
   """Fills output locations so that a run writes only under its run directory."""
   out = dict(upstream)
@@ -214,6 +267,6 @@ def load(args: list[str]) -> RunConfig:
   return RunConfig(
       config_path=config_path.resolve(),
       fork=fork,
-      upstream=local_first_defaults(theirs, config_path),
+      upstream=local_first_defaults(moe_gmm_upstream_keys(fork, theirs, origins), config_path),
       explicit=frozenset(merged),
   )

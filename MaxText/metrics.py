@@ -92,6 +92,16 @@ class ProgressTracker:
     }
 
 
+def device_memory_peak_bytes() -> int | None:
+  """Peak bytes in use on this process's first device (None where the backend
+  keeps no statistics, e.g. CPU)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  stats = jax.local_devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return int(peak) if peak is not None else None
+
+
 def print_summary(summary: dict[str, Any]) -> None:
   def fmt(value, spec):
     return "n/a" if value is None else format(value, spec)
@@ -103,6 +113,8 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"  median step time    {fmt(summary['median_step_time_s'], '.3f')} s (first step, with compile, excluded)",
       f"  median TFLOP/s/dev  {fmt(summary['median_tflops_per_device'], '.2f')}",
       f"  loss                {fmt(summary['first_loss'], '.4f')} -> {fmt(summary['final_loss'], '.4f')}",
+      f"  peak device memory  {fmt(summary.get('peak_device_memory_gib'), '.2f')} GiB"
+      if summary.get("peak_device_memory_gib") is not None else "  peak device memory  n/a (no statistics on this backend)",
       f"  wall time           {_fmt_seconds(summary['wall_time_s'])}",
       f"  run directory       {summary['run_dir']}",
       f"  checkpoints         {summary['checkpoints'] or 'disabled'}",

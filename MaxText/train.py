@@ -131,6 +131,8 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
     if e.code not in (0, None):
       raise
   summary = tracker[0].summary(run.run_dir, run.upstream)
+  peak = metrics.device_memory_peak_bytes()
+  summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
   metrics.write_summary(summary, run.run_dir)
   metrics.print_summary(summary)
   return summary

@@ -88,10 +88,10 @@ def _score(logits, score_func: ScoreFunc):
 def _group_mask_TE(scores_TE, cfg: RouterConfig):
   """1 for experts in each token's best `topk_groups` groups (top-2 sum), else 0."""
   grouped = scores_TE.reshape(*scores_TE.shape[:-1], cfg.n_groups, -1)
-  top2 = jax.lax.top_k(grouped, 2)[0].astype(jnp.float32).sum(-1)
-  _, best = jax.lax.top_k(top2, cfg.topk_groups)
-  keep = jnp.zeros(top2.shape, jnp.float32).at[jnp.arange(top2.shape[0])[:, None], best].set(1.0)
-  return jnp.repeat(keep, cfg.num_experts // cfg.n_groups, axis=-1)
+  top2_TG = jax.lax.top_k(grouped, 2)[0].astype(jnp.float32).sum(-1)
+  _, best_TK = jax.lax.top_k(top2_TG, cfg.topk_groups)
+  keep_TG = jax.nn.one_hot(best_TK, cfg.n_groups, dtype=jnp.float32).sum(-2)  # [T, groups]: small
+  return jnp.repeat(keep_TG, cfg.num_experts // cfg.n_groups, axis=-1)
 
 
 def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routing:
@@ -136,17 +136,23 @@ def bias_update_E(counts_E, rate: float):
   return jnp.sign(mean - counts_E) * rate
 
 
-def load_balance_loss(ids_BSK, scores_BSE, weight: float):
-  """Upstream's per-sequence Switch loss: E^2 * mean_b(density . mean prob) * weight.
+def load_balance_loss(ids_BSK, probs_BSE, weight: float):
+  """Upstream's per-sequence Switch loss (~3857): E^2 * mean_b(density . mean prob) * weight.
 
-  scores_BSE are turned into probabilities with a softmax, as upstream does
-  (`permute` ~1515) whatever the score function.
+  probs_BSE: router probabilities (upstream: softmax of the scores, or the
+  normalized sigmoid scores for Megatron's seq_aux_loss).
   """
-  num_experts, top_k = scores_BSE.shape[-1], ids_BSK.shape[-1]
-  probs_BSE = jax.nn.softmax(scores_BSE.astype(jnp.float32), axis=-1).astype(scores_BSE.dtype)
-  hits_BSE = jnp.zeros(scores_BSE.shape, jnp.int32)
+  num_experts, top_k = probs_BSE.shape[-1], ids_BSK.shape[-1]
+  hits_BSE = jnp.zeros(probs_BSE.shape, jnp.int32)
   hits_BSE = hits_BSE.at[
       jnp.arange(ids_BSK.shape[0])[:, None, None], jnp.arange(ids_BSK.shape[1])[None, :, None], ids_BSK
   ].add(1)
   density_BE = jnp.mean(hits_BSE, axis=1) / top_k
   return jnp.mean(density_BE * jnp.mean(probs_BSE, axis=1)) * num_experts**2 * weight
+
+
+def megatron_aux_inputs(scores_BSE, top_k: int):
+  """Megatron-LM's sigmoid-router aux inputs (upstream ~453): normalized f32 scores, unbiased top-k."""
+  scores = scores_BSE.astype(jnp.float32)
+  probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
+  return probs, jax.lax.top_k(scores, top_k)[1]

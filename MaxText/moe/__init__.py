@@ -1,0 +1,1 @@
+"""Dropless MoE: route -> dispatch -> grouped GEMM (gmm/) -> combine."""
