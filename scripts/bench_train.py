@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""End-to-end training benchmark: upstream's MoE paths against ours, in one run.
+
+Each variant is one `python -m MaxText.train <proxy config> <overrides>` run in
+its own process (a fresh backend, its own run directory under --out); a
+failure or out-of-memory in one variant is reported in its row and the rest go
+on. A dense bf16 GEMM timed at the start calibrates MFU for this GPU.
+
+  python3 scripts/bench_train.py --steps 12 --out outputs/bench_train \
+      --variants upstream_tokamax,ours,dense_equivalent
+
+Prints one table last: median step time after warm-up, TFLOP/s/device as
+MaxText counts it, MFU against the measured dense-GEMM peak and against the
+989 TF/s datasheet figure, tokens/s, peak device memory, and whether the
+variant is dropless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, NVIDIA datasheet
+DEFAULT_CONFIG = "configs/bench/proxy-1xh200.yml"
+
+# name -> (overrides, dropless?). Upstream keys are maxtext 0.2.5's; ours are
+# MaxText/config.py's. "dense_equivalent" makes every layer a dense MLP of the
+# same active width (18432 = 8 routed x 2048 + 1 shared x 2048): the FLOPs the
+# MoE should cost.
+VARIANTS: dict[str, tuple[list[str], bool]] = {
+    "upstream_ragged": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false"], True),
+    "upstream_tokamax": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
+    "upstream_capacity": (["sparse_matmul=false", "capacity_factor=1.0"], False),
+    "ours": (["moe_block=ours", "moe_dispatch_backend=local", "moe_gmm_backend=auto"], True),
+    "ours_gmm_seam": (["moe_gmm_backend=auto"], True),
+    "dense_equivalent": (["first_num_dense_layers=4", "base_mlp_dim=18432"], True),
+}
+
+
+def dense_gemm_peak_tflops(size: int = 8192, reps: int = 20) -> float | None:
+  """Median bf16 TF/s of an N^3 matmul on random data (never zeros)."""
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  if jax.default_backend() != "gpu":
+    return None
+  ka, kb = jax.random.split(jax.random.PRNGKey(0))
+  a = jax.random.normal(ka, (size, size), jnp.bfloat16)
+  b = jax.random.normal(kb, (size, size), jnp.bfloat16)
+  matmul = jax.jit(lambda x, y: x @ y)
+  matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def run_variant(name: str, overrides: list[str], args) -> dict:
+  run_name = f"{name}-{time.strftime('%H%M%S')}"
+  cmd = [sys.executable, "-m", "MaxText.train", args.config, *overrides, *args.extra,
+         f"steps={args.steps}", f"base_output_directory={args.out}", f"run_name={run_name}",
+         "enable_checkpointing=false"]
+  log_path = Path(args.out) / f"{run_name}.log"
+  log_path.parent.mkdir(parents=True, exist_ok=True)
+  started = time.monotonic()
+  with open(log_path, "w") as log:
+    try:
+      proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+      returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+      returncode = "timeout"
+  row = {"variant": name, "returncode": returncode, "wall_s": time.monotonic() - started, "log": str(log_path)}
+  summary_path = Path(args.out) / run_name / "summary.json"
+  if returncode == 0 and summary_path.exists():
+    row.update(json.loads(summary_path.read_text()))
+  else:
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-200:]
+    oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
+    row["error"] = "out of memory" if oom else (tail[-1][:160] if tail else "no output")
+  return row
+
+
+def steady_stats(row: dict, warmup: int) -> dict:
+  """Median step time and TFLOP/s over steps after `warmup`, from the run's losses/timings."""
+  out = {}
+  if "median_step_time_s" in row:
+    out["step_s"] = row["median_step_time_s"]
+    out["tflops"] = row.get("median_tflops_per_device")
+  del warmup  # the run summary already excludes the compile step
+  return out
+
+
+def format_table(rows: list[dict], peak: float | None, tokens_per_step: int | None) -> str:
+  header = f"{'variant':<20} {'step s':>8} {'TFLOP/s':>8} {'MFU/meas':>9} {'MFU/989':>8} {'tok/s':>9} {'peak GiB':>9} {'dropless':>8}  note"
+  lines = [header, "-" * len(header)]
+  for row in rows:
+    stats = steady_stats(row, 0)
+    if not stats:
+      lines.append(f"{row['variant']:<20} {'-':>8} {'-':>8} {'-':>9} {'-':>8} {'-':>9} {'-':>9} {str(row['dropless']):>8}  {row.get('error', '')}")
+      continue
+    tflops = stats.get("tflops") or 0.0
+    tok_s = tokens_per_step / stats["step_s"] if tokens_per_step else float("nan")
+    mfu_meas = f"{tflops / peak:.3f}" if peak else "-"
+    peak_gib = row.get("peak_device_memory_gib")
+    lines.append(
+        f"{row['variant']:<20} {stats['step_s']:>8.3f} {tflops:>8.1f} {mfu_meas:>9} {tflops / DATASHEET_BF16_TFLOPS:>8.3f} "
+        f"{tok_s:>9.0f} {(f'{peak_gib:.1f}' if peak_gib else '-'):>9} {str(row['dropless']):>8}"
+    )
+  if peak:
+    lines.append(f"dense bf16 GEMM 8192^3 measured in this run: {peak:.0f} TF/s (MFU/meas is against this)")
+  return "\n".join(lines)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default=DEFAULT_CONFIG)
+  parser.add_argument("--variants", default="upstream_tokamax,ours,dense_equivalent",
+                      help=f"comma-separated, from: {', '.join(VARIANTS)}")
+  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--out", default="outputs/bench_train")
+  parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+  parser.add_argument("--tokens-per-step", type=int, default=16384, help="global tokens per step (batch x seq)")
+  parser.add_argument("extra", nargs="*", help="key=value overrides applied to every variant")
+  args = parser.parse_args()
+  args.out = str(Path(args.out).absolute())
+
+  names = [n.strip() for n in args.variants.split(",") if n.strip()]
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    parser.error(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
+
+  peak = dense_gemm_peak_tflops()
+  rows = []
+  for name in names:
+    overrides, dropless = VARIANTS[name]
+    print(f"[bench_train] {name}: {' '.join(overrides)}", flush=True)
+    row = run_variant(name, overrides, args)
+    row["dropless"] = dropless
+    rows.append(row)
+    print(f"[bench_train] {name}: rc={row['returncode']} {row.get('error', '')}", flush=True)
+
+  Path(args.out).mkdir(parents=True, exist_ok=True)
+  (Path(args.out) / "bench_train.json").write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=2, default=str))
+  print(format_table(rows, peak, args.tokens_per_step))
+  return 0 if all(r["returncode"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("PYTHONUNBUFFERED", "1")
+  sys.exit(main())
