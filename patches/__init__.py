@@ -25,6 +25,7 @@ SEAM_MODULES = (
     "patches.config_errors",  # upstream config errors reach our one-line reporter
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.tensorboard",  # event files in the run directory in decoupled mode
+    "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
 )
 
 

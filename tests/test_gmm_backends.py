@@ -1,0 +1,151 @@
+"""GPU-only grouped-GEMM backends, exercised as far as a CPU allows.
+
+tokamax, mgpu and te cannot run their kernels here: each must say so clearly.
+The tokamax adapter still runs through tokamax's own (XLA) implementation, and
+the te adapter's argument plumbing through a stand-in for TE's grouped_gemm
+that enforces TE's documented contract (TE itself is not installed here).
+scripts/gpu_selftest.py checks the real kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gmm_reference import CASES, dense_gmm, rel_err
+from MaxText.moe import gmm as gmm_lib
+from MaxText.moe.gmm import te as te_backend
+from MaxText.moe.gmm import tokamax as tokamax_backend
+
+
+def test_gpu_only_backends_say_why_they_cannot_run_on_cpu():
+  assert gmm_lib.unavailable_reason("xla") is None
+  tokamax_reason = gmm_lib.unavailable_reason("tokamax")
+  assert "needs an NVIDIA GPU" in tokamax_reason and "cpu" in tokamax_reason
+  assert gmm_lib.unavailable_reason("mgpu")  # not importable yet, or needs a Hopper GPU
+  for name in ("tokamax", "mgpu", "te"):
+    gmm_lib._resolve.cache_clear()  # pylint: disable=protected-access
+    with pytest.raises(gmm_lib.BackendUnavailable, match=f"backend '{name}' is unavailable here: .+"):
+      gmm_lib.resolve_backend(name)
+
+
+def test_mgpu_is_registered_lazily_and_reports_its_import_state():
+  reason = gmm_lib.unavailable_reason("mgpu")
+  if importlib.util.find_spec("MaxText.moe.gmm.mgpu") is None:
+    assert "MaxText.moe.gmm.mgpu does not import" in reason
+  else:  # the kernel owner's module: on CPU it must refuse with its own reason
+    assert "does not import" in reason or "GPU" in reason or "Hopper" in reason, reason
+
+
+# --- te: the real missing-TE error, then the plumbing with a stand-in -----------------
+
+
+def test_te_without_transformer_engine_says_how_to_install(monkeypatch):
+  # TE is absent here; the None entries keep it so where TE is installed.
+  monkeypatch.setitem(sys.modules, "transformer_engine", None)
+  reason = gmm_lib.unavailable_reason("te")
+  assert "pip install 'maxtext-moe[te]'" in reason and "NGC" in reason
+  lhs, rhs, gs = CASES[0].arrays()
+  with pytest.raises(ImportError, match=r"backend 'te' needs Transformer Engine for JAX: pip install"):
+    te_backend.gmm(lhs, rhs, gs, group_offset=jnp.int32(0), transpose_rhs=False, out_dtype=jnp.float32)
+
+
+def _fake_te_grouped_gemm(calls: list):
+  """TE's grouped_gemm contract as read in its source, computed group by group in numpy.
+
+  TE: contracting_dims ((1,),(1,)) = [M,K] x [G,K,N]; ((1,),(2,)) = [M,K] x [G,N,K];
+  ((0,),(0,)) = [M,K] x [M,N] -> [G,K,N] (wgrad); its FFI requires sum(group_sizes) == M
+  and, outside wgrad, one group per rhs slice.
+  """
+
+  def grouped_gemm(lhs, rhs, group_sizes, contracting_dims=((1,), (2,)), bias=None,
+                   precision=None, preferred_element_type=None, group_offset=None):
+    del precision
+    assert bias is None and group_offset is None
+    sizes = np.asarray(group_sizes)
+    lhs_np, rhs_np = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    assert sizes.sum() == lhs_np.shape[0], "TE: Unexpected group_sizes! M != sum(group_sizes)"
+    calls.append(tuple(tuple(d) for d in contracting_dims))
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    if contracting_dims == ((0,), (0,)):
+      out = np.stack([lhs_np[s:e].T @ rhs_np[s:e] for s, e in zip(starts, ends)])
+    else:
+      assert rhs_np.shape[0] == len(sizes)
+      weights = rhs_np if contracting_dims == ((1,), (1,)) else np.swapaxes(rhs_np, 1, 2)
+      assert contracting_dims in (((1,), (1,)), ((1,), (2,)))
+      out = np.concatenate([lhs_np[s:e] @ weights[g] for g, (s, e) in enumerate(zip(starts, ends))])
+    return jnp.asarray(out, preferred_element_type or lhs.dtype)
+
+  return grouped_gemm
+
+
+def _install_fake_te(monkeypatch, grouped_gemm):
+  cpp = types.ModuleType("transformer_engine.jax.cpp_extensions")
+  cpp.grouped_gemm = grouped_gemm
+  te_jax = types.ModuleType("transformer_engine.jax")
+  te_jax.cpp_extensions = cpp
+  te = types.ModuleType("transformer_engine")
+  te.jax = te_jax
+  for name, module in (("transformer_engine", te), ("transformer_engine.jax", te_jax),
+                       ("transformer_engine.jax.cpp_extensions", cpp)):
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_te_adapter_plumbing_with_a_stand_in_grouped_gemm(monkeypatch, case):
+  calls = []
+  _install_fake_te(monkeypatch, _fake_te_grouped_gemm(calls))
+  lhs, rhs, gs = case.arrays()
+  off = jnp.int32(case.group_offset)
+  out = te_backend.gmm(lhs, rhs, gs, group_offset=off, transpose_rhs=case.transpose_rhs, out_dtype=jnp.float32)
+  assert rel_err(out, dense_gmm(lhs, rhs, gs, case.group_offset, case.transpose_rhs)) < 1e-5
+
+  dout = jnp.asarray(np.random.default_rng(3).standard_normal(out.shape), jnp.float32)
+  a, b = (dout, lhs) if case.transpose_rhs else (lhs, dout)
+  drhs = te_backend.tgmm(a, b, gs, group_offset=off, num_local_groups=case.local, out_dtype=jnp.float32)
+  _, want_drhs = jax.grad(
+      lambda l, r: jnp.sum(dense_gmm(l, r, gs, case.group_offset, case.transpose_rhs) * dout), argnums=(0, 1)
+  )(lhs, rhs)
+  assert drhs.shape == rhs.shape
+  assert rel_err(drhs, want_drhs) < 1e-5 if np.any(want_drhs) else not np.any(drhs)
+  fwd = ((1,), (2,)) if case.transpose_rhs else ((1,), (1,))
+  assert calls == [fwd, ((0,), (0,))]
+
+
+def test_te_refuses_a_transformer_engine_without_group_sizes(monkeypatch):
+  def list_style_grouped_gemm(lhs_list, rhs_list, contracting_dims_list):  # older TE's form
+    raise AssertionError("must not be called")
+
+  _install_fake_te(monkeypatch, list_style_grouped_gemm)
+  assert "group_sizes" not in inspect.signature(list_style_grouped_gemm).parameters
+  assert "takes group_sizes; this one does not" in te_backend.unavailable_reason()
+
+
+# --- tokamax: the adapter through tokamax's own XLA implementation ---------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_tokamax_adapter_runs_through_tokamax_on_cpu(monkeypatch, case):
+  """Same code path as on GPU (tokamax.ragged_dot_general, RaggedDotGroupSizes, the
+  row window), with tokamax's "xla" implementation standing in for "mosaic"."""
+  monkeypatch.setattr(tokamax_backend, "_IMPLEMENTATION", "xla")
+  lhs, rhs, gs = case.arrays()
+  off = jnp.int32(case.group_offset)
+  out = jax.jit(
+      lambda l, r, g: tokamax_backend.gmm(l, r, g, group_offset=off, transpose_rhs=case.transpose_rhs,
+                                          out_dtype=jnp.float32)
+  )(lhs, rhs, gs)
+  assert rel_err(out, dense_gmm(lhs, rhs, gs, case.group_offset, case.transpose_rhs)) < 1e-5
+  drhs = tokamax_backend.tgmm(lhs, out, gs, group_offset=off, num_local_groups=case.local, out_dtype=jnp.float32)
+  want = jax.grad(lambda r: 0.5 * jnp.sum(dense_gmm(lhs, r, gs, case.group_offset) ** 2))(
+      jnp.swapaxes(rhs, 1, 2) if case.transpose_rhs else rhs
+  )
+  assert rel_err(drhs, want) < 1e-5 if np.any(want) else not np.any(drhs)
