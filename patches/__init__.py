@@ -26,6 +26,7 @@ SEAM_MODULES = (
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.tensorboard",  # event files in the run directory in decoupled mode
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
+    "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
 )
 
 

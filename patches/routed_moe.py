@@ -1,0 +1,223 @@
+"""Seam: maxtext.layers.moe.RoutedMoE (maxtext 0.2.5) -> a subclass running our MoE block.
+
+Upstream's `RoutedAndSharedMoE.__init__` (~4777; DeepSeek's MoE layers) and the
+Mixtral/GPT-OSS/Qwen3-custom layers construct `moe.RoutedMoE(...)` by looking
+the name up in the module at construction time, so rebinding it reaches every
+MoE layer built afterwards. (models/qwen3.py ~59 imports the class by name at
+import time; its `RoutedMoE(` at ~2156 keeps upstream's class.)
+
+The subclass adds no parameters and changes no `__init__`: the parameter tree
+(gate.kernel, gate.bias, wi_0, wi_1, wo, their names, shapes and logical
+sharding) is upstream's, so checkpoints stay interchangeable. Only `__call__`
+changes, by `moe_block`:
+
+  ours      MaxText/moe/block.py: route -> dispatch -> gmm -> combine, with
+            moe_dispatch_backend and moe_gmm_backend ("upstream" -> "xla").
+            Returns what upstream's returns: (output, load-balance loss or
+            None, routing-bias update or None), and sows `moe_has_overflow`.
+  te        upstream's own `_te_moe_block` (TE's fused MoEBlock); needs TE and
+            upstream's te_moe_block=true (+ prefuse_moe_weights=true,
+            te_gmm_quantization); refused with what to set otherwise.
+
+Settings that our block does not implement (quantization, hash or random
+routing, forced experts, biases in the expert MLPs, per-expert scales,
+prefused weights, clipped activations, Llama4/Gemma4/GPT-OSS routing) are
+refused with a message naming them, never silently sent to upstream.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from patches._seam import Seam
+
+SEAM = Seam(
+    name="routed_moe",
+    module="maxtext.layers.moe",
+    attr="RoutedMoE",
+    sha256="43ef2fb72f8a621d",
+)
+
+# Traces through our block per dispatch backend (instrumentation read by tests).
+_CALLS: collections.Counter[str] = collections.Counter()
+
+
+def call_counts() -> dict[str, int]:
+  return dict(_CALLS)
+
+
+def _log(msg: str) -> None:
+  print(f"[maxtext-moe] {msg}", flush=True)
+
+
+def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:
+  """Upstream settings our block does not implement, as key=value strings."""
+  cfg = layer.config
+  checks = {
+      "quantization": layer.quant is not None or cfg.quantization not in ("", None),
+      "prefuse_moe_weights=true": cfg.prefuse_moe_weights,
+      "mlp_bias=true": cfg.mlp_bias,
+      "hash routing": layer.is_hash_routing,
+      "use_random_routing=true": cfg.use_random_routing,
+      "forced_routed_experts": forced_routed_experts is not None,
+      "gate_inputs": gate_inputs is not None,
+      f"decoder_block={cfg.decoder_block.value}": cfg.decoder_block.value in ("llama4", "gemma4", "gpt_oss"),
+      "mlp_activations_limit>0": cfg.mlp_activations_limit > 0,
+      "weight sparsity": layer.wi_0_sparsity_module is not None,
+      "per-expert scales": layer.per_expert_scale is not None,
+      "expert parallelism over several mesh axes": not isinstance(layer._expert_parallelism_name, str),  # pylint: disable=protected-access
+  }
+  return [name for name, bad in checks.items() if bad]
+
+
+def _router_config(layer):
+  from MaxText.moe import routing  # pylint: disable=import-outside-toplevel
+
+  cfg = layer.config
+  return routing.RouterConfig(
+      num_experts=layer.num_experts,
+      top_k=layer.num_experts_per_tok,
+      score_func=cfg.routed_score_func or "",
+      # get_topk ~1335: bias only selects for these model names; ~1350 DeepSeek weights.
+      bias_selects_only=cfg.model_name.startswith(("deepseek3", "deepseek4", "kimi-k2")),
+      deepseek_weights=cfg.decoder_block.value in ("deepseek", "deepseek4"),
+      routed_scaling_factor=cfg.routed_scaling_factor,
+      n_groups=cfg.n_routing_groups,
+      topk_groups=cfg.topk_routing_group,
+      norm_topk_prob=cfg.norm_topk_prob,
+  )
+
+
+def _sharding(layer, num_tokens: int, ep_size: int):
+  """Token axes (batch, then sequence, whose product divides T) and the EP axis."""
+  from MaxText.moe import block  # pylint: disable=import-outside-toplevel
+
+  mesh = layer.mesh
+  if mesh is None or math.prod(mesh.shape.values()) == 1:
+    return None
+  spec = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))  # pylint: disable=protected-access
+  axes, size = [], 1
+  for dim in spec[:2]:
+    for axis in (dim,) if isinstance(dim, str) else (dim or ()):
+      if num_tokens % (size * mesh.shape[axis]) == 0:
+        axes.append(axis)
+        size *= mesh.shape[axis]
+  expert_axis = layer._expert_parallelism_name  # pylint: disable=protected-access
+  if ep_size > 1 and expert_axis not in axes:
+    raise ValueError(f"moe_block=ours with expert parallelism {ep_size} needs the tokens ({num_tokens}) split over "
+                     f"the '{expert_axis}' mesh axis; make the batch divisible by it")
+  return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None)
+
+
+def _aux_outputs(layer, r, batch: int):
+  """Upstream's (load-balance loss, bias update) from our routing, global view."""
+  from MaxText.moe import routing  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe as upstream_moe  # pylint: disable=import-outside-toplevel
+
+  cfg = layer.config
+  lb_loss = bias_updates = None
+  ids_BSK = r.ids_TK.reshape(batch, -1, r.ids_TK.shape[-1])
+  if cfg.load_balance_loss_weight > 0.0:
+    scores_BSE = r.scores_TE.reshape(batch, -1, r.scores_TE.shape[-1])
+    if upstream_moe.uses_megatron_seq_aux_loss(cfg):  # ~437: sigmoid router, unbiased ungrouped top-k
+      probs, aux_ids = routing.megatron_aux_inputs(scores_BSE, layer.num_experts_per_tok)
+    else:
+      probs = jax.nn.softmax(scores_BSE.astype(jnp.float32), axis=-1).astype(layer.dtype)
+      aux_ids = ids_BSK
+    lb_loss = routing.load_balance_loss(aux_ids, probs, cfg.load_balance_loss_weight)
+  if layer.should_update_load_balance():
+    counts = routing.expert_counts_E(r.ids_TK, cfg.num_experts)
+    # ~2510: raw counts under gradient accumulation (summed over microbatches, then one sign).
+    bias_updates = counts if cfg.gradient_accumulation_steps > 1 else routing.bias_update_E(
+        counts, cfg.routed_bias_update_rate)
+  return lb_loss, bias_updates
+
+
+def _ours(layer, inputs, settings: dict):
+  """Our block on upstream's parameters; returns upstream's (output, lb_loss, bias_updates)."""
+  from MaxText.moe import block, dispatch  # pylint: disable=import-outside-toplevel
+
+  cfg = layer.config
+  batch, seq, hidden = inputs.shape
+  ep_size = layer.get_expert_parallelism_size()
+  backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
+  options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
+  disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=layer._expert_parallelism_name,  # pylint: disable=protected-access
+                       ep_size=ep_size, **options)
+  block_cfg = block.BlockConfig(
+      router=_router_config(layer),
+      activation=cfg.mlp_activations[0],
+      gmm_backend=settings["gmm"],
+      dtype=jnp.dtype(cfg.dtype),
+      gate_dtype=jnp.float32 if cfg.float32_gate_logits else jnp.dtype(cfg.dtype),
+  )
+  router = block.Router(kernel_DE=layer.gate.kernel[...],
+                        bias_E=None if layer.gate.bias is None else layer.gate.bias[...])
+  experts = block.Experts(w0_EDF=layer.wi_0[...], w1_EDF=layer.wi_1[...], wo_EFD=layer.wo[...])
+  x_TD = inputs.reshape(batch * seq, hidden)
+  sharding = _sharding(layer, batch * seq, ep_size)
+  _CALLS[backend] += 1
+  _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {settings['gmm']}, EP {ep_size})")
+  y_TD, r, overflow = block.moe_block(x_TD, router, experts, block_cfg, disp, sharding)
+  layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
+  return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
+
+
+def _subclass(upstream_cls, settings: dict):
+  class RoutedMoE(upstream_cls):  # pylint: disable=missing-class-docstring
+    __doc__ = f"upstream RoutedMoE with moe_block={settings['block']} (patches/routed_moe.py)"
+
+    def __call__(self, inputs, input_ids=None, gate_inputs=None, out_sharding=None, forced_routed_experts=None):
+      if settings["block"] == "te":
+        if not self.config.te_moe_block:
+          raise ValueError("moe_block=te runs upstream's TE MoE block: also set te_moe_block=true "
+                           "prefuse_moe_weights=true te_gmm_quantization=te_no_quant")
+        return super().__call__(inputs, input_ids, gate_inputs, out_sharding, forced_routed_experts)
+      bad = _unsupported(self, gate_inputs, forced_routed_experts)
+      if bad:
+        raise ValueError(f"moe_block=ours does not implement {', '.join(bad)}; use moe_block=upstream for them")
+      out, lb_loss, bias_updates = _ours(self, inputs.astype(self.config.dtype), settings)
+      if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+      return out, lb_loss, bias_updates
+
+  RoutedMoE.__qualname__ = f"patched.{upstream_cls.__qualname__}"
+  return RoutedMoE
+
+
+def settings_from(fork) -> dict:
+  """What the subclass needs from our config (captured, never global)."""
+  gmm = "xla" if fork.moe_gmm_backend == "upstream" else fork.moe_gmm_backend
+  return {
+      "block": fork.moe_block,
+      "dispatch": fork.moe_dispatch_backend,
+      "gmm": gmm,
+      "a2a_padded_options": {"capacity_factor": fork.moe_a2a_padded_capacity_factor,
+                             "on_overflow": fork.moe_a2a_padded_on_overflow},
+      "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
+                             "on_overflow": fork.moe_a2a_padded_on_overflow},
+  }
+
+
+def wanted(fork) -> bool:
+  return fork.moe_block != "upstream"
+
+
+def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
+  if fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
+    raise RuntimeError("moe_block=te needs Transformer Engine with JAX MoE support: "
+                       "pip install 'transformer_engine[jax]' on a CUDA machine (or use moe_block=ours)")
+  settings = settings_from(fork)
+  if fork.moe_block == "ours" and fork.moe_gmm_backend == "upstream":
+    _log("moe_block=ours: moe_gmm_backend=upstream means the xla grouped GEMM inside our block")
+  SEAM.apply(lambda upstream_cls: _subclass(upstream_cls, settings))
+
+
+def undo() -> None:
+  SEAM.undo()
