@@ -146,3 +146,61 @@ def test_tgmm_lowers_to_mosaic_gpu():
   text = _lower(lambda x, d, gs: mgpu.tgmm(x, d, gs, group_offset=2, num_local_groups=4),
                 ((1000, 256), jnp.bfloat16), ((1000, 512), jnp.bfloat16), ((8,), jnp.int32))
   assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------ kernels, interpreted on CPU
+# Pallas' Mosaic-GPU interpret mode simulates threads, SMEM, TMA and barriers on the CPU, so
+# the kernels' numbers (group_offset, zero rows, partial tiles, transposed rhs) are checked
+# here too; tiny shapes keep each case to ~30 s. Races/timing are only seen on a GPU.
+def _interpret():
+  from jax._src.pallas.mosaic_gpu.interpret import params
+  return params.force_gpu_interpret_mode(params.InterpretGPUParams())
+
+
+def _ref_rows(x, w, starts, ends, m):
+  out = np.zeros((m, w.shape[-1]), np.float32)
+  for g, (s, e) in enumerate(zip(starts, ends)):
+    out[s:e] = np.asarray(x[s:e], np.float32) @ np.asarray(w[g], np.float32)
+  return out
+
+
+@pytest.mark.parametrize("transpose,offset,num_local,out_dtype", [
+    (False, 2, 3, jnp.bfloat16),   # ring EP: groups 2..4 local, the rest and padding zero
+    (True, 0, 6, jnp.float32),     # dlhs form, f32 output
+])
+def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype):
+  m, k, n = 301, 256, 256
+  sizes = [70, 0, 130, 1, 0, 90]  # 10 padding rows at the end
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (num_local, k, n)) / 16).astype(jnp.bfloat16)
+  rhs = jnp.swapaxes(w, 1, 2) if transpose else w
+  gs = jnp.asarray(sizes, jnp.int32)
+  with _interpret():
+    out = mgpu.gmm(x, rhs, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype)
+  ends = np.cumsum(sizes)[offset:offset + num_local]
+  starts = ends - np.asarray(sizes[offset:offset + num_local])
+  ref = _ref_rows(x, w, starts, ends, m)
+  out = np.asarray(out, np.float32)
+  assert out.dtype == np.float32 and not np.isnan(out).any()
+  outside = np.ones(m, bool)
+  for s, e in zip(starts, ends):
+    outside[s:e] = False
+  assert (out[outside] == 0).all()
+  np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_tgmm_kernel_interpreted():
+  m, k, n = 300, 128, 128
+  sizes = [100, 0, 170, 30]
+  kx, kd = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  d = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  with _interpret():
+    dw = mgpu.tgmm(x, d, jnp.asarray(sizes, jnp.int32), group_offset=1, num_local_groups=3)
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+  for i, g in enumerate(range(1, 4)):
+    s, e = starts[g], ends[g]
+    ref = np.asarray(x[s:e], np.float32).T @ np.asarray(d[s:e], np.float32)
+    np.testing.assert_allclose(np.asarray(dw[i], np.float32), ref, rtol=2e-2, atol=0.3)
