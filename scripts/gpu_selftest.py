@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""GPU self-test of the grouped-GEMM backends (MaxText/moe/gmm) against a float32 reference.
+
+    PYTHONPATH=. python3 scripts/gpu_selftest.py            # every backend available here
+    python3 scripts/gpu_selftest.py --backends tokamax,mgpu
+    python3 scripts/gpu_selftest.py --cpu-smoke             # xla, small cases, on CPU
+
+For each backend (xla as the reference path, then tokamax, mgpu, te where they
+can run) and each case it runs the public, differentiable `gmm` under jit,
+forward and backward (dlhs, drhs through the custom VJP), in bf16, and prints
+PASS/FAIL per case and a table at the end. A case passes when:
+  * every row of the local groups is finite and within relative error 1e-2 of a
+    float32 reference computed group by group (max |err| / max |ref|);
+  * every other row (padding, other shards' groups) is exactly zero, although
+    lhs holds NaN in those rows and the allocator was filled with NaN first;
+  * dlhs and drhs meet the same bound and are finite.
+Inputs are fresh random normals (never zeros). Exit status 1 if any case fails.
+
+Imports only jax, numpy and our MaxText.moe.gmm (never upstream maxtext), so it
+runs in the bare GPU image with the repository on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-2  # bf16 inputs and outputs, float32 accumulation
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A problem: rows per global group (sum may be < M), and the local groups' range."""
+
+  name: str
+  group_sizes: tuple[int, ...]
+  num_rows: int
+  k: int
+  n: int
+  num_local: int | None = None
+  group_offset: int = 0
+
+  @property
+  def local(self) -> int:
+    return self.num_local or len(self.group_sizes)
+
+
+def _split(rows: int, weights) -> tuple[int, ...]:
+  """`rows` split over groups in proportion to weights (exact sum)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  w = np.asarray(weights, np.float64) / np.sum(weights)
+  sizes = np.floor(w * rows).astype(int)
+  sizes[np.argmax(w)] += rows - sizes.sum()
+  return tuple(int(s) for s in sizes)
+
+
+def small_cases() -> list[Case]:
+  return [
+      Case("balanced", (4, 4, 4, 4), 16, 8, 6),
+      Case("empty_groups", (5, 0, 0, 6), 11, 8, 6),
+      Case("all_rows_one_group", (0, 0, 12, 0), 12, 8, 6),
+      Case("padding_rows", (3, 2, 4, 1), 16, 8, 6),
+      Case("m37_untiled", (10, 0, 20, 5), 37, 64, 48),
+      Case("ring_offset_2_of_4", (5, 3, 6, 2), 20, 64, 48, num_local=2, group_offset=2),
+      Case("m1000_k320_n200", _split(1000, [3, 1, 0, 5, 2, 7, 1, 1]), 1000, 320, 200),
+  ]
+
+
+def deepseek_v3_cases() -> list[Case]:
+  """DeepSeek-V3 expert shapes: 8192 rows (tokens x top-k), 32 experts."""
+  zipf = [1.0 / (r + 1) ** 1.2 for r in range(32)]
+  hot = [0.9 * 31] + [0.1] * 31  # one expert takes 90%
+  some_empty = [0 if g % 4 == 1 else 1 for g in range(32)]
+  return [
+      Case("dsv3_up_balanced", _split(8192, [1] * 32), 8192, 7168, 2048),
+      Case("dsv3_up_zipf1.2", _split(8192, zipf), 8192, 7168, 2048),
+      Case("dsv3_down_zipf1.2", _split(8192, zipf), 8192, 2048, 7168),
+      Case("dsv3_up_one_expert_90pct", _split(8192, hot), 8192, 7168, 2048),
+      Case("dsv3_up_empty_and_padding", _split(7000, some_empty), 8192, 7168, 2048),
+      Case("dsv3_up_ring_16_of_32", _split(8192, zipf), 8192, 7168, 2048, num_local=16, group_offset=16),
+  ]
+
+
+def run_case(gmm_lib, backend: str, case: Case, seed: int) -> dict[str, float]:
+  """Relative errors of out, dlhs, drhs; raises AssertionError on a broken row."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  sizes = np.asarray(case.group_sizes)
+  ends = np.cumsum(sizes)
+  starts = ends - sizes
+  local_groups = range(case.group_offset, case.group_offset + case.local)
+  local_M = np.zeros(case.num_rows, bool)
+  for g in local_groups:
+    local_M[starts[g]:ends[g]] = True
+
+  keys = jax.random.split(jax.random.key(seed), 3)
+  lhs = jax.random.normal(keys[0], (case.num_rows, case.k), jnp.float32)
+  lhs = jnp.where(jnp.asarray(local_M)[:, None], lhs, jnp.nan).astype(jnp.bfloat16)  # poisoned rows
+  rhs = (jax.random.normal(keys[1], (case.local, case.k, case.n), jnp.float32) / np.sqrt(case.k)).astype(jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (case.num_rows, case.n), jnp.float32).astype(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+
+  def fwd_bwd(lhs, rhs, dout):
+    out, vjp = jax.vjp(
+        lambda l, r: gmm_lib.gmm(l, r, gs, backend=backend, group_offset=case.group_offset), lhs, rhs
+    )
+    return (out, *vjp(dout))
+
+  fn = jax.jit(fwd_bwd)
+  # Fill the allocator with NaN so that an output row the kernel never writes shows up.
+  poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in (lhs, rhs, dout, dout)]
+  jax.block_until_ready(poison)
+  del poison
+  out, dlhs, drhs = (np.asarray(x.astype(jnp.float32)) for x in jax.block_until_ready(fn(lhs, rhs, dout)))
+
+  # float32 reference, one dense GEMM per local group (bf16-rounded inputs).
+  hi = jax.lax.Precision.HIGHEST
+  lhs32, rhs32, dout32 = (x.astype(jnp.float32) for x in (lhs, rhs, dout))
+  want_out = np.zeros(out.shape, np.float32)
+  want_dlhs = np.zeros(dlhs.shape, np.float32)
+  want_drhs = np.zeros(drhs.shape, np.float32)
+  for i, g in enumerate(local_groups):
+    s, e = int(starts[g]), int(ends[g])
+    if e > s:
+      want_out[s:e] = np.asarray(jnp.matmul(lhs32[s:e], rhs32[i], precision=hi))
+      want_dlhs[s:e] = np.asarray(jnp.matmul(dout32[s:e], rhs32[i].T, precision=hi))
+      want_drhs[i] = np.asarray(jnp.matmul(lhs32[s:e].T, dout32[s:e], precision=hi))
+
+  for name, got in (("out", out), ("dlhs", dlhs)):
+    outside = got[~local_M]
+    assert np.all(outside == 0), f"{name}: {np.sum(np.any(outside != 0, axis=-1))} rows outside the local groups not zero"
+    assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite values"
+  assert np.all(np.isfinite(drhs)), f"drhs: {np.sum(~np.isfinite(drhs))} non-finite values"
+  return {name: _rel_err(got, want) for name, got, want in
+          (("out", out, want_out), ("dlhs", dlhs, want_dlhs), ("drhs", drhs, want_drhs))}
+
+
+def _rel_err(got, want) -> float:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  scale = float(np.max(np.abs(want)))
+  err = float(np.max(np.abs(got.astype(np.float64) - want)))
+  return err / scale if scale > 0 else err  # all-zero reference: any value is an absolute error
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--backends", default="xla,tokamax,mgpu,te", help="comma-separated; default: all")
+  parser.add_argument("--cpu-smoke", action="store_true", help="xla only, small cases, on CPU")
+  parser.add_argument("--skip-large", action="store_true", help="leave out the DeepSeek-V3 shapes")
+  parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000, help="inputs' seed (default: fresh)")
+  args = parser.parse_args(argv)
+  if args.cpu_smoke:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before jax initializes its backends
+  sys.path.insert(0, REPO)
+  import jax  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  backends = ["xla"] if args.cpu_smoke else [b.strip() for b in args.backends.split(",") if b.strip()]
+  cases = small_cases() + ([] if args.cpu_smoke or args.skip_large else deepseek_v3_cases())
+  print(f"jax {jax.__version__}, devices: {[d.device_kind for d in jax.devices()]}, seed {args.seed}")
+
+  results: dict[tuple[str, str], str] = {}
+  for backend in backends:
+    reason = gmm_lib.unavailable_reason(backend)
+    if reason is not None:
+      print(f"SKIP {backend}: unavailable here: {reason}")
+      for case in cases:
+        results[backend, case.name] = "n/a"
+      continue
+    for i, case in enumerate(cases):
+      start = time.perf_counter()
+      try:
+        errs = run_case(gmm_lib, backend, case, args.seed + i)
+        ok = all(e < TOLERANCE for e in errs.values())
+        detail = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc(limit=3)
+      results[backend, case.name] = "PASS" if ok else "FAIL"
+      took = time.perf_counter() - start
+      print(f"{'PASS' if ok else 'FAIL'} {backend:8s} {case.name:28s} {detail} ({took:.1f} s)", flush=True)
+
+  width = max(len(c.name) for c in cases)
+  print("\n" + "case".ljust(width) + "".join(f"  {b:>8s}" for b in backends))
+  for case in cases:
+    print(case.name.ljust(width) + "".join(f"  {results[b, case.name]:>8s}" for b in backends))
+  failed = [k for k, v in results.items() if v == "FAIL"]
+  print(f"\n{'ALL PASS' if not failed else f'{len(failed)} FAILED'} "
+        f"({sum(v == 'PASS' for v in results.values())} pass, {len(failed)} fail, "
+        f"{sum(v == 'n/a' for v in results.values())} n/a)")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

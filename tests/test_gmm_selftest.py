@@ -1,0 +1,44 @@
+"""scripts/gpu_selftest.py works on CPU, and fails a backend that leaves rows unwritten."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from conftest import REPO
+from MaxText.moe.gmm import xla as xla_backend
+
+
+def _selftest():
+  spec = importlib.util.spec_from_file_location("gpu_selftest", REPO / "scripts" / "gpu_selftest.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_selftest_passes_xla_on_the_small_cases():
+  selftest = _selftest()
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  for i, case in enumerate(selftest.small_cases()[:6]):
+    errs = selftest.run_case(gmm_lib, "xla", case, seed=i)
+    assert set(errs) == {"out", "dlhs", "drhs"} and max(errs.values()) < selftest.TOLERANCE, (case, errs)
+
+
+def test_selftest_catches_a_kernel_that_leaves_padding_rows_unwritten(monkeypatch):
+  selftest = _selftest()
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  def unmasked_gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype):
+    # Every row times group 0's weights: rows outside the groups (NaN there) are written too.
+    del group_sizes_G, group_offset
+    rhs_KN = rhs_GKN[0].T if transpose_rhs else rhs_GKN[0]
+    return (lhs_MK @ rhs_KN).astype(out_dtype)
+
+  monkeypatch.setattr(xla_backend, "gmm", unmasked_gmm)
+  padding_case = next(c for c in selftest.small_cases() if c.name == "padding_rows")
+  with pytest.raises(AssertionError, match="out: .*"):
+    selftest.run_case(gmm_lib, "xla", padding_case, seed=0)
