@@ -110,3 +110,115 @@ def test_named_scopes_mark_the_four_stages():
   hlo = jax.jit(lambda x: block.moe_block(x, router, ex, cfg, disp)[0]).lower(x).as_text(debug_info=True)
   for scope in ("route", "dispatch", "gmm", "combine"):
     assert f"{scope}/" in hlo, scope
+
+
+# --- the whole-block patch (patches/routed_moe.py) ---
+
+
+def test_patch_refuses_a_different_upstream_naming_both_versions(monkeypatch):
+  import dataclasses as dc
+
+  from MaxText.config import ForkConfig
+  from maxtext.layers import moe
+  from patches import routed_moe
+  from patches._seam import UpstreamMismatch
+
+  with pytest.raises(UpstreamMismatch, match=r"targets maxtext 0\.2\.5 .* but maxtext 0\.3\.0 is installed"):
+    routed_moe.SEAM.check(installed_version="0.3.0")
+  moved = dc.replace(routed_moe.SEAM, sha256="0123456789abcdef")  # upstream's RoutedMoE source changed
+  monkeypatch.setattr(routed_moe, "SEAM", moved)
+  before = moe.RoutedMoE
+  with pytest.raises(UpstreamMismatch, match=r"expected 0123456789abcdef\) in the installed maxtext 0\.2\.5"):
+    routed_moe.apply(ForkConfig(moe_block="ours"))
+  assert moe.RoutedMoE is before  # refused before touching anything
+
+
+def test_patch_applies_once_and_undoes():
+  from MaxText.config import ForkConfig
+  from maxtext.layers import moe
+  from patches import routed_moe
+
+  upstream = moe.RoutedMoE
+  try:
+    routed_moe.apply(ForkConfig(moe_block="ours"))
+    patched = moe.RoutedMoE
+    routed_moe.apply(ForkConfig(moe_block="ours"))
+    assert moe.RoutedMoE is patched and issubclass(patched, upstream) and patched is not upstream
+    assert "__init__" not in vars(patched)  # same constructor, same parameter tree
+  finally:
+    routed_moe.undo()
+  assert moe.RoutedMoE is upstream
+
+
+@pytest.mark.slow
+def test_patched_training_matches_upstream_ragged_path(train):
+  """Tiny DeepSeek-V3, 5 steps: our block vs upstream's sparse_matmul (ragged_dot) path."""
+  common = ("steps=5", "enable_checkpointing=false", "sparse_matmul=true", "megablox=false")
+  ours = train(*common, "moe_block=ours", run_name="ours")
+  assert ours.returncode == 0, ours.stderr[-3000:]
+  assert ours.stdout.count("routed MoE layer -> our block (dispatch local, gmm xla, EP 1)") >= 1
+  upstream = train(*common, run_name="upstream")
+  assert upstream.returncode == 0, upstream.stderr[-3000:]
+  assert "our block" not in upstream.stdout
+  a, b = ours.losses(), upstream.losses()
+  assert sorted(a) == sorted(b) and len(a) == 5
+  for step in b:
+    assert abs(a[step] - b[step]) < 1e-2 * abs(b[step]), (a, b)  # bf16 activations
+
+
+def _upstream_layer(cls, cfg, mesh):
+  from flax import nnx
+
+  return cls(config=cfg, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, mesh=mesh,
+             kernel_init=__import__("maxtext.layers.initializers", fromlist=["x"]).nd_dense_init(
+                 1.0, "fan_in", "truncated_normal"),
+             kernel_axes=("embed_router", None), intermediate_dim=cfg.moe_mlp_dim, dtype=cfg.dtype,
+             weight_dtype=cfg.weight_dtype, rngs=nnx.Rngs(0))
+
+
+def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypatch):
+  """Same parameter tree (paths, shapes, dtypes, sharding); same output and grads as upstream's sparse path."""
+  from flax import nnx
+  from maxtext.configs import pyconfig
+  from maxtext.layers import moe
+  from maxtext.utils import maxtext_utils
+
+  from MaxText import config as fork_config
+  from patches import routed_moe
+
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")  # keeps upstream from adding an HLO dump
+  run = fork_config.load(["steps=1", "enable_checkpointing=false", "dtype=float32", "moe_block=ours"])
+  cfg = pyconfig.initialize(run.upstream_argv())
+  mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
+  x = jax.random.normal(jax.random.key(1), (2, 16, cfg.emb_dim))
+
+  def describe(layer):
+    flat = nnx.to_flat_state(nnx.state(layer, nnx.Any(nnx.Param, moe.MoEBiasVar)))
+    return {path: (v.get_value().shape, v.get_value().dtype, type(v).__name__, v.get_metadata().get("out_sharding"))
+            for path, v in flat}
+
+  def loss_and_grads(layer):
+    def loss(layer, x):
+      y, _, _ = layer(x)
+      return jnp.sum(y * jnp.cos(y))
+    return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+
+  with jax.set_mesh(mesh):
+    upstream = _upstream_layer(moe.RoutedMoE, cfg, mesh)
+    upstream.gate.bias.set_value(jax.random.normal(jax.random.key(2), upstream.gate.bias.get_value().shape) * 0.3)
+    want, (want_dlayer, want_dx) = loss_and_grads(upstream)
+    try:
+      routed_moe.apply(run.fork)
+      ours = _upstream_layer(moe.RoutedMoE, cfg, mesh)
+    finally:
+      routed_moe.undo()
+    assert describe(ours) == describe(upstream)
+    nnx.update(ours, nnx.state(upstream, nnx.Any(nnx.Param, moe.MoEBiasVar)))
+    calls = dict(routed_moe.call_counts())
+    got, (got_dlayer, got_dx) = loss_and_grads(ours)
+    assert routed_moe.call_counts().get("local", 0) > calls.get("local", 0)  # our block ran
+  assert_close(got, want, 1e-4, "loss")
+  assert_close(got_dx, want_dx, 1e-4, "dx")
+  for name in ("wi_0", "wi_1", "wo"):
+    assert_close(getattr(got_dlayer, name).get_value(), getattr(want_dlayer, name).get_value(), 1e-4, name)
+  assert_close(got_dlayer.gate.kernel.get_value(), want_dlayer.gate.kernel.get_value(), 1e-4, "router")

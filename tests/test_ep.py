@@ -1,0 +1,72 @@
+"""Expert parallelism on 4 simulated CPU devices, in subprocesses.
+
+The device count must be fixed before JAX starts, so each check runs
+tests/ep_check.py (block level) or `python -m MaxText.train` (a short run)
+with `--xla_force_host_platform_device_count=4`, and both backends are held
+to the one-device numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FOUR_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def _ep_check(case: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, str(HERE / "ep_check.py"), case], cwd=HERE.parent, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
+def _json_lines(proc) -> list[dict]:
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_ring_and_a2a_padded_match_one_device_forward_and_grads():
+  """(1,4) and (2,2) (data, expert) meshes; top-k 2, 8, and every token to one expert."""
+  rows = _json_lines(_ep_check("match"))
+  assert len(rows) == 6 and {r["backend"] for r in rows} == {"ring", "a2a_padded"}
+  for r in rows:
+    assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-4 and not r["overflow"], r
+
+
+def test_a2a_padded_overflow_is_flagged():
+  (row,) = _json_lines(_ep_check("overflow_flag"))
+  assert row["overflow"] is True  # all 6 rows of a shard to one peer, bound 2: reported, not silent
+
+
+def test_a2a_padded_overflow_raises_a_clear_error():
+  proc = _ep_check("overflow_error")
+  assert proc.returncode != 0
+  assert "a2a_padded dispatch overflow" in proc.stderr and "exceed the buffer bound 2" in proc.stderr
+
+
+def test_ragged_a2a_refuses_cpu_but_traces_forward_and_backward():
+  (row,) = _json_lines(_ep_check("ragged_a2a_cpu"))
+  assert "XLA:CPU does not implement ragged-all-to-all" in row["resolve_raised"]
+  assert row["ragged_ops_in_hlo"] == 4  # dispatch, combine, and their transposes
+
+
+@pytest.mark.slow
+def test_ep4_training_matches_one_device(train):
+  """ici_expert_parallelism=4 with `ring` vs one device, same global batch of 8."""
+  common = ("steps=5", "enable_checkpointing=false", "moe_block=ours")
+  ep = train(*common, "moe_dispatch_backend=ring", "ici_expert_parallelism=4", run_name="ep4",
+                 env=FOUR_CPUS)
+  assert ep.returncode == 0, ep.stderr[-3000:]
+  assert "(dispatch ring, gmm xla, EP 4)" in ep.stdout
+  one = train(*common, "per_device_batch_size=8", run_name="one")
+  assert one.returncode == 0, one.stderr[-3000:]
+  ep_losses, one_losses = ep.losses(), one.losses()
+  assert sorted(ep_losses) == sorted(one_losses) and len(ep_losses) == 5
+  for step, loss in one_losses.items():
+    assert abs(ep_losses[step] - loss) < 0.02 * max(1.0, abs(loss)), (step, ep_losses, one_losses)
