@@ -1,0 +1,138 @@
+"""XLA presets: composition, user precedence, flag validation against the installed jaxlib."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_train
+from MaxText import config as fork_config
+from MaxText import xla_presets as xp
+
+
+def test_every_preset_composes_and_its_flags_are_known_to_jaxlib():
+  known, source = xp.known_flags()
+  assert "jaxlib 0.11.2" in source
+  for name in xp.PRESETS:
+    composed = xp.compose([name], {}, {})
+    assert set(composed.xla_flags) <= known, name
+    assert composed.presets[-1] == name
+
+
+def test_known_flags_come_from_the_binaries_and_the_gpu_reference():
+  known, source = xp.known_flags()
+  assert "xla_force_host_platform_device_count" in known  # only in jaxlib's own .so
+  assert "xla_gpu_host_bfc" in known  # only in the CUDA plugin's list (vendored reference)
+  assert "no CUDA plugin" in source  # this CPU machine has no plugin: the reference filled in
+  assert xp.REFERENCE_GPU_FLAGS.is_file()
+
+
+def test_multistream_uses_the_flag_names_jax_0_11_2_ships():
+  reference = set(xp.REFERENCE_GPU_FLAGS.read_text().split())
+  flags = xp.compose(["multistream"], {}, {}).xla_flags
+  assert flags["xla_gpu_experimental_enable_collective_multi_streaming"] == "true"
+  assert {"xla_gpu_experimental_parallel_collective_overlap_limit",
+          "xla_gpu_experimental_parallel_scale_up_collective_overlap_limit"} <= set(flags)
+  assert set(flags) <= reference
+  assert flags["xla_gpu_enable_latency_hiding_scheduler"] == "true"  # includes lhs
+
+
+def test_unknown_preset_is_refused_with_the_closest_names():
+  with pytest.raises(xp.PresetError, match=r"unknown XLA preset 'multistreem'; did you mean multistream\?"):
+    xp.compose(["multistreem"], {}, {})
+
+
+def test_unknown_flag_in_user_xla_flags_is_refused_with_the_closest_names():
+  env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_schedular=true"}
+  with pytest.raises(xp.PresetError, match=r"'--xla_gpu_enable_latency_hiding_schedular' \(your XLA_FLAGS\); did you mean xla_gpu_enable_latency_hiding_scheduler"):
+    xp.compose(["lhs"], env, {})
+
+
+def test_unknown_flag_in_a_preset_is_refused():
+  bad = xp.Preset("bad", "a typo", flags={"xla_gpu_enable_pipelined_all_gathr": "true"})
+  with pytest.raises(xp.PresetError, match=r"unknown XLA flag '--xla_gpu_enable_pipelined_all_gathr' \(preset 'bad'\); did you mean xla_gpu_enable_pipelined_all_gather"):
+    xp.check_flag_names(bad.flags, "preset 'bad'", xp.known_flags()[0])
+
+
+def test_user_xla_flags_win_and_each_conflict_is_reported():
+  env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/d"}
+  composed = xp.compose(["lhs"], env, {})
+  assert composed.xla_flags["xla_gpu_enable_latency_hiding_scheduler"] == "false"
+  assert composed.xla_flags["xla_dump_to"] == "/tmp/d"
+  assert "--xla_gpu_enable_highest_priority_async_stream=true" in composed.env["XLA_FLAGS"]
+  assert composed.overrides == (
+      "XLA flag xla_gpu_enable_latency_hiding_scheduler: your XLA_FLAGS value 'false' wins over preset 'lhs' ('true')",
+  )
+
+
+def test_user_environment_wins_over_preset_environment():
+  composed = xp.compose(["gpu_runtime"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, {})
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in composed.env  # left as the user set it
+  assert composed.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+  assert any("XLA_PYTHON_CLIENT_MEM_FRACTION: your value '0.5' wins" in o for o in composed.overrides)
+
+
+def test_later_preset_overrides_earlier_and_says_so():
+  composed = xp.compose(["combine_thresholds", "nvidia_maxtext_default"], {}, {})
+  assert composed.xla_flags["xla_gpu_all_reduce_combine_threshold_bytes"] == "51200"
+  assert any("preset 'nvidia_maxtext_default' sets '51200' over preset 'combine_thresholds'" in o for o in composed.overrides)
+
+
+def test_includes_expand_once_in_order():
+  assert xp.compose(["deepseek_v3_reference", "lhs"], {}, {}).presets == (
+      "gpu_runtime", "lhs", "pipelined_collectives", "multistream", "combine_thresholds", "no_command_buffers",
+      "deepseek_v3_reference")
+
+
+def test_no_preset_turns_on_nvlink_multicast():
+  for preset in xp.PRESETS.values():
+    assert preset.env.get("NCCL_NVLS_ENABLE", "0") == "0", preset.name
+  assert xp.PRESETS["gpu_runtime"].env["NCCL_NVLS_ENABLE"] == "0"
+  with pytest.raises(xp.PresetError, match="NCCL_NVLS_ENABLE=1"):
+    xp.check_house_rules(xp.Preset("nvls", "bad", env={"NCCL_NVLS_ENABLE": "1"}))
+
+
+def test_xla_flags_parse_and_format_round_trip():
+  flags = xp.parse_xla_flags("--a=1 --b --xla_gpu_enable_command_buffer='' --a=2")
+  assert flags == {"a": "2", "b": "true", "xla_gpu_enable_command_buffer": ""}
+  assert xp.parse_xla_flags(xp.format_xla_flags(flags)) == flags
+  with pytest.raises(xp.PresetError, match="'oops' does not start with --"):
+    xp.parse_xla_flags("oops")
+
+
+def test_preset_upstream_keys_apply_unless_the_user_set_them():
+  run = fork_config.load(["xla_presets=[host_offload]"])
+  composed = xp.compose_for(run, {})
+  run2 = xp.with_upstream_defaults(run, composed)
+  assert run2.upstream["remat_policy"] == "custom"
+  assert run2.upstream["moe_mlpwi_0"] == run2.upstream["moe_mlpwi_1"] == "offload"
+  assert composed.env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "128"
+
+  mine = fork_config.load(["xla_presets=[host_offload]", "remat_policy=full"])
+  composed = xp.compose_for(mine, {})
+  assert xp.with_upstream_defaults(mine, composed).upstream["remat_policy"] == "full"
+  assert "config key remat_policy: your value 'full' wins over preset 'host_offload' ('custom')" in composed.overrides
+
+
+def test_cli_unknown_preset_fails_before_anything_is_written(tmp_path):
+  result = run_train(tmp_path, "xla_presets=[lhs,multistreem]")
+  assert result.returncode == 2
+  assert "unknown XLA preset 'multistreem'" in result.stderr
+  assert not result.run_dir.exists()
+
+
+@pytest.mark.slow
+def test_run_prints_and_saves_effective_flags_and_environment(tmp_path):
+  env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+  result = run_train(tmp_path, "steps=1", "enable_checkpointing=false", "xla_presets=[lhs,gpu_runtime]", env=env)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "[maxtext-moe] xla presets: lhs, gpu_runtime" in result.stdout
+  assert "[maxtext-moe] override: XLA flag xla_gpu_enable_latency_hiding_scheduler: your XLA_FLAGS value 'false' wins" in result.stdout
+  assert "[maxtext-moe] env CUDA_DEVICE_MAX_CONNECTIONS=1" in result.stdout
+  saved = json.loads((result.run_dir / "maxtext-moe" / "effective_config.json").read_text())
+  assert saved["environment"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+  assert "--xla_gpu_enable_latency_hiding_scheduler=false" in saved["environment"]["XLA_FLAGS"]
+  assert saved["xla_presets"]["presets"] == ["lhs", "gpu_runtime"]
+  assert saved["xla_presets"]["xla_flags"]["xla_gpu_enable_highest_priority_async_stream"] == "true"
+  assert len(saved["xla_presets"]["overrides"]) == 1
