@@ -382,6 +382,18 @@ def check_edges():
   return fails
 
 
+def save(rows, meta):
+  if not ARGS.out or not rows:
+    return
+  os.makedirs(ARGS.out, exist_ok=True)
+  with open(os.path.join(ARGS.out, "results.json"), "w") as fh:
+    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+  with open(os.path.join(ARGS.out, "results.csv"), "w", newline="") as fh:
+    wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+    wr.writeheader()
+    wr.writerows(rows)
+
+
 def print_table(rows):
   hdr = f"{'case':34s} {'backend':9s} {'pass':4s} {'ms':>9s} {'TF/s':>6s} {'/dense':>6s}  err"
   print(hdr)
@@ -395,7 +407,7 @@ def main():
   global ARGS
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--quick", action="store_true",
-                  help="DeepSeek-V3: up, up_fused, down at M=65536 G=32 balanced+zipf1.2, fwd+bwd, FFN")
+                  help="DeepSeek-V3: up, down at M=65536 G=32 balanced+zipf1.2, fwd+bwd; FFN zipf1.2")
   ap.add_argument("--shapes", default="up_fused,up,down")
   ap.add_argument("--m", default="16384,65536,131072")
   ap.add_argument("--g", default="8,32,64")
@@ -403,6 +415,7 @@ def main():
   ap.add_argument("--passes", default="fwd,bwd")
   ap.add_argument("--backends", default="xla,tokamax,mgpu_jax,mgpu")
   ap.add_argument("--ffn", action="store_true", help="also the expert FFN fwd+bwd")
+  ap.add_argument("--ffn-dists", default=None, help="FFN distributions (default: --dists)")
   ap.add_argument("--ffn-dims", default="7168,2048", help="model dim, expert dim")
   ap.add_argument("--xla-bwd", action="store_true", help="time ragged_dot autodiff (huge)")
   ap.add_argument("--edge", action="store_true", help="first check mgpu edge semantics")
@@ -410,7 +423,8 @@ def main():
   ap.add_argument("--out", default=None, help="directory for results.csv / results.json")
   ARGS = ap.parse_args()
   if ARGS.quick:
-    ARGS.shapes, ARGS.m, ARGS.g, ARGS.dists, ARGS.ffn = "up,down,up_fused", "65536", "32", "balanced,zipf1.2", True
+    ARGS.shapes, ARGS.m, ARGS.g, ARGS.dists = "up,down", "65536", "32", "balanced,zipf1.2"
+    ARGS.ffn, ARGS.ffn_dists = True, "zipf1.2"
   dists = DISTS if ARGS.dists == "all" else ARGS.dists.split(",")
   bks = backends(ARGS.backends.split(","))
   dev = jax.devices()[0]
@@ -420,27 +434,26 @@ def main():
   if ARGS.edge:
     print(f"edge failures: {check_edges()}", flush=True)
   rows, seed = [], 0
-  for shape in ARGS.shapes.split(","):
-    for m in map(int, ARGS.m.split(",")):
-      for g in map(int, ARGS.g.split(",")):
-        for dist in dists:
-          seed += 1
-          run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
-                        check=not ARGS.no_check)
-  if ARGS.ffn:
-    for m in map(int, ARGS.m.split(",")):
-      for g in map(int, ARGS.g.split(",")):
-        for dist in dists:
-          seed += 1
-          run_ffn_case(m, g, dist, bks, seed, rows)
-  if ARGS.out:
-    os.makedirs(ARGS.out, exist_ok=True)
-    with open(os.path.join(ARGS.out, "results.json"), "w") as fh:
-      json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-    with open(os.path.join(ARGS.out, "results.csv"), "w", newline="") as fh:
-      wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-      wr.writeheader()
-      wr.writerows(rows)
+  try:  # `timeout -s INT` ends a long sweep but still saves and prints what was measured
+    for shape in ARGS.shapes.split(","):
+      for m in map(int, ARGS.m.split(",")):
+        for g in map(int, ARGS.g.split(",")):
+          for dist in dists:
+            seed += 1
+            run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
+                          check=not ARGS.no_check)
+            save(rows, meta)
+    if ARGS.ffn:
+      ffn_dists = dists if ARGS.ffn_dists is None else ARGS.ffn_dists.split(",")
+      for m in map(int, ARGS.m.split(",")):
+        for g in map(int, ARGS.g.split(",")):
+          for dist in ffn_dists:
+            seed += 1
+            run_ffn_case(m, g, dist, bks, seed, rows)
+            save(rows, meta)
+  except KeyboardInterrupt:
+    print("[interrupted] table below holds the cases finished so far", flush=True)
+  save(rows, meta)
   print_table(rows)
 
 

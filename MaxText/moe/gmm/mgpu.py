@@ -20,6 +20,15 @@ import jax.numpy as jnp
 
 NAME = "mgpu"
 _DTYPES = (jnp.bfloat16, jnp.float16)
+# TMA with the (8, 64) swizzle tiling rejects arrays whose row count is not a multiple of 8
+# (seen on the H200: "dimension 0 must have size smaller or a multiple of its tiling 8").
+_ROW_MULTIPLE = 8
+
+
+def _pad_rows(a):
+  """Pads rows to a multiple of 8 (a copy; MoE row counts, tokens x top-k, rarely need it)."""
+  extra = -a.shape[0] % _ROW_MULTIPLE
+  return a if extra == 0 else jnp.pad(a, ((0, extra), (0, 0)))
 
 
 def unavailable_reason() -> str | None:
@@ -65,10 +74,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   m, k = lhs_MK.shape
   n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
   tiling = mgpu_tiling.lookup("fwd", k, n).fit_output(out_dtype.itemsize)
+  lhs_MK = _pad_rows(lhs_MK)
+  # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
   table = mgpu_kernels.work_table(
-      group_sizes_G, group_offset, rhs_GKN.shape[0], m, tiling.block_m)
-  return mgpu_kernels.grouped_matmul(
+      group_sizes_G, group_offset, rhs_GKN.shape[0], lhs_MK.shape[0], tiling.block_m)
+  out_MN = mgpu_kernels.grouped_matmul(
       lhs_MK, rhs_GKN, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  return out_MN if out_MN.shape[0] == m else out_MN[:m]
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
@@ -86,7 +98,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   n = dout_MN.shape[1]
   starts, ends = mgpu_kernels.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
   return mgpu_kernels.transposed_grouped_matmul(
-      lhs_MK, dout_MN, starts, ends, tiling=mgpu_tiling.lookup("tgmm", k, n), out_dtype=out_dtype)
+      _pad_rows(lhs_MK), _pad_rows(dout_MN), starts, ends, tiling=mgpu_tiling.lookup("tgmm", k, n), out_dtype=out_dtype)
 
 
 def jax_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, transpose_rhs=False):

@@ -112,10 +112,14 @@ DEFAULTS = {
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
 TABLE: dict[tuple[str, int, int], object] = {
-    ("fwd", 7168, 2048): FwdTiling(stages=4, grid_block_n=4),
-    ("fwd", 7168, 4096): FwdTiling(stages=4, grid_block_n=8),
-    ("fwd", 2048, 7168): FwdTiling(stages=4, grid_block_n=4),
-    ("fwd", 4096, 7168): FwdTiling(stages=4, grid_block_n=4),
+    # tune_gmm.py, H200, M=65536 G=32 Zipf-1.2, commit 4b9dbe7 (up-proj, ms / TF/s):
+    #   stages 3 gbn 4: 3.03/635, 3 gbn 16: 2.73/705, 4 gbn 4: 3.12/617, 4 gbn 16: 2.78/691.
+    # A band of 16 column tiles (all of N<=4096) sweeps each row block across N while its
+    # lhs rows are in L2. The other entries take gbn 16 by analogy (not swept: budget).
+    ("fwd", 7168, 2048): FwdTiling(stages=3, grid_block_n=16),
+    ("fwd", 7168, 4096): FwdTiling(stages=3, grid_block_n=16),
+    ("fwd", 2048, 7168): FwdTiling(stages=4, grid_block_n=16),
+    ("fwd", 4096, 7168): FwdTiling(stages=4, grid_block_n=16),
     ("jax_fwd", 7168, 2048): JaxFwdTiling(max_concurrent_steps=4, grid_block_n=4),
     ("jax_fwd", 7168, 4096): JaxFwdTiling(max_concurrent_steps=4, grid_block_n=8),
     ("jax_fwd", 2048, 7168): JaxFwdTiling(max_concurrent_steps=6, grid_block_n=4),
