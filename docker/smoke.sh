@@ -11,7 +11,8 @@
 #   selftest    scripts/gpu_selftest.py (the MoE backends' GPU checks), when this build has it
 #   train-tiny  configs/deepseek3-tiny.yml for SMOKE_STEPS steps on one GPU; the run's
 #               summary must hold SMOKE_STEPS steps and a finite final loss
-# SMOKE_NO_TE=1 drops the TE requirement (a GPU node set up from the wheelhouse has none).
+# SMOKE_NO_TE=1 drops the TE requirement (a GPU node set up from the wheelhouse has none);
+# SMOKE_SELFTEST=0 leaves the self-test out (it is run on its own, say).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps="${SMOKE_STEPS:-3}"
@@ -37,7 +38,15 @@ te_flag=(); [ "${SMOKE_NO_TE:-0}" = 1 ] && te_flag=(--no-te)
 item pins "$py" "$root/docker/check_image.py" "${te_flag[@]}"
 item gpu "$py" -c 'import jax; b = jax.default_backend(); print(b, jax.devices()); assert b == "gpu", b'
 
-if [ -f "$root/scripts/gpu_selftest.py" ]; then
+# The GPU items need a GPU: without one they are not run (the gpu FAIL above
+# already fails the smoke test), rather than crawling through GPU-sized cases on CPU.
+gpu_ok=1; [[ " ${failed[*]} " == *" gpu "* ]] && gpu_ok=0
+
+if [ "$gpu_ok" = 0 ]; then
+  echo "SKIP selftest (no GPU)"
+elif [ "${SMOKE_SELFTEST:-1}" = 0 ]; then
+  echo "SKIP selftest (SMOKE_SELFTEST=0)"
+elif [ -f "$root/scripts/gpu_selftest.py" ]; then
   item selftest "$py" "$root/scripts/gpu_selftest.py"
 else
   echo "SKIP selftest (scripts/gpu_selftest.py is not in this build)"
@@ -58,8 +67,12 @@ assert math.isfinite(s["final_loss"]), s["final_loss"]
 print(f"steps {s['steps_completed']}, final loss {s['final_loss']:.4f}, median step {s['median_step_time_s']}")
 PY
 }
-item train-tiny train_tiny
-tail -n 1 "$out/train-tiny.log"
+if [ "$gpu_ok" = 1 ]; then
+  item train-tiny train_tiny
+  tail -n 1 "$out/train-tiny.log"
+else
+  echo "SKIP train-tiny (no GPU)"
+fi
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "smoke: FAIL (${failed[*]})"
