@@ -215,3 +215,16 @@ def test_check_finds_two_versions_and_stale_wheels(tmp_path):
   problems = wh.check_wheelhouse(tmp_path, p, {}, ENV, own=False)
   assert any("two versions of a" in m for m in problems)
   assert any("unplanned wheel zzz" in m for m in problems)
+
+
+def test_verify_reports_requirements_the_node_does_not_meet(tmp_path):
+  def wheel(name, requires):
+    with zipfile.ZipFile(tmp_path / f"{name}-1-py3-none-any.whl", "w") as zf:
+      meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+      zf.writestr(f"{name}-1.dist-info/METADATA", f"Name: {name}\n{meta}")
+
+  wheel("ok", ["packaging", "absent-left-out", "winonly; sys_platform == 'win32'"])
+  assert wh.verify_installed(tmp_path, {"absent-left-out": "why"}) == []
+  wheel("bad", ["packaging>=999", "surely-not-installed-anywhere"])
+  problems = wh.verify_installed(tmp_path, {"absent-left-out": "why"})
+  assert len(problems) == 2 and "packaging>=999" in problems[0] and "not installed" in problems[1]
