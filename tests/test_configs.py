@@ -1,0 +1,151 @@
+"""Every shipped YAML loads through our validator and upstream's; model files hold architecture only."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from MaxText import config as fork_config
+from MaxText import launch, train, xla_presets
+
+sys.path.insert(0, str(REPO / "scripts"))
+import estimate_memory  # noqa: E402  pylint: disable=wrong-import-position
+
+CONFIGS = sorted((REPO / "configs").rglob("*.yml"))
+MODELS = sorted((REPO / "configs/models").glob("*.yml"))
+RECIPES = sorted((REPO / "configs/recipes").glob("deepseek3-671b-*x*.yml"))
+GPUS_PER_NODE = 8
+# Keys that describe a run, a mesh or a cluster: never in a model file.
+RUN_KEY = re.compile(
+    r"^(ici_|dcn_|num_slices|hardware|per_device_batch|max_target_length|steps|dataset|remat_policy|weight_dtype|"
+    r"grad_dtype|mu_dtype|attention$|sparse_matmul|megablox|use_tokamax|learning_rate|enable_checkpointing|"
+    r"xla_presets|recipe_num_gpus|base_output_directory|run_name)"
+)
+
+
+def _id(path: Path) -> str:
+  return str(path.relative_to(REPO / "configs"))
+
+
+def test_the_shipped_configs_are_the_ones_this_test_knows():
+  names = {_id(p) for p in CONFIGS}
+  assert {"models/deepseek3-671b.yml", "models/deepseek3-proxy-1gpu.yml", "models/deepseek3-proxy-2gpu.yml",
+          "models/deepseek3-proxy-8gpu.yml", "models/deepseek3-tiny.yml", "bench/proxy-1xh200.yml"} <= names
+  assert len(RECIPES) == 6  # 128 / 256 / 1024 x H100 / H200
+
+
+def _cpu_safe_overrides(run: fork_config.RunConfig) -> list[str]:
+  """What makes a GPU-cluster config validate on this CPU machine (what changes is listed)."""
+  extra = ["base_output_directory=/tmp/maxtext-moe-config-check"]
+  if "hardware" not in run.upstream:  # a model file alone: upstream's default is a TPU job
+    extra += ["hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=synthetic"]
+  if run.fork.recipe_num_gpus and run.fork.recipe_num_gpus > GPUS_PER_NODE:
+    # upstream checks DCN axes against the slices it sees; on GPU a slice is a node
+    extra.append(f"num_slices={run.fork.recipe_num_gpus // GPUS_PER_NODE}")
+  return extra
+
+
+@pytest.fixture(scope="module")
+def upstream_patched():
+  from patches import config_errors  # pylint: disable=import-outside-toplevel
+
+  config_errors.apply()  # upstream's config errors raise instead of exiting (the only seam validation needs)
+  yield
+  config_errors.undo()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_config_validates_with_ours_and_upstreams(path, upstream_patched):  # pylint: disable=unused-argument,redefined-outer-name
+  """Our loader (unknown keys, types), presets (names, flags), upstream's pydantic + cross-field checks.
+
+  Not checked here: the mesh against real devices (test_recipe_mesh_fits_its_gpu_count does
+  that with the recipe's own GPU count) and anything that needs a GPU to compile.
+  """
+  run = fork_config.load([str(path)])
+  composed = xla_presets.compose_for(run, {})
+  run = xla_presets.with_upstream_defaults(run, composed)
+  run = fork_config.load([str(path), *_cpu_safe_overrides(run)])
+  run = xla_presets.with_upstream_defaults(run, composed)
+  config = train.validate_with_upstream(run)
+  for key in ("num_experts", "base_emb_dim", "base_num_decoder_layers"):
+    if key in run.upstream:
+      assert getattr(config, key) == run.upstream[key], key  # upstream's model_name did not override ours
+
+
+def test_unknown_key_in_a_config_is_rejected(tmp_path):
+  bad = tmp_path / "bad.yml"
+  bad.write_text("base_config: models/deepseek3-proxy-1gpu.yml\nnum_expert: 8\n")
+  with pytest.raises(fork_config.ConfigError, match=r"unknown config key 'num_expert' .*did you mean 'num_experts'"):
+    fork_config.load([str(bad)])
+
+
+@pytest.mark.parametrize("path", MODELS, ids=_id)
+def test_model_files_hold_architecture_only(path):
+  keys = [k for k in yaml.safe_load(path.read_text()) if k != "base_config"]
+  assert not [k for k in keys if RUN_KEY.match(k)], path
+
+
+def test_671b_is_deepseek_v3_as_published():
+  c = fork_config.load([str(REPO / "configs/models/deepseek3-671b.yml")]).upstream
+  assert (c["base_num_decoder_layers"], c["first_num_dense_layers"]) == (61, 3)
+  assert (c["num_experts"], c["shared_experts"], c["num_experts_per_tok"]) == (256, 1, 8)
+  assert (c["routed_score_func"], c["routed_bias"], c["routed_scaling_factor"]) == ("sigmoid", True, 2.5)
+  assert (c["base_emb_dim"], c["base_mlp_dim"], c["base_moe_mlp_dim"]) == (7168, 18432, 2048)
+  assert (c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]) == (
+      1536, 512, 128, 64, 128)
+  assert (c["vocab_size"], c["mtp_num_layers"]) == (129280, 1)
+  p = estimate_memory.count_params(c)
+  assert round((p.total - p.mtp) / 1e9, 1) == 671.0
+
+
+def test_benchmark_proxy_is_the_measured_7_36b_model():
+  run = fork_config.load([str(REPO / "configs/bench/proxy-1xh200.yml")])
+  c = run.upstream
+  assert (c["base_num_decoder_layers"], c["first_num_dense_layers"], c["num_experts"], c["num_experts_per_tok"]) == (
+      4, 1, 32, 8)
+  assert (c["max_target_length"], c["per_device_batch_size"], c["weight_dtype"], c["remat_policy"]) == (
+      4096, 4, "bfloat16", "full")
+  assert (c["attention"], c["dataset_type"], c["hardware"]) == ("cudnn_flash_jax", "synthetic", "gpu")
+  assert estimate_memory.count_params(c).total == 7_358_880_864
+
+
+@pytest.mark.slow
+def test_parameter_count_matches_upstreams_own_model():
+  """Our analytic count == upstream's abstract model (jax.eval_shape, no weights) for the proxy."""
+  path = str(REPO / "configs/models/deepseek3-proxy-1gpu.yml")
+  assert estimate_memory.upstream_param_count(path) == 7_358_880_864
+
+
+def test_ep_proxies_keep_32_experts_per_gpu():
+  for name, gpus in (("proxy-2xh200-ep2.yml", 2), ("proxy-8xh200-ep8.yml", 8)):
+    run = fork_config.load([str(REPO / "configs/bench" / name)])
+    assert run.fork.recipe_num_gpus == gpus == run.upstream["ici_expert_parallelism"]
+    assert run.upstream["num_experts"] // gpus == 32
+    launch.check_topology(run.upstream, gpus, gpus, 1)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=_id)
+def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
+  run = fork_config.load([str(path)])
+  gpus = run.fork.recipe_num_gpus
+  assert f"{gpus}x" in path.name
+  launch.check_topology(run.upstream, gpus, gpus, gpus // GPUS_PER_NODE)  # one slice per 8-GPU node
+  _, est, lines = estimate_memory.estimate(run.upstream, gpus)
+  text = path.read_text()
+  for line in lines:  # the estimate written in the recipe is the script's current output
+    assert f"#  {line.strip()}" in text, line
+  hbm = 80e9 if "h100" in path.name else 141e9
+  assert est.device_total < hbm
+
+
+def test_nvidia_reference_layout_is_the_128_gpu_recipe():
+  c = fork_config.load([str(REPO / "configs/recipes/deepseek3-671b-128xh100.yml")]).upstream
+  fsdp = c["ici_fsdp_parallelism"] * c["dcn_fsdp_parallelism"]
+  assert (fsdp, c["ici_expert_parallelism"]) == (16, 8)  # ICI FSDP 8 x DCN FSDP 2 = 16, x ICI EP 8
+  assert (c["max_target_length"], c["per_device_batch_size"], c["remat_policy"]) == (4096, 6, "custom")
+  assert c["moe_mlpwi_0"] == c["moe_mlpwi_1"] == "offload"
