@@ -1,7 +1,11 @@
-"""EP backends against the one-device block, on simulated CPU devices.
+"""EP backends against the one-device block, on simulated CPU devices (or GPUs).
 
 Run by tests/test_ep.py in a subprocess (the device count must be set before
 JAX starts): `python tests/ep_check.py CASE` prints one JSON line per check.
+
+On a machine with >= 2 GPUs, `python tests/ep_check.py gpu` checks every EP
+backend that can run there (ring, a2a_padded, ragged_a2a) against the
+one-device block and prints PASS/FAIL per case (float32, highest precision).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def compare(backend, mesh_shape, top_k, bias, **options):
   """EP backend on a (data, expert) mesh vs `local` on one device: loss and grads."""
   cfg = _cfg(top_k)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
-  mesh = jax.make_mesh(mesh_shape, ("data", "expert"), devices=jax.devices()[:4],
+  mesh = jax.make_mesh(mesh_shape, ("data", "expert"), devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   disp = dispatch.make(backend, num_experts=8, axis_name="expert", ep_size=mesh_shape[1], **options)
   sharding = block.Sharding(mesh=mesh, token_axes=("data", "expert"), expert_axis="expert")
@@ -88,6 +92,19 @@ def main(case: str):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ex).as_text()
     out["ragged_ops_in_hlo"] = hlo.count("ragged_all_to_all")
     print(json.dumps(out), flush=True)
+  elif case == "gpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+    n = 4 if len(jax.devices()) >= 4 else 2
+    print(f"devices: {jax.devices()}", flush=True)
+    for backend in ("ring", "a2a_padded", "ragged_a2a"):
+      for top_k, bias, name in ((2, balanced, "balanced"), (8, balanced, "top8"), (1, skewed, "one-expert")):
+        try:
+          r = compare(backend, (1, n), top_k, bias, capacity_factor=float(n)) if backend != "ring" else \
+              compare(backend, (1, n), top_k, bias)
+          ok = r["loss_err"] < 1e-3 and r["grad_err"] < 1e-3 and not r["overflow"]
+          print(f"{'PASS' if ok else 'FAIL'} {backend} EP={n} {name} {json.dumps(r)}", flush=True)
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          print(f"FAIL {backend} EP={n} {name} {type(e).__name__}: {str(e)[:300]}", flush=True)
   else:
     raise SystemExit(f"unknown case {case}")
 

@@ -59,7 +59,9 @@ def test_ragged_a2a_refuses_cpu_but_traces_forward_and_backward():
 @pytest.mark.slow
 def test_ep4_training_matches_one_device(train):
   """ici_expert_parallelism=4 with `ring` vs one device, same global batch of 8."""
-  common = ("steps=5", "enable_checkpointing=false", "moe_block=ours")
+  # One MoE layer (3 dense + 1) and 64 tokens per sequence keep the two runs short.
+  common = ("steps=5", "enable_checkpointing=false", "moe_block=ours", "base_num_decoder_layers=4",
+            "max_target_length=64")
   ep = train(*common, "moe_dispatch_backend=ring", "ici_expert_parallelism=4", run_name="ep4",
                  env=FOUR_CPUS)
   assert ep.returncode == 0, ep.stderr[-3000:]

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.moe import routing as routing_lib
 from MaxText.moe.dispatch import Dispatcher
+from MaxText.moe.gmm import gmm
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -70,25 +71,6 @@ class BlockConfig:
   gate_dtype: jnp.dtype | None = None
 
 
-def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str, group_offset, out_dtype):
-  """The grouped GEMM (MaxText/moe/gmm, see notes/GMM_SPEC.md)."""
-  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
-
-  if not hasattr(gmm_lib, "gmm"):  # TEMPORARY until MaxText/moe/gmm/__init__.py lands
-    return _ragged_dot_gmm(lhs_MK, rhs_GKN, group_sizes_G, group_offset=group_offset, out_dtype=out_dtype)
-  return gmm_lib.gmm(lhs_MK, rhs_GKN, group_sizes_G, backend=backend, group_offset=group_offset,
-                     preferred_element_type=out_dtype)
-
-
-def _ragged_dot_gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, out_dtype):
-  """TEMPORARY stand-in: ragged_dot on the local groups' rows, rolled to the front."""
-  num_local = rhs_GKN.shape[0]
-  start = jnp.sum(jnp.where(jnp.arange(group_sizes_G.shape[0]) < group_offset, group_sizes_G, 0))
-  local_gs = jax.lax.dynamic_slice_in_dim(group_sizes_G, group_offset, num_local)
-  out = jax.lax.ragged_dot(jnp.roll(lhs_MK, -start, axis=0), rhs_GKN, local_gs, preferred_element_type=out_dtype)
-  return jnp.roll(out, start, axis=0)
-
-
 def _vary_like(w, x):
   """Inside shard_map: marks w as varying over x's token axes too.
 
@@ -103,7 +85,7 @@ def _vary_like(w, x):
 def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig):
   """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo."""
   with jax.named_scope("gmm"):
-    kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, out_dtype=cfg.dtype)
+    kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
     w0, w1, wo = (_vary_like(w.astype(cfg.dtype), x_MD) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
     h0_MF = gmm(x_MD, w0, meta.group_sizes_G, **kw)
     h1_MF = gmm(x_MD, w1, meta.group_sizes_G, **kw)
