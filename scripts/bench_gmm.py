@@ -419,6 +419,11 @@ def main():
   ap.add_argument("--ffn-dims", default="7168,2048", help="model dim, expert dim")
   ap.add_argument("--xla-bwd", action="store_true", help="time ragged_dot autodiff (huge)")
   ap.add_argument("--edge", action="store_true", help="first check mgpu edge semantics")
+  ap.add_argument("--deadline-s", type=float, default=None,
+                  help="start no new case after this many seconds (each new kernel shape costs "
+                       "~25 s of Mosaic-GPU compile on an H200; a fresh --quick case ~200 s)")
+  ap.add_argument("--cache-dir", default=None,
+                  help="JAX persistent compilation cache (carry it between device calls)")
   ap.add_argument("--no-check", action="store_true")
   ap.add_argument("--out", default=None, help="directory for results.csv / results.json")
   ARGS = ap.parse_args()
@@ -426,6 +431,16 @@ def main():
     ARGS.shapes, ARGS.m, ARGS.g, ARGS.dists = "up,down", "65536", "32", "balanced,zipf1.2"
     ARGS.ffn, ARGS.ffn_dists = True, "zipf1.2"
   dists = DISTS if ARGS.dists == "all" else ARGS.dists.split(",")
+  if ARGS.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", ARGS.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  t_start = time.monotonic()
+
+  def out_of_time():
+    over = ARGS.deadline_s is not None and time.monotonic() - t_start > ARGS.deadline_s
+    if over:
+      print(f"[deadline] {ARGS.deadline_s:.0f} s passed: no further cases", flush=True)
+    return over
   bks = backends(ARGS.backends.split(","))
   dev = jax.devices()[0]
   meta = dict(device=dev.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -440,6 +455,8 @@ def main():
         for g in map(int, ARGS.g.split(",")):
           for dist in dists:
             seed += 1
+            if out_of_time():
+              raise KeyboardInterrupt
             run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
                           check=not ARGS.no_check)
             save(rows, meta)
@@ -449,10 +466,12 @@ def main():
         for g in map(int, ARGS.g.split(",")):
           for dist in ffn_dists:
             seed += 1
+            if out_of_time():
+              raise KeyboardInterrupt
             run_ffn_case(m, g, dist, bks, seed, rows)
             save(rows, meta)
-  except KeyboardInterrupt:
-    print("[interrupted] table below holds the cases finished so far", flush=True)
+  except KeyboardInterrupt:  # deadline, or Ctrl-C / `timeout -s INT` between compiles
+    print("[stopped] the table below holds the cases finished so far", flush=True)
   save(rows, meta)
   print_table(rows)
 
