@@ -48,8 +48,8 @@ def _refuse(what: str) -> None:
   )
 
 
-def _make_gmm(backend: str):
-  """A drop-in for megablox's gmm (same keywords) that runs `backend`."""
+def _make_gmm(choice: str, backend: str):
+  """A drop-in for megablox's gmm (same keywords) that runs `choice`, resolved to `backend`."""
 
   def gmm(
       lhs,
@@ -91,7 +91,7 @@ def _make_gmm(backend: str):
         lhs,
         rhs,
         group_sizes,
-        backend=backend,
+        backend=choice,  # resolved (and logged) once, in apply
         group_offset=0 if group_offset is None else group_offset,
         preferred_element_type=preferred_element_type,
         transpose_rhs=transpose_rhs,
@@ -117,7 +117,7 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   backend = moe_gmm.resolve_backend(fork.moe_gmm_backend).NAME
 
   def replace(original):
-    replacement = _make_gmm(backend)
+    replacement = _make_gmm(fork.moe_gmm_backend, backend)
     replacement.__wrapped__ = original
     return replacement
 
