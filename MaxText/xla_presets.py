@@ -405,6 +405,11 @@ def report(composed: Composed) -> dict[str, Any]:
 def summary_lines(composed: Composed, env: Mapping[str, str]) -> list[str]:
   """Lines printed at start: presets, every override, and each variable the run sets."""
   lines = [f"xla presets: {', '.join(composed.presets) or 'none'}"]
+  lines += [f"config from presets: {k}={v}" for k, v in composed.upstream_defaults.items()]
   lines += [f"override: {line}" for line in composed.overrides]
   lines += [f"env {k}={v}" for k, v in sorted(env.items()) if k != "XLA_FLAGS"]
   return lines
+
+
+if __name__ == "__main__":  # python -m MaxText.xla_presets: list the presets
+  print(describe())
