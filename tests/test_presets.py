@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_train
+from conftest import REPO, run_train
 from MaxText import config as fork_config
 from MaxText import xla_presets as xp
 
@@ -136,3 +139,29 @@ def test_run_prints_and_saves_effective_flags_and_environment(tmp_path):
   assert saved["xla_presets"]["presets"] == ["lhs", "gpu_runtime"]
   assert saved["xla_presets"]["xla_flags"]["xla_gpu_enable_highest_priority_async_stream"] == "true"
   assert len(saved["xla_presets"]["overrides"]) == 1
+
+
+def test_nothing_before_run_environment_creates_a_jax_backend():
+  """XLA reads XLA_FLAGS once, at backend creation: presets must be in the environment by then.
+
+  Everything `python -m MaxText.train` does before `run_environment` (imports,
+  loading and validating the config, composing presets) runs here; a flag set
+  afterwards must still take effect.
+  """
+  code = (
+      "import os\n"
+      "from MaxText import config, train, xla_presets\n"
+      "run = config.load(['configs/bench/proxy-1xh200.yml', 'xla_presets=[deepseek_v3_reference,host_offload]'])\n"
+      "composed = xla_presets.compose_for(run, dict(os.environ))\n"
+      "run = xla_presets.with_upstream_defaults(run, composed)\n"
+      "env = train.run_environment(run, dict(os.environ), composed)\n"
+      "env['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=3'\n"
+      "os.environ.update(env)\n"
+      "import jax\n"
+      "print('devices', jax.device_count())\n"
+  )
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "devices 3" in proc.stdout
