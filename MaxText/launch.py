@@ -17,10 +17,12 @@ jax.distributed is already initialized, so ours is the only initialization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 from MaxText.config import ConfigError, RunConfig, upstream_configs_dir
@@ -142,10 +144,13 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
 # --- topology checks --------------------------------------------------------
 
 
-def _upstream_base() -> dict[str, Any]:
+@functools.cache
+def _upstream_base() -> Mapping[str, Any]:
+  """Upstream's base.yml (parsed once: the mesh defaults our checks fill in)."""
   import omegaconf  # pylint: disable=import-outside-toplevel
 
-  return omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(Path(upstream_configs_dir()) / "base.yml"))
+  base = omegaconf.OmegaConf.load(Path(upstream_configs_dir()) / "base.yml")
+  return MappingProxyType(omegaconf.OmegaConf.to_container(base))
 
 
 def mesh_axes(upstream: Mapping[str, Any], prefix: str) -> dict[str, int]:
