@@ -177,7 +177,8 @@ def _upstream_layer(cls, cfg, mesh):
 
 
 def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypatch):
-  """Same parameter tree (paths, shapes, dtypes, sharding); same output and grads as upstream's sparse path."""
+  """Same parameter tree (paths, shapes, dtypes, sharding); same output, aux loss, bias update and grads
+  as upstream's sparse path, with a nonzero routing bias."""
   from flax import nnx
   from maxtext.configs import pyconfig
   from maxtext.layers import moe
@@ -187,7 +188,8 @@ def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypat
   from patches import routed_moe
 
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")  # keeps upstream from adding an HLO dump
-  run = fork_config.load(["steps=1", "enable_checkpointing=false", "dtype=float32", "moe_block=ours"])
+  run = fork_config.load(["steps=1", "enable_checkpointing=false", "dtype=float32", "moe_block=ours",
+                          "load_balance_loss_weight=0.01", "routed_bias_update_rate=0.001"])
   cfg = pyconfig.initialize(run.upstream_argv())
   mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
   x = jax.random.normal(jax.random.key(1), (2, 16, cfg.emb_dim))
@@ -199,14 +201,14 @@ def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypat
 
   def loss_and_grads(layer):
     def loss(layer, x):
-      y, _, _ = layer(x)
-      return jnp.sum(y * jnp.cos(y))
-    return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+      y, lb_loss, bias_update = layer(x)
+      return jnp.sum(y * jnp.cos(y)) + lb_loss, bias_update
+    return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layer, x)
 
   with jax.set_mesh(mesh):
     upstream = _upstream_layer(moe.RoutedMoE, cfg, mesh)
     upstream.gate.bias.set_value(jax.random.normal(jax.random.key(2), upstream.gate.bias.get_value().shape) * 0.3)
-    want, (want_dlayer, want_dx) = loss_and_grads(upstream)
+    (want, want_bias_update), (want_dlayer, want_dx) = loss_and_grads(upstream)
     try:
       routed_moe.apply(run.fork)
       ours = _upstream_layer(moe.RoutedMoE, cfg, mesh)
@@ -215,10 +217,22 @@ def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypat
     assert describe(ours) == describe(upstream)
     nnx.update(ours, nnx.state(upstream, nnx.Any(nnx.Param, moe.MoEBiasVar)))
     calls = dict(routed_moe.call_counts())
-    got, (got_dlayer, got_dx) = loss_and_grads(ours)
+    (got, got_bias_update), (got_dlayer, got_dx) = loss_and_grads(ours)
     assert routed_moe.call_counts().get("local", 0) > calls.get("local", 0)  # our block ran
-  assert_close(got, want, 1e-4, "loss")
+  assert_close(got, want, 1e-4, "loss (with the load-balance loss)")
+  assert_close(got_bias_update, want_bias_update, 0, "routing-bias update")
   assert_close(got_dx, want_dx, 1e-4, "dx")
   for name in ("wi_0", "wi_1", "wo"):
     assert_close(getattr(got_dlayer, name).get_value(), getattr(want_dlayer, name).get_value(), 1e-4, name)
   assert_close(got_dlayer.gate.kernel.get_value(), want_dlayer.gate.kernel.get_value(), 1e-4, "router")
+
+
+def test_te_block_without_te_says_what_to_install():
+  from MaxText.config import ForkConfig
+  from maxtext.layers import moe
+  from patches import routed_moe
+
+  before = moe.RoutedMoE
+  with pytest.raises(RuntimeError, match=r"pip install 'transformer_engine\[jax\]'"):
+    routed_moe.apply(ForkConfig(moe_block="te"))
+  assert moe.RoutedMoE is before
