@@ -36,7 +36,9 @@ PROBLEMS = {
 }
 FWD_VARIANTS = [dict(stages=s, grid_block_n=b) for s in (3, 4) for b in (4, 16)]
 TGMM_VARIANTS = [dict(block_k=64, stages=4), dict(block_k=64, stages=6),
-                 dict(block_k=128, stages=3)]
+                 dict(block_k=128, stages=3),
+                 dict(warp_specialized=True, stages=3, grid_block_n=4),   # not yet timed
+                 dict(warp_specialized=True, stages=3, grid_block_n=16)]
 
 
 def run_problem(name, m, g, dist, seed):

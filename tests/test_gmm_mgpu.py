@@ -148,6 +148,16 @@ def test_tgmm_lowers_to_mosaic_gpu():
   assert "mosaic_gpu" in text
 
 
+def test_warp_specialized_tgmm_lowers_at_deepseek_shape():
+  # 3 stages of (64x128 + 64x256) bf16 + a 128x256 output tile fit Hopper's shared memory.
+  tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3)
+  text = _lower(lambda x, d, s, e: mgpu_kernels.transposed_grouped_matmul(
+      x, d, s, e, tiling=tiling, out_dtype=jnp.bfloat16),
+      ((4096, 7168), jnp.bfloat16), ((4096, 2048), jnp.bfloat16), ((32,), jnp.int32),
+      ((32,), jnp.int32))
+  assert "mosaic_gpu" in text
+
+
 # ------------------------------------------------------------------ kernels, interpreted on CPU
 # Pallas' Mosaic-GPU interpret mode simulates threads, SMEM, TMA and barriers on the CPU, so
 # the kernels' numbers (group_offset, zero rows, partial tiles, transposed rhs) are checked
@@ -190,14 +200,22 @@ def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype):
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_tgmm_kernel_interpreted():
-  m, k, n = 300, 128, 128
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_tgmm_kernel_interpreted(warp_specialized):
+  m, k, n = 300, 128, 256
   sizes = [100, 0, 170, 30]
   kx, kd = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   d = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
   with _interpret():
-    dw = mgpu.tgmm(x, d, jnp.asarray(sizes, jnp.int32), group_offset=1, num_local_groups=3)
+    if warp_specialized:  # opt-in variant, called through the kernel with its tiling
+      starts, ends = mgpu_kernels.local_group_bounds(gs, 1, 3, m)
+      tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3)
+      dw = mgpu_kernels.transposed_grouped_matmul(
+          x, d, starts, ends, tiling=tiling, out_dtype=jnp.bfloat16)
+    else:
+      dw = mgpu.tgmm(x, d, gs, group_offset=1, num_local_groups=3)
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)
   for i, g in enumerate(range(1, 4)):

@@ -231,7 +231,9 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   if rows != rows2:
     raise ValueError(f"row mismatch: lhs {lhs_MK.shape} dout {dout_MN.shape}")
   t = tiling
-  t.validate(k, n)
+  t.validate(k, n, jnp.dtype(out_dtype).itemsize)
+  if t.warp_specialized:
+    return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype)
   g = starts_G.shape[0]
   starts = starts_G.astype(jnp.int32)
   ends = ends_G.astype(jnp.int32)
@@ -317,6 +319,133 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
       grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return kernel(starts, ends, num_steps, block_starts, lhs_MK, dout_MN)
+
+
+def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTiling, out_dtype):
+  """Warp-specialized dW: a memory warpgroup streams (block_k x block_m) lhs and
+  (block_k x 2*block_n) dout blocks of one group's rows; two compute warpgroups each own
+  block_n output columns. Boundary steps zero the rows of neighbouring groups in each
+  warpgroup's own dout slice (lhs is shared by both, so masking it would race); rows outside
+  the group then contribute lhs * 0 (inputs are finite activations)."""
+  rows, k = lhs_MK.shape
+  n = dout_MN.shape[1]
+  g = starts_G.shape[0]
+  starts = starts_G.astype(jnp.int32)
+  ends = ends_G.astype(jnp.int32)
+  block_starts = starts // t.block_k * t.block_k
+  block_ends = -(ends // -t.block_k) * t.block_k
+  num_steps = jnp.where(ends > starts, (block_ends - block_starts) // t.block_k, 0)
+  dtype = lhs_MK.dtype
+  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  out_swizzle = plgpu.find_swizzle(t.block_n * out_itemsize * 8)
+  out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)),
+                    plgpu.SwizzleTransform(out_swizzle))
+  grid_m, grid_n = k // t.block_m, n // t.cta_n
+
+  def pipeline(body, compute_context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((t.block_k, t.block_m), lambda si: (si, 0), transforms=transforms),
+            plgpu.BlockSpec((t.block_k, t.cta_n), lambda si: (si, 0), transforms=transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=t.stages,
+        compute_context=compute_context,
+    )
+
+  def body(starts_g, ends_g, steps_g, bstart_g, lhs_gmem, dout_gmem, o_gmem):
+    ignore = lambda *_, **__: None
+    lhs_shape = lhs_gmem.at[:, pl.ds(0, t.block_m)]
+    dout_shape = dout_gmem.at[:, pl.ds(0, t.cta_n)]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, t.stages).get_allocations(lhs_shape, dout_shape),
+        out_smem=plgpu.SMEM((2, t.block_m, t.block_n), out_dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+      def _tiles(loop_info):
+        gi = loop_info.index[0]
+        mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, t.grid_block_n)
+        first = pl.multiple_of(bstart_g[gi], t.block_k)
+        steps = steps_g[gi]
+        window = pl.ds(first, rows)  # may run past the arrays' end; never read there
+        wg_cols = pl.ds(wg * t.block_n, t.block_n)
+
+        def store(tile):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[wg] = tile
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              out_smem.at[wg],
+              o_gmem.at[gi, pl.ds(mi * t.block_m, t.block_m),
+                        pl.ds(ni * t.cta_n + wg * t.block_n, t.block_n)])
+
+        def mask_rows(dout_wg, keep):
+          idx = plgpu.layout_cast(
+              lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_n), 0), plgpu.Layout.WGMMA)
+          dout_wg[...] = dout_wg[...] * keep(idx).astype(dout_wg.dtype)
+          plgpu.commit_smem()
+
+        def mma(idx, lhs_smem, dout_smem, acc_ref):
+          (si,) = idx
+          dout_wg = dout_smem.at[:, wg_cols]
+
+          @pl.when(si == 0)
+          def _():
+            lo = starts_g[gi] - first
+            mask_rows(dout_wg, lambda r: r >= lo)
+
+          @pl.when(si == steps - 1)
+          def _():
+            hi = ends_g[gi] - first - si * t.block_k
+            mask_rows(dout_wg, lambda r: r < hi)
+
+          plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_wg)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def compute_context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.block_m, t.block_n), jnp.float32))
+          def _acc(acc_ref):
+            run_pipeline(acc_ref)
+            store(acc_ref[...].astype(out_dtype))
+
+        @pl.when(steps > 0)
+        def _compute():
+          pipeline(mma, compute_context, steps)(
+              lhs_gmem.at[window, pl.ds(mi * t.block_m, t.block_m)],
+              dout_gmem.at[window, pl.ds(ni * t.cta_n, t.cta_n)],
+              allocations=allocs)
+
+        @pl.when((steps == 0) & (wg < 2))
+        def _empty():
+          store(plgpu.layout_cast(jnp.zeros((t.block_m, t.block_n), out_dtype),
+                                  plgpu.Layout.WGMMA))
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
   return kernel(starts, ends, num_steps, block_starts, lhs_MK, dout_MN)

@@ -77,19 +77,37 @@ class FwdTiling:
 @dataclasses.dataclass(frozen=True)
 class TgmmTiling:
   """Tiling of the transposed grouped GEMM (dW): output tiles of block_m x block_n of the
-  [K, N] per-group result, contraction over rows in steps of block_k."""
+  [K, N] per-group result, contraction over rows in steps of block_k.
+
+  warp_specialized: False = one warpgroup per block (JAX's structure; measured, 0.82 of
+  dense dW estimated from the bwd total); True = one memory + two compute warpgroups on
+  block_m x (2 * block_n) tiles (checked in interpret mode and lowering only: not yet timed
+  on a GPU, so not the default).
+  """
 
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   grid_block_n: int = 4
+  warp_specialized: bool = False
 
-  def validate(self, k: int, n: int) -> None:
+  @property
+  def cta_n(self) -> int:
+    return self.block_n * (2 if self.warp_specialized else 1)
+
+  def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
+    stage = (self.block_k * self.block_m + self.block_k * self.cta_n) * BF16_BYTES
+    return self.stages * stage + self.block_m * self.cta_n * out_itemsize
+
+  def validate(self, k: int, n: int, out_itemsize: int = BF16_BYTES) -> None:
     if k % self.block_m:
       raise ValueError(f"K={k} must be a multiple of block_m={self.block_m}")
-    if n % self.block_n:
-      raise ValueError(f"N={n} must be a multiple of block_n={self.block_n}")
+    if n % self.cta_n:
+      raise ValueError(f"N={n} must be a multiple of {self.cta_n} (block_n x compute warpgroups)")
+    if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      raise ValueError(
+          f"{self} needs {self.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
 
 
 @dataclasses.dataclass(frozen=True)
