@@ -415,6 +415,7 @@ def main():
   ap.add_argument("--passes", default="fwd,bwd")
   ap.add_argument("--backends", default="xla,tokamax,mgpu_jax,mgpu")
   ap.add_argument("--ffn", action="store_true", help="also the expert FFN fwd+bwd")
+  ap.add_argument("--ffn-first", action="store_true", help="run the FFN cases before the GEMMs")
   ap.add_argument("--ffn-dists", default=None, help="FFN distributions (default: --dists)")
   ap.add_argument("--ffn-dims", default="7168,2048", help="model dim, expert dim")
   ap.add_argument("--xla-bwd", action="store_true", help="time ragged_dot autodiff (huge)")
@@ -449,7 +450,8 @@ def main():
   if ARGS.edge:
     print(f"edge failures: {check_edges()}", flush=True)
   rows, seed = [], 0
-  try:  # `timeout -s INT` ends a long sweep but still saves and prints what was measured
+  def gemm_cases():
+    nonlocal seed
     for shape in ARGS.shapes.split(","):
       for m in map(int, ARGS.m.split(",")):
         for g in map(int, ARGS.g.split(",")):
@@ -460,16 +462,25 @@ def main():
             run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
                           check=not ARGS.no_check)
             save(rows, meta)
-    if ARGS.ffn:
-      ffn_dists = dists if ARGS.ffn_dists is None else ARGS.ffn_dists.split(",")
-      for m in map(int, ARGS.m.split(",")):
-        for g in map(int, ARGS.g.split(",")):
-          for dist in ffn_dists:
-            seed += 1
-            if out_of_time():
-              raise KeyboardInterrupt
-            run_ffn_case(m, g, dist, bks, seed, rows)
-            save(rows, meta)
+
+  def ffn_cases():
+    nonlocal seed
+    ffn_dists = dists if ARGS.ffn_dists is None else ARGS.ffn_dists.split(",")
+    for m in map(int, ARGS.m.split(",")):
+      for g in map(int, ARGS.g.split(",")):
+        for dist in ffn_dists:
+          seed += 1
+          if out_of_time():
+            raise KeyboardInterrupt
+          run_ffn_case(m, g, dist, bks, seed, rows)
+          save(rows, meta)
+
+  order = [gemm_cases] + ([ffn_cases] if ARGS.ffn else [])
+  if ARGS.ffn_first:
+    order.reverse()
+  try:  # `timeout -s INT` ends a long sweep but still saves and prints what was measured
+    for cases in order:
+      cases()
   except KeyboardInterrupt:  # deadline, or Ctrl-C / `timeout -s INT` between compiles
     print("[stopped] the table below holds the cases finished so far", flush=True)
   save(rows, meta)
