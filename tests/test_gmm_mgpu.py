@@ -163,8 +163,8 @@ def test_warp_specialized_tgmm_lowers_at_deepseek_shape():
 # the kernels' numbers (group_offset, zero rows, partial tiles, transposed rhs) are checked
 # here too; tiny shapes keep each case to ~30 s. Races/timing are only seen on a GPU.
 def _interpret():
-  from jax._src.pallas.mosaic_gpu.interpret import params
-  return params.force_gpu_interpret_mode(params.InterpretGPUParams())
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
 
 
 def _ref_rows(x, w, starts, ends, m):
