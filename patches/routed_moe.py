@@ -71,7 +71,8 @@ def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:
       "mlp_activations_limit>0": cfg.mlp_activations_limit > 0,
       "weight sparsity": layer.wi_0_sparsity_module is not None,
       "per-expert scales": layer.per_expert_scale is not None,
-      "expert parallelism over several mesh axes": not isinstance(layer._expert_parallelism_name, str),  # pylint: disable=protected-access
+      "expert parallelism over several mesh axes": not isinstance(
+          layer._expert_parallelism_name, str),  # pylint: disable=protected-access
   }
   return [name for name, bad in checks.items() if bad]
 
@@ -101,7 +102,8 @@ def _sharding(layer, num_tokens: int, ep_size: int):
   mesh = layer.mesh
   if mesh is None or math.prod(mesh.shape.values()) == 1:
     return None
-  spec = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  spec = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))
   axes, size = [], 1
   for dim in spec[:2]:
     for axis in (dim,) if isinstance(dim, str) else (dim or ()):
@@ -148,8 +150,8 @@ def _ours(layer, inputs, settings: dict):
   ep_size = layer.get_expert_parallelism_size()
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
   options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
-  disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=layer._expert_parallelism_name,  # pylint: disable=protected-access
-                       ep_size=ep_size, **options)
+  axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
+  disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
   block_cfg = block.BlockConfig(
       router=_router_config(layer),
       activation=cfg.mlp_activations[0],

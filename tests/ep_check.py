@@ -42,7 +42,8 @@ def _loss_and_grads(cfg, disp, sharding, bias):
     y, _, overflow = block.moe_block(x, block.Router(kernel, bias), ex, cfg, disp, sharding)
     return jnp.sum(y * probe), overflow
 
-  (val, overflow), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, router.kernel_DE, ex)
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (val, overflow), grads = grad_fn(x, router.kernel_DE, ex)
   return val, grads, overflow
 
 

@@ -80,7 +80,7 @@ class A2AMeta:
   capacity: int
 
 
-def _exclusive_cumsum(a, axis=0):
+def exclusive_cumsum(a, axis=0):
   return jnp.cumsum(a, axis=axis) - a
 
 
@@ -99,20 +99,21 @@ def expert_major(recv_PE, block_start_P, rows: int):
   i = jnp.arange(rows, dtype=jnp.int32)
   p = jnp.clip(jnp.searchsorted(block_start_P, i, side="right") - 1, 0, recv_PE.shape[0] - 1)
   c = i - block_start_P[p]
-  run_start_PE = _exclusive_cumsum(recv_PE, axis=1)
+  run_start_PE = exclusive_cumsum(recv_PE, axis=1)
   e = jnp.minimum(jnp.sum(c[:, None] >= (run_start_PE + recv_PE)[p], axis=-1), recv_PE.shape[1] - 1)
   group_sizes = recv_PE.sum(0)
-  pos_PE = _exclusive_cumsum(group_sizes)[None, :] + _exclusive_cumsum(recv_PE, axis=0)
+  pos_PE = exclusive_cumsum(group_sizes)[None, :] + exclusive_cumsum(recv_PE, axis=0)
   dest_R = jnp.where(c < recv_PE.sum(1)[p], pos_PE[p, e] + c - run_start_PE[p, e], rows).astype(jnp.int32)
   src_R = jnp.full((rows,), rows, jnp.int32).at[dest_R].set(i, mode="drop")
   return src_R, dest_R, group_sizes.astype(jnp.int32)
 
 
-def _raise_on_overflow(overflow, send_P, capacity):
+def raise_on_overflow(overflow, rows_P, bound, backend=NAME):
+  """Host callback: a clear runtime error when a bounded buffer overflowed."""
   if overflow:
     raise RuntimeError(
-        f"MoE a2a_padded dispatch overflow: rows per peer {send_P.tolist()} exceed the buffer bound {capacity}; "
-        "raise moe_a2a_padded_capacity_factor (its EP size never overflows) or set "
+        f"MoE {backend} dispatch overflow: rows per peer {rows_P.tolist()} exceed the buffer bound {bound}; "
+        f"raise moe_{backend}_capacity_factor (the EP size never overflows) or set "
         "moe_a2a_padded_on_overflow=flag with upstream's moe_dropless_fallback=step")
 
 
@@ -142,17 +143,17 @@ class A2APaddedDispatcher:
 
     send_PE = slots.group_sizes_G.reshape(n, num_local)
     send_P = send_PE.sum(1)
-    send_start_P = _exclusive_cumsum(send_P)
+    send_start_P = exclusive_cumsum(send_P)
     overflow = jax.lax.pmax(jnp.any(send_P > cap).astype(jnp.int32), self.axis_name) > 0
     if self.on_overflow == "error":
-      jax.debug.callback(_raise_on_overflow, overflow, send_P, cap)
+      jax.debug.callback(raise_on_overflow, overflow, send_P, cap)
 
     c = jnp.arange(cap)[None, :]
     take_PC = jnp.where(c < jnp.minimum(send_P, cap)[:, None], send_start_P[:, None] + c, x_MD.shape[0])
     send_PCD = x_MD.at[take_PC].get(mode="fill", fill_value=0)
     recv_RD = self._a2a(send_PCD).reshape(rows, -1)
     # Counts as sent: on overflow only the first C rows per peer travel (reported above).
-    sent_PE = jnp.clip(cap - _exclusive_cumsum(send_PE, axis=1), 0, send_PE)
+    sent_PE = jnp.clip(cap - exclusive_cumsum(send_PE, axis=1), 0, send_PE)
     recv_PE = self._a2a(sent_PE)  # row p: what peer p sent me, per local expert
 
     src_R, dest_R, group_sizes = expert_major(recv_PE, jnp.arange(n, dtype=jnp.int32) * cap, rows)

@@ -99,11 +99,12 @@ class RaggedA2ADispatcher:
     recv_PE = self._a2a(send_PE)
     overflow = jax.lax.pmax((recv_PE.sum() > rows).astype(jnp.int32), self.axis_name) > 0
     if self.on_overflow == "error":
-      jax.debug.callback(a2a_padded._raise_on_overflow, overflow, recv_PE.sum(1), rows)  # pylint: disable=protected-access
+      jax.debug.callback(functools.partial(a2a_padded.raise_on_overflow, backend=NAME), overflow, recv_PE.sum(1),
+                         rows)
     send_PE = jnp.where(overflow, 0, send_PE)  # never write past the receive buffer
     recv_PE = jnp.where(overflow, 0, recv_PE)
     send_P, recv_P = send_PE.sum(1), recv_PE.sum(1)
-    send_start_P, recv_start_P = a2a_padded._exclusive_cumsum(send_P), a2a_padded._exclusive_cumsum(recv_P)  # pylint: disable=protected-access
+    send_start_P, recv_start_P = a2a_padded.exclusive_cumsum(send_P), a2a_padded.exclusive_cumsum(recv_P)
     out_offset_P = self._a2a(recv_start_P)  # where my rows land in each peer's buffer
     home_offset_P = self._a2a(send_start_P)  # where each peer's rows came from in its own order
 
