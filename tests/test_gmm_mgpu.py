@@ -222,3 +222,28 @@ def test_tgmm_kernel_interpreted(warp_specialized):
     s, e = starts[g], ends[g]
     ref = np.asarray(x[s:e], np.float32).T @ np.asarray(d[s:e], np.float32)
     np.testing.assert_allclose(np.asarray(dw[i], np.float32), ref, rtol=2e-2, atol=0.3)
+
+
+@pytest.mark.parametrize("kernel", ["gmm", "tgmm_ws"])
+def test_warp_specialized_kernels_have_no_races_interpreted(kernel):
+  # The interpreter's race detector tracks every SMEM/GMEM access of the simulated
+  # warpgroups and TMA engine. get_races is not re-exported publicly (jax 0.11.2, pinned).
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  m, k, n = 200, 128, 256
+  gs = jnp.asarray([60, 0, 100, 30], jnp.int32)
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+  interp.reset_gpu_interpret_mode_state()
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    if kernel == "gmm":
+      w = jax.random.normal(jax.random.key(1), (2, k, n), jnp.bfloat16)
+      out = mgpu.gmm(x, w, gs, group_offset=1)
+    else:
+      d = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
+      starts, ends = mgpu_kernels.local_group_bounds(gs, 1, 2, m)
+      out = mgpu_kernels.transposed_grouped_matmul(
+          x, d, starts, ends, tiling=mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3),
+          out_dtype=jnp.bfloat16)
+    jax.block_until_ready(out)
+  assert not interp.get_races().races_found
