@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 NAME = "local"
 
@@ -56,11 +57,19 @@ class LocalMeta:
 
 
 def sort_by_expert(ids_TK, num_groups: int, group_offset=0, num_local_experts: int | None = None) -> LocalMeta:
-  """The permutation that groups (token, choice) slots by expert id."""
+  """The permutation that groups (token, choice) slots by expert id.
+
+  The integer maps are named "moe_routing_maps" (upstream's name, layers/moe.py
+  ~425) so that a remat policy saving that name keeps them for the backward
+  instead of re-sorting in the recomputed forward.
+  """
   flat_M = ids_TK.reshape(-1)
-  order_M = jnp.argsort(flat_M, stable=True).astype(jnp.int32)
+  order_M = checkpoint_name(jnp.argsort(flat_M, stable=True).astype(jnp.int32), "moe_routing_maps")
   slot_row = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0], dtype=jnp.int32))
-  group_sizes = jnp.zeros((num_groups,), jnp.int32).at[flat_M].add(1, mode="drop")
+  slot_row = checkpoint_name(slot_row, "moe_routing_maps")
+  # Group boundaries by binary search in the sorted ids: no scatter-add (atomics on GPU).
+  bounds = jnp.searchsorted(flat_M[order_M], jnp.arange(num_groups + 1, dtype=flat_M.dtype), side="left")
+  group_sizes = jnp.diff(bounds).astype(jnp.int32)
   return LocalMeta(order_M=order_M, slot_row_TK=slot_row.reshape(ids_TK.shape), group_sizes_G=group_sizes,
                    group_offset=jnp.asarray(group_offset, jnp.int32),
                    num_local_experts=num_groups if num_local_experts is None else num_local_experts)
