@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -137,11 +138,17 @@ def test_cli_recipe_for_more_gpus_than_present(tmp_path):
 
 @pytest.mark.slow
 def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
-  """scripts/launch_local.sh -n 2: jax.distributed + gloo, one CPU device per process."""
+  """scripts/launch_local.sh -n 2: jax.distributed + gloo, one CPU device per process.
+
+  The same run (one tiny run is CI time enough) checks that presets' flags and
+  environment, and the user's override, are printed at start and saved.
+  """
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["MAXTEXT_MOE_PYTHON"] = sys.executable
+  env["XLA_FLAGS"] = "--xla_gpu_enable_latency_hiding_scheduler=false"
   cmd = ["bash", str(REPO / "scripts/launch_local.sh"), "-n", "2", "configs/deepseek3-tiny.yml", "steps=2",
-         "enable_checkpointing=false", f"base_output_directory={tmp_path}", "run_name=two"]
+         "enable_checkpointing=false", "xla_presets=[lhs,gpu_runtime]", f"base_output_directory={tmp_path}",
+         "run_name=two"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:]
   for rank in (0, 1):
@@ -149,3 +156,14 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
   losses = {rank: re.findall(rf"^\[p{rank}\] \[progress\] step 2/2 .*loss ([0-9.]+)", proc.stdout, re.M) for rank in (0, 1)}
   assert losses[0] and losses[0] == losses[1], losses
   assert "Num_devices: 2" in proc.stdout  # one global mesh over both processes
+
+  assert "[p0] [maxtext-moe] xla presets: lhs, gpu_runtime" in proc.stdout
+  assert ("[p0] [maxtext-moe] override: XLA flag xla_gpu_enable_latency_hiding_scheduler: "
+          "your XLA_FLAGS value 'false' wins") in proc.stdout
+  assert "[p0] [maxtext-moe] env CUDA_DEVICE_MAX_CONNECTIONS=1" in proc.stdout
+  saved = json.loads((tmp_path / "two" / "maxtext-moe" / "effective_config.json").read_text())
+  assert saved["environment"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+  assert "--xla_gpu_enable_latency_hiding_scheduler=false" in saved["environment"]["XLA_FLAGS"]
+  assert saved["xla_presets"]["presets"] == ["lhs", "gpu_runtime"]
+  assert saved["xla_presets"]["xla_flags"]["xla_gpu_enable_highest_priority_async_stream"] == "true"
+  assert len(saved["xla_presets"]["overrides"]) == 1

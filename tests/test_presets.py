@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -123,22 +122,6 @@ def test_cli_unknown_preset_fails_before_anything_is_written(tmp_path):
   assert result.returncode == 2
   assert "unknown XLA preset 'multistreem'" in result.stderr
   assert not result.run_dir.exists()
-
-
-@pytest.mark.slow
-def test_run_prints_and_saves_effective_flags_and_environment(tmp_path):
-  env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
-  result = run_train(tmp_path, "steps=1", "enable_checkpointing=false", "xla_presets=[lhs,gpu_runtime]", env=env)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert "[maxtext-moe] xla presets: lhs, gpu_runtime" in result.stdout
-  assert "[maxtext-moe] override: XLA flag xla_gpu_enable_latency_hiding_scheduler: your XLA_FLAGS value 'false' wins" in result.stdout
-  assert "[maxtext-moe] env CUDA_DEVICE_MAX_CONNECTIONS=1" in result.stdout
-  saved = json.loads((result.run_dir / "maxtext-moe" / "effective_config.json").read_text())
-  assert saved["environment"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-  assert "--xla_gpu_enable_latency_hiding_scheduler=false" in saved["environment"]["XLA_FLAGS"]
-  assert saved["xla_presets"]["presets"] == ["lhs", "gpu_runtime"]
-  assert saved["xla_presets"]["xla_flags"]["xla_gpu_enable_highest_priority_async_stream"] == "true"
-  assert len(saved["xla_presets"]["overrides"]) == 1
 
 
 def test_nothing_before_run_environment_creates_a_jax_backend():
