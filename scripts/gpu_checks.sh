@@ -9,6 +9,8 @@
 #   tokamax   the 1xH200 proxy on upstream's best MoE path (tokamax): the reference
 #   offload   the same with the host_offload preset: step time and peak device memory
 #   ours      the 1xH200 proxy with our grouped GEMM (moe_gmm_backend=mgpu)
+#   block     the same with our whole MoE block (moe_block=ours)
+#   selftest-small  the self-test without the DeepSeek-V3 shapes (each compiles for ~30 s)
 #
 # Each item has a time limit (GPU_CHECK_LIMIT_S, default 240 s); logs go to
 # $GPU_CHECK_OUT (default /tmp/gpu_checks), and a table of results is printed last.
@@ -65,7 +67,13 @@ for item in "$@"; do
     ours)
       proxy_run proxy_ours_mgpu moe_gmm_backend=mgpu
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, tokamax, offload, ours)"; exit 2 ;;
+    block)
+      proxy_run proxy_block_mgpu moe_block=ours moe_gmm_backend=mgpu
+      ;;
+    selftest-small)
+      (cd "$repo" && timeout "$limit" python3 scripts/gpu_selftest.py --backends tokamax,mgpu --skip-large) 2>&1 | tee "$out/selftest-small.log" | grep -E "^(PASS|FAIL)" | tail -n 20
+      ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block)"; exit 2 ;;
   esac
 done
 
