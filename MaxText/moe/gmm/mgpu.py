@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe.gmm import _pad
+
 NAME = "mgpu"
 _DTYPES = (jnp.bfloat16, jnp.float16)
 # TMA with the (8, 64) swizzle tiling rejects arrays whose row count is not a multiple of 8
@@ -25,10 +27,18 @@ _DTYPES = (jnp.bfloat16, jnp.float16)
 _ROW_MULTIPLE = 8
 
 
-def _pad_rows(a):
-  """Pads rows to a multiple of 8 (a copy; MoE row counts, tokens x top-k, rarely need it)."""
-  extra = -a.shape[0] % _ROW_MULTIPLE
-  return a if extra == 0 else jnp.pad(a, ((0, extra), (0, 0)))
+def _fwd_align(tiling) -> _pad.Align:
+  """What grouped_matmul needs (FwdTiling.validate): K a multiple of block_k, N of the
+  block's 2*block_n columns; rows of 8 for TMA. The table's shapes need no padding; a small
+  or odd shape (K=8, N=6) is padded up to one tile (wasteful but correct; such shapes are
+  tests and toys, not training)."""
+  return _pad.Align(m=_ROW_MULTIPLE, k=tiling.block_k, n=tiling.cta_n)
+
+
+def _tgmm_align(tiling) -> _pad.Align:
+  """What transposed_grouped_matmul needs (TgmmTiling.validate): K (its output rows) a
+  multiple of block_m, N of cta_n; rows of 8 for TMA."""
+  return _pad.Align(m=_ROW_MULTIPLE, k=tiling.block_m, n=tiling.cta_n)
 
 
 def unavailable_reason() -> str | None:
@@ -71,16 +81,19 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
-  m, k = lhs_MK.shape
+  k = lhs_MK.shape[1]
   n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
   tiling = mgpu_tiling.lookup("fwd", k, n).fit_output(out_dtype.itemsize)
-  lhs_MK = _pad_rows(lhs_MK)
-  # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
-  table = mgpu_kernels.work_table(
-      group_sizes_G, group_offset, rhs_GKN.shape[0], lhs_MK.shape[0], tiling.block_m)
-  out_MN = mgpu_kernels.grouped_matmul(
-      lhs_MK, rhs_GKN, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-  return out_MN if out_MN.shape[0] == m else out_MN[:m]
+
+  def kernel(lhs_PK, rhs):  # P >= M rows, K and N padded to the tiling
+    # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
+    table = mgpu_kernels.work_table(
+        group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m)
+    return mgpu_kernels.grouped_matmul(
+        lhs_PK, rhs, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+  # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
+  return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
@@ -96,9 +109,16 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   m, k = lhs_MK.shape
   n = dout_MN.shape[1]
+  tiling = mgpu_tiling.lookup("tgmm", k, n)
+  # Bounds clipped to the original M: padded rows are in no group.
   starts, ends = mgpu_kernels.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
-  return mgpu_kernels.transposed_grouped_matmul(
-      _pad_rows(lhs_MK), _pad_rows(dout_MN), starts, ends, tiling=mgpu_tiling.lookup("tgmm", k, n), out_dtype=out_dtype)
+
+  def kernel(lhs_PK, dout_PN):
+    return mgpu_kernels.transposed_grouped_matmul(
+        lhs_PK, dout_PN, starts, ends, tiling=tiling, out_dtype=out_dtype)
+
+  # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
+  return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_tgmm_align(tiling))
 
 
 def jax_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, transpose_rhs=False):

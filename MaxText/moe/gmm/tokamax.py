@@ -5,13 +5,15 @@ forward, the transposed-rhs layout for dlhs (tokamax transposes the weights
 itself) and its ragged-contracting kernel for dW. Measured on H200 at
 DeepSeek-V3 expert shapes: 272-281 TF/s up-proj, 293-307 down-proj (issue 6).
 tokamax has no group_offset on GPU, so ring EP goes through _rows's row window.
+Shapes the kernels cannot take (K=8, N=6, M=37...) are zero-padded by _pad (see _align).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from MaxText.moe.gmm import _rows
+from MaxText.moe.gmm import _pad, _rows
 
 NAME = "tokamax"
 INSTALL = "pip install tokamax==0.0.17"
@@ -51,6 +53,23 @@ def unavailable_reason() -> str | None:
   return None
 
 
+def _align(dtype, *, rows: int) -> _pad.Align:
+  """Multiples tokamax 0.0.17's sm90 kernels need (pallas_mosaic_gpu_kernel_sm90.py).
+
+  Every operand moves by TMA with tiling (8, 128 bytes) (tiled_swizzled_block_spec: block_k
+  128-512 and block_n 64 in bf16 all pick the 128-byte swizzle), and TMA takes a dimension
+  only if it is shorter than its tile or a multiple of it, with row strides a multiple of 16
+  bytes. So K and N go to multiples of 128 bytes (64 bf16 elements; tokamax's own test
+  expects K % 64 == 0). Rows: the forward's lhs [M, K] is tiled by 8 along M (`rows=8`);
+  the dW kernel transposes lhs to [K, M], where M is the 128-byte dimension (`rows=64`).
+  Seen on the H200 before this padding: "dimension 0 must have size smaller or a multiple
+  of its tiling 8, but got 37", "... dimension 2 ... tiling 64, but got 200", and "async_copy
+  requires all GMEM strides except the last one to be a multiple of 16 bytes" (N=6).
+  """
+  width = 128 // jnp.dtype(dtype).itemsize
+  return _pad.Align(m=rows, k=width, n=width)
+
+
 def _ragged_dot(lhs, rhs, sizes_L, dims, out_dtype):
   tokamax = _tokamax()
   # A representative (uniform) distribution of the M rows lets tokamax's
@@ -70,7 +89,11 @@ def _ragged_dot(lhs, rhs, sizes_L, dims, out_dtype):
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype):
   rows = _rows.local_rows(group_sizes_G, group_offset, rhs_GKN.shape[0])
   dims = _GMM_TRANSPOSED_DIMS if transpose_rhs else _GMM_DIMS
-  out_MN = _ragged_dot(_rows.to_local(lhs_MK, rows), rhs_GKN, rows.sizes_L, dims, out_dtype)
+  kernel = lambda lhs, rhs: _ragged_dot(lhs, rhs, rows.sizes_L, dims, out_dtype)
+  # Rows are padded after the roll: added rows lie past the local groups. Aligned shapes
+  # (DeepSeek-V3's) reach tokamax unpadded: no copy.
+  out_MN = _pad.gmm(kernel, _rows.to_local(lhs_MK, rows), rhs_GKN, transpose_rhs=transpose_rhs,
+                    align=_align(lhs_MK.dtype, rows=8))
   # The kernel need not write rows past the local groups: from_local zeroes them.
   return _rows.from_local(out_MN, rows)
 
@@ -78,4 +101,5 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
   rows = _rows.local_rows(group_sizes_G, group_offset, num_local_groups)
   lhs_MK, dout_MN = _rows.to_local(lhs_MK, rows), _rows.to_local(dout_MN, rows)
-  return _ragged_dot(lhs_MK, dout_MN, rows.sizes_L, _TGMM_DIMS, out_dtype)
+  kernel = lambda lhs, dout: _ragged_dot(lhs, dout, rows.sizes_L, _TGMM_DIMS, out_dtype)
+  return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_align(lhs_MK.dtype, rows=64))
