@@ -57,7 +57,7 @@ class ProgressTracker:
         tokens_per_s_per_device=scalar("perf/per_device_tokens_per_sec"),
     )
     self.records.append(record)
-    if self.print_every and (step + 1) % self.print_every == 0 or step + 1 == self.total_steps:
+    if self.print_every and ((step + 1) % self.print_every == 0 or step + 1 == self.total_steps):
       print(self.progress_line(record), file=sys.stdout, flush=True)
 
   def steady_records(self) -> list[StepRecord]:

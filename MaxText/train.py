@@ -20,6 +20,7 @@ from MaxText import config as fork_config
 from MaxText import launch
 from MaxText import metrics
 from MaxText import xla_presets
+from patches import UpstreamMismatch
 
 # Used when no XLA flag is set and no HLO dump is asked for. Upstream 0.2.5
 # fills an empty XLA_FLAGS with `--xla_dump_to=/tmp/xla_dump/` (types.py,
@@ -111,8 +112,12 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
 
+  # Every process trains and prints its progress (as upstream logs per
+  # process); only the first writes the run's own files.
+  lead = process.process_id == 0
   tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))
-  write_run_files(run, env, applied, xla_presets.report(composed))
+  if lead:
+    write_run_files(run, env, applied, xla_presets.report(composed))
   log(f"run directory {run.run_dir}")
   log(f"patches applied: {', '.join(applied) or 'none'}")
   log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
@@ -133,7 +138,8 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   summary = tracker[0].summary(run.run_dir, run.upstream)
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
-  metrics.write_summary(summary, run.run_dir)
+  if lead:
+    metrics.write_summary(summary, run.run_dir)
   metrics.print_summary(summary)
   return summary
 
@@ -150,11 +156,9 @@ def main(argv: list[str] | None = None) -> int:
   except fork_config.ConfigError as e:
     print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
     return 2
-  except Exception as e:  # patches refusing an upstream they were not written for
-    if type(e).__name__ == "UpstreamMismatch":
-      print(f"maxtext-moe: {e}", file=sys.stderr, flush=True)
-      return 3
-    raise
+  except UpstreamMismatch as e:  # a patch refusing an upstream it was not written for
+    print(f"maxtext-moe: {e}", file=sys.stderr, flush=True)
+    return 3
   return 0
 
 
