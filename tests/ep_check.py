@@ -6,6 +6,7 @@ JAX starts): `python tests/ep_check.py CASE` prints one JSON line per check.
 On a machine with >= 2 GPUs, `python tests/ep_check.py gpu` checks every EP
 backend that can run there (ring, a2a_padded, ragged_a2a) against the
 one-device block and prints PASS/FAIL per case (float32, highest precision).
+On CPU, ragged_a2a runs with `emulated_ragged_all_to_all` as its exchange.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import json  # noqa: E402
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from MaxText.moe import block, dispatch, routing  # noqa: E402
+from MaxText.moe.dispatch import ragged_a2a  # noqa: E402
 from moe_reference import make_params  # noqa: E402
 
 TOKENS = 24  # 6 per device
@@ -49,6 +54,34 @@ def _loss_and_grads(cfg, disp, sharding, bias):
 
 def _max_err(a, b):
   return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def emulated_ragged_all_to_all(x_MD, out_RD, in_start_P, send_P, out_offset_P, recv_P, *, axis_name):
+  """ragged_all_to_all's semantics from all_to_all, for XLA:CPU (tests only).
+
+  Each peer's slice is padded to M rows in an [n, M, D] block, exchanged with
+  a tiled all_to_all, and scattered into out_RD at the offsets the senders
+  chose (all_to_all of out_offset_P), recv_P[q] rows from peer q.
+  """
+  a2a = lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)  # noqa: E731
+  i_C = jnp.arange(x_MD.shape[0])
+  rows_PC = jnp.where(i_C < send_P[:, None], in_start_P[:, None] + i_C, x_MD.shape[0])  # past the end: zeros
+  got_PCD = a2a(x_MD.at[rows_PC].get(mode="fill", fill_value=0))
+  at_PC = jnp.where(i_C < recv_P[:, None], a2a(out_offset_P)[:, None] + i_C, out_RD.shape[0])  # past the end: dropped
+  return out_RD.at[at_PC.reshape(-1)].set(got_PCD.reshape(-1, x_MD.shape[1]), mode="drop")
+
+
+def float_psums_over(jaxpr, axis) -> list[str]:
+  """Every psum-like eqn over `axis` of a float array, in jaxpr and its sub-jaxprs."""
+  found = []
+  for eqn in jaxpr.eqns:
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    if "psum" in eqn.primitive.name and axis in (axes if isinstance(axes, tuple) else (axes,)) and any(
+        jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars):
+      found.append(f"{eqn.primitive.name}{[str(v.aval) for v in eqn.invars]}")
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += float_psums_over(sub, axis)
+  return found
 
 
 def compare(backend, mesh_shape, top_k, bias, **options):
@@ -92,6 +125,43 @@ def main(case: str):
     loss = lambda x, ex: jnp.sum(block.moe_block(x, router, ex, cfg, disp, sharding)[0])  # noqa: E731
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ex).as_text()
     out["ragged_ops_in_hlo"] = hlo.count("ragged_all_to_all")
+    print(json.dumps(out), flush=True)
+  elif case == "ragged_a2a_emulated":
+    # The emulation on the example in jax.lax.ragged_all_to_all's docstring:
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    args = [[[1, 2, 2], [3, 4, 0]], [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]]]
+    operand, *plan = (jnp.array(a, jnp.int32).reshape(-1) for a in args)
+    run = lambda x, *p: emulated_ragged_all_to_all(x, jnp.zeros((4, 1), jnp.int32), *p, axis_name="x")  # noqa: E731
+    got = jax.shard_map(run, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(operand[:, None], *plan)
+    print(json.dumps({"docstring_example": np.asarray(got).reshape(2, 4).tolist()}), flush=True)
+    # The ragged_a2a block with its exchanges emulated: the plans and their
+    # reverse (the custom VJP) against the one-device loss and gradients.
+    for mesh_shape, top_k, bias in (((1, 4), 2, balanced), ((2, 2), 8, balanced), ((1, 4), 1, skewed)):
+      print(json.dumps(compare("ragged_a2a", mesh_shape, top_k, bias, exchange_impl=emulated_ragged_all_to_all)),
+            flush=True)
+  elif case == "ragged_a2a_vma":
+    # What the emulation cannot show: the real primitive's typing. Raw
+    # ragged_all_to_all into a zeros buffer (the old code) makes autodiff psum
+    # float cotangents over the expert axis; ragged_exchange must not.
+    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    i_P, ones_P = jnp.arange(4, dtype=jnp.int32), jnp.ones(4, jnp.int32)
+    plan = ragged_a2a.Plan(i_P, ones_P, i_P, ones_P)  # row p to peer p's row `me`: its own reverse
+    raw = lambda x: jax.lax.ragged_all_to_all(x, jnp.zeros(x.shape, x.dtype), *plan, axis_name="expert")  # noqa: E731
+    ours = lambda x: ragged_a2a.ragged_exchange(x, 4, plan, plan, "expert")  # noqa: E731
+    out = {}
+    for name, f in (("raw", raw), ("ours", ours)):
+      body = jax.shard_map(lambda x, p, f=f: jnp.sum(f(x) * p)[None], mesh=mesh,  # one partial per device
+                           in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
+      x, probe = jnp.ones((16, 8)), jnp.arange(16 * 8.0).reshape(16, 8)
+      jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(body(x, probe))))(x).jaxpr
+      out[name] = float_psums_over(jaxpr, "expert")
+    # and the whole block's backward, as dispatched:
+    cfg, (x, router, ex) = _cfg(2), make_params(jax.random.key(0), tokens=TOKENS)
+    mesh = jax.make_mesh((1, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    disp = dispatch.make("ragged_a2a", num_experts=8, axis_name="expert", ep_size=4)
+    sharding = block.Sharding(mesh=mesh, token_axes=("data", "expert"), expert_axis="expert")
+    loss = lambda x, ex: jnp.sum(block.moe_block(x, router, ex, cfg, disp, sharding)[0])  # noqa: E731
+    out["block"] = float_psums_over(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, ex).jaxpr, "expert")
     print(json.dumps(out), flush=True)
   elif case == "gpu":
     jax.config.update("jax_default_matmul_precision", "highest")

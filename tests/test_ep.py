@@ -53,7 +53,32 @@ def test_a2a_padded_overflow_raises_a_clear_error():
 def test_ragged_a2a_refuses_cpu_but_traces_forward_and_backward():
   (row,) = _json_lines(_ep_check("ragged_a2a_cpu"))
   assert "XLA:CPU does not implement ragged-all-to-all" in row["resolve_raised"]
-  assert row["ragged_ops_in_hlo"] == 4  # dispatch, combine, and their transposes
+  assert row["ragged_ops_in_hlo"] == 4  # dispatch, combine, and their reverses (ragged_exchange's VJP)
+
+
+def test_ragged_a2a_emulated_matches_one_device_forward_and_grads():
+  """ragged_a2a with its exchange emulated by all_to_all (XLA:CPU has no ragged
+  one): the dispatch/combine plans and their reverses (the custom VJP) give the
+  one-device loss and gradients on (1,4) and (2,2) meshes, top-k 2, 8, skewed."""
+  example, *rows = _json_lines(_ep_check("ragged_a2a_emulated"))
+  assert example["docstring_example"] == [[1, 3, 0, 0], [2, 2, 4, 0]]  # the emulation keeps jax's semantics
+  assert len(rows) == 3 and {r["backend"] for r in rows} == {"ragged_a2a"}
+  for r in rows:
+    assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-4 and not r["overflow"], r
+
+
+def test_ragged_a2a_backward_has_no_psum_over_the_expert_axis():
+  """The 2026-11-30 GPU bug, seen in the grad jaxpr of the real primitive.
+
+  jax 0.11.2 types ragged_all_to_all's result like its `output` buffer, so a
+  fresh zeros buffer makes autodiff psum float cotangents over the expert axis
+  (the raw call shows it; the old block had two such psums, and with the
+  primitive lowered through the emulation its grads were off by exactly the GPU
+  errors). ragged_exchange and the whole ragged_a2a block backward must have none.
+  """
+  (row,) = _json_lines(_ep_check("ragged_a2a_vma"))
+  assert len(row["raw"]) == 1 and "psum" in row["raw"][0], row  # the checker sees the bug on the raw primitive
+  assert row["ours"] == [] and row["block"] == [], row
 
 
 @pytest.mark.slow

@@ -14,6 +14,26 @@ Inside `shard_map` over the expert axis (n shards, E_l = E/n experts each):
   combine: regroup back, ragged_all_to_all home into the sender's sorted-slot
     layout (offsets: the sender's send starts), weighted top-k sum.
 
+Backward: the two exchanges are each other's reverse, so each one's VJP is
+the other's stored plan applied to the cotangent (`ragged_exchange`, a
+custom VJP) instead of JAX's transpose rule. Why the old code got wrong
+gradients on GPU (tests/ep_check.py gpu, 2026-11-30: loss 5e-6 off, grads
+off by 40.5 / 18.6 / 65.5): jax 0.11.2's transpose rule itself is right (it
+all_to_alls the offsets and swaps sizes, i.e. exactly this reverse plan), but
+`_ragged_all_to_all_effectful_abstract_eval` (jax/_src/lax/parallel.py)
+types the result like `output` (`out_aval = output.update(...)`), where
+all_to_all uses `collective_vma_rule`. A zeros buffer made inside the
+shard_map is invariant over the expert axis, so the received rows were typed
+invariant; autodiff then cast them to varying with `pvary`, whose transpose
+is a psum: the grad jaxpr summed the cotangents of the combine output and of
+the dispatch buffer over all devices. Lowering the primitive through the
+test emulation on CPU reproduces the GPU errors to 3 digits. So the buffers
+here are cast to varying like the rows sent (`_zeros_varying_like`; on the
+same CPU reproduction that alone fixes the grads, the explicit VJP keeps the
+backward's plans in view, lets the emulation test them, and skips the
+transpose rule's two offset all_to_alls per exchange). tests/test_ep.py
+checks that the block's grad jaxpr has no float psum over the expert axis.
+
 R = ceil(capacity_factor * T*K), default capacity_factor = EP size (never
 overflows). When a shard would receive more than R rows every shard learns it
 from the counts, nothing is sent (ragged_all_to_all must not write past R),
@@ -25,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +61,66 @@ def unavailable_reason() -> str | None:
   return None
 
 
+class Plan(NamedTuple):
+  """One ragged exchange, int32[n] each, in ragged_all_to_all's argument order.
+
+  I send my rows [in_start_P[p], +send_P[p]) to peer p, where they land at
+  out_offset_P[p] of its buffer; I receive recv_P[p] rows from peer p.
+  """
+
+  in_start_P: jax.Array
+  send_P: jax.Array
+  out_offset_P: jax.Array
+  recv_P: jax.Array
+
+
+# (x_MD, out_RD, in_start_P, send_P, out_offset_P, recv_P, *, axis_name) -> out_RD
+# with rows received; tests swap in an all_to_all emulation (XLA:CPU has none).
+ExchangeImpl = Callable[..., jax.Array]
+
+
+def _zeros_varying_like(x, rows: int):
+  """zeros[rows, ...] typed varying over x's manual axes (see the module note)."""
+  z = jnp.zeros((rows, *x.shape[1:]), x.dtype)
+  vma = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+  return jax.lax.pcast(z, vma, to="varying") if vma else z
+
+
+def _send(impl, axis_name, rows, x, plan: Plan):
+  return impl(x, _zeros_varying_like(x, rows), *plan, axis_name=axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _exchange(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd):
+  del in_rows, plan_bwd
+  return _send(impl, axis_name, out_rows, x, plan_fwd)
+
+
+def _exchange_fwd(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd):
+  return _exchange(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd), plan_bwd
+
+
+def _exchange_bwd(impl, axis_name, in_rows, out_rows, plan_bwd, ct):
+  del out_rows  # cotangent rows outside the received slices belong to the zeros buffer: dropped
+  return _send(impl, axis_name, in_rows, ct, plan_bwd), None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def ragged_exchange(x_MD, out_rows: int, plan_fwd: Plan, plan_bwd: Plan, axis_name: str,
+                    impl: ExchangeImpl = jax.lax.ragged_all_to_all):
+  """Rows of x_MD to peers by plan_fwd, into zeros[out_rows, D]; VJP = plan_bwd.
+
+  plan_bwd must be plan_fwd's reverse (send back what was received, to where
+  it came from); the integer plans get no gradient.
+  """
+  return _exchange(impl, axis_name, x_MD.shape[0], out_rows, x_MD, plan_fwd, plan_bwd)
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slots", "send_start_P", "send_P", "recv_start_P", "recv_P", "home_offset_P", "src_R",
-                                "dest_R", "group_sizes_G", "group_offset", "overflow"],
+                   data_fields=["slots", "send_start_P", "send_P", "recv_start_P", "recv_P", "out_offset_P",
+                                "home_offset_P", "src_R", "dest_R", "group_sizes_G", "group_offset", "overflow"],
                    meta_fields=["num_local_experts"])
 @dataclasses.dataclass(frozen=True)
 class RaggedMeta:
@@ -52,6 +130,8 @@ class RaggedMeta:
     slots: LocalMeta of this shard's T*K slots sorted by global expert.
     send_start_P, send_P: int32[n]: where my rows for peer p start, how many.
     recv_start_P, recv_P: int32[n]: where peer p's rows sit in my buffer, how many.
+    out_offset_P: int32[n]: where my rows start in peer p's buffer (combine's
+      backward sends cotangents there again).
     home_offset_P: int32[n]: where my rows start in peer p's send order (the
       offset to write results back at p).
     src_R, dest_R: int32[R]: expert-major <-> received-row maps (R = padding).
@@ -66,6 +146,7 @@ class RaggedMeta:
   send_P: jax.Array
   recv_start_P: jax.Array
   recv_P: jax.Array
+  out_offset_P: jax.Array
   home_offset_P: jax.Array
   src_R: jax.Array
   dest_R: jax.Array
@@ -85,6 +166,7 @@ class RaggedA2ADispatcher:
   capacity_factor: float | None = None
   on_overflow: a2a_padded.OnOverflow = "error"
   name: str = NAME
+  exchange_impl: ExchangeImpl = jax.lax.ragged_all_to_all  # tests: an all_to_all emulation on CPU
 
   def _a2a(self, x):
     return jax.lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, tiled=True)
@@ -108,29 +190,30 @@ class RaggedA2ADispatcher:
     out_offset_P = self._a2a(recv_start_P)  # where my rows land in each peer's buffer
     home_offset_P = self._a2a(send_start_P)  # where each peer's rows came from in its own order
 
-    buf_RD = jnp.zeros((rows, x_MD.shape[1]), x_MD.dtype)
-    recv_RD = jax.lax.ragged_all_to_all(x_MD, buf_RD, send_start_P, send_P, out_offset_P, recv_P,
-                                        axis_name=self.axis_name)
+    there = Plan(send_start_P, send_P, out_offset_P, recv_P)
+    back = Plan(recv_start_P, recv_P, home_offset_P, send_P)  # combine's plan: dispatch's VJP
+    recv_RD = ragged_exchange(x_MD, rows, there, back, self.axis_name, self.exchange_impl)
     src_R, dest_R, group_sizes = a2a_padded.expert_major(recv_PE, recv_start_P, rows)
     meta = RaggedMeta(slots=slots, send_start_P=send_start_P, send_P=send_P, recv_start_P=recv_start_P,
-                      recv_P=recv_P, home_offset_P=home_offset_P, src_R=src_R, dest_R=dest_R,
-                      group_sizes_G=group_sizes, group_offset=jnp.zeros((), jnp.int32), overflow=overflow,
-                      num_local_experts=num_local)
+                      recv_P=recv_P, out_offset_P=out_offset_P, home_offset_P=home_offset_P, src_R=src_R,
+                      dest_R=dest_R, group_sizes_G=group_sizes, group_offset=jnp.zeros((), jnp.int32),
+                      overflow=overflow, num_local_experts=num_local)
     return recv_RD.at[src_R].get(mode="fill", fill_value=0), meta
 
   def combine(self, y_RD, weights_TK, meta: RaggedMeta):
     back_RD = y_RD.at[meta.dest_R].get(mode="fill", fill_value=0)
-    home_MD = jnp.zeros((meta.slots.order_M.shape[0], y_RD.shape[1]), y_RD.dtype)
-    y_MD = jax.lax.ragged_all_to_all(back_RD, home_MD, meta.recv_start_P, meta.recv_P, meta.home_offset_P,
-                                     meta.send_P, axis_name=self.axis_name)
+    back = Plan(meta.recv_start_P, meta.recv_P, meta.home_offset_P, meta.send_P)
+    there = Plan(meta.send_start_P, meta.send_P, meta.out_offset_P, meta.recv_P)  # dispatch's plan: the VJP
+    y_MD = ragged_exchange(back_RD, meta.slots.order_M.shape[0], back, there, self.axis_name, self.exchange_impl)
     y_TKD = local.unpermute_rows(y_MD, meta.slots.order_M, meta.slots.slot_row_TK)
     return local.weighted_sum(y_TKD, weights_TK, y_RD.dtype)
 
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float | None = None,
-         on_overflow: a2a_padded.OnOverflow = "error") -> RaggedA2ADispatcher:
+         on_overflow: a2a_padded.OnOverflow = "error",
+         exchange_impl: ExchangeImpl = jax.lax.ragged_all_to_all) -> RaggedA2ADispatcher:
   if axis_name is None or num_experts % ep_size:
     raise ValueError(f"ragged_a2a dispatch needs an expert mesh axis and num_experts ({num_experts}) divisible "
                      f"by its size ({ep_size})")
   return RaggedA2ADispatcher(num_experts=num_experts, axis_name=axis_name, ep_size=ep_size,
-                             capacity_factor=capacity_factor, on_overflow=on_overflow)
+                             capacity_factor=capacity_factor, on_overflow=on_overflow, exchange_impl=exchange_impl)
