@@ -13,6 +13,11 @@ Prints one table last: median step time after warm-up, TFLOP/s/device as
 MaxText counts it, MFU against the measured dense-GEMM peak and against the
 989 TF/s datasheet figure, tokens/s, peak device memory, and whether the
 variant is dropless.
+
+--profile: each variant also traces --profile-steps late steps (upstream's
+xplane profiler) and dumps its optimized HLO into its run directory; the
+step breakdown of each (grouped GEMM, dispatch/combine, routing, attention,
+rest: scripts/profile_breakdown.py) is printed before the table.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import profile_breakdown  # scripts/ is sys.path[0] when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, NVIDIA datasheet
@@ -66,8 +73,25 @@ def dense_gemm_peak_tflops(size: int = 8192, reps: int = 20) -> float | None:
   return 2 * size**3 / statistics.median(times) / 1e12
 
 
+def profile_overrides(args, run_dir: Path) -> tuple[list[str], dict[str, str]]:
+  """Upstream's xplane profiler over late steps, and an HLO dump of the step in the run directory.
+
+  The dump goes through XLA_FLAGS set before the child starts: upstream's
+  dump_hlo=true sets XLA_FLAGS only after our entry point has created the
+  backend, so XLA would never see it."""
+  skip = max(args.steps - args.profile_steps - 1, 1)
+  overrides = ["profiler=xplane", f"skip_first_n_steps_for_profiler={skip}", f"profiler_steps={args.profile_steps}"]
+  dump = f"--xla_dump_to={run_dir / 'xla_dump'} --xla_dump_hlo_module_re=jit_train_step"
+  flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", "").strip(), dump) if f)
+  return overrides, {**os.environ, "XLA_FLAGS": flags}
+
+
 def run_variant(name: str, overrides: list[str], args) -> dict:
   run_name = f"{name}-{time.strftime('%H%M%S')}"
+  env = None
+  if args.profile:
+    extra_overrides, env = profile_overrides(args, Path(args.out) / run_name)
+    overrides = [*overrides, *extra_overrides]
   cmd = [sys.executable, "-m", "MaxText.train", args.config, *overrides, *args.extra,
          f"steps={args.steps}", f"base_output_directory={args.out}", f"run_name={run_name}",
          "enable_checkpointing=false"]
@@ -76,7 +100,8 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
   started = time.monotonic()
   with open(log_path, "w") as log:
     try:
-      proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+      proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                            check=False)
       returncode = proc.returncode
     except subprocess.TimeoutExpired:
       returncode = "timeout"
@@ -84,6 +109,11 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
   summary_path = Path(args.out) / run_name / "summary.json"
   if returncode == 0 and summary_path.exists():
     row.update(json.loads(summary_path.read_text()))
+    if args.profile:
+      try:
+        row["breakdown"] = profile_breakdown.breakdown(Path(args.out) / run_name)
+      except (OSError, ValueError, RuntimeError) as e:  # a missing trace must not cost the table
+        row["breakdown_error"] = f"{type(e).__name__}: {e}"
   else:
     tail = log_path.read_text(errors="replace").strip().splitlines()[-200:]
     oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
@@ -131,6 +161,8 @@ def main() -> int:
   parser.add_argument("--out", default="outputs/bench_train")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
   parser.add_argument("--tokens-per-step", type=int, default=16384, help="global tokens per step (batch x seq)")
+  parser.add_argument("--profile", action="store_true", help="trace late steps and print each variant's step breakdown")
+  parser.add_argument("--profile-steps", type=int, default=3, help="steps traced per variant with --profile")
   parser.add_argument("extra", nargs="*", help="key=value overrides applied to every variant")
   args = parser.parse_args()
   args.out = str(Path(args.out).absolute())
@@ -152,6 +184,12 @@ def main() -> int:
 
   Path(args.out).mkdir(parents=True, exist_ok=True)
   (Path(args.out) / "bench_train.json").write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=2, default=str))
+  if args.profile:  # before the table, so the table stays the last thing printed
+    for row in rows:
+      if "breakdown" in row:
+        print(profile_breakdown.format_breakdown(row["breakdown"], title=row["variant"]) + "\n")
+      else:
+        print(f"step breakdown {row['variant']}: none ({row.get('breakdown_error') or row.get('error', 'run failed')})\n")
   print(format_table(rows, peak, args.tokens_per_step))
   return 0 if all(r["returncode"] == 0 for r in rows) else 1
 

@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""Where a training step's time goes: grouped GEMM, dispatch/combine, routing, attention, the rest.
+
+  python3 scripts/profile_breakdown.py RUN_DIR [--steps M] [--json]
+
+RUN_DIR is a `python -m MaxText.train` run directory made with upstream's
+profiler on and an HLO dump in the run directory:
+
+  XLA_FLAGS="--xla_dump_to=RUN_DIR/xla_dump --xla_dump_hlo_module_re=jit_train_step" \
+  python -m MaxText.train ... profiler=xplane skip_first_n_steps_for_profiler=N profiler_steps=M
+
+(`scripts/bench_train.py --profile` does this for every variant.) Upstream's
+own `dump_hlo=true` is not used: it sets XLA_FLAGS only after our entry point
+has created the backend, so XLA never sees the dump flag.
+
+How time is attributed:
+- The trace (`<run>/tensorboard/plugins/profile/*/*.xplane.pb`, read with
+  jax.profiler.ProfileData, no xprof needed) gives one event per executed HLO
+  op. On GPU: the kernel events on "/device:GPU:*" planes. On CPU: the XLA op
+  events on the host's thread lines (those with an `hlo_op` stat; the
+  ThunkExecutor container events around them are skipped so nothing counts
+  twice). Only ops of the train-step module count (other jitted helpers are
+  reported apart). Times are summed over all lines, so with ops running in
+  parallel (CPU threads, GPU streams) the total is busy time, not wall time.
+- An event's `hlo_op` stat names an instruction of the optimized HLO
+  (`*after_optimizations.txt` in the dump); its `metadata={op_name=...}` holds
+  the JAX named-scope path, e.g. `jit(train_step)/.../dispatch/...`. A fusion
+  without metadata takes its fused computation's root's (or first) op_name;
+  an op XLA inserted without metadata (layout copies, split reductions) takes
+  its nearest operand's, up to 3 producers back.
+  Custom-call targets (cuDNN attention, Mosaic/Triton GEMM kernels) are kept
+  too. Events without an HLO match are classified by their own name (GPU
+  kernel names); what still matches nothing is "unattributed".
+- The descriptor (op_name + custom-call target + event name) goes through
+  RULES below, first match wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+CATEGORIES = ("gmm", "dispatch_combine", "route", "attention", "rest", "unattributed")
+# HLO ops whose event spans other ops' events (CPU runs a while loop's body
+# inside the while's own event): counting them would count the body twice.
+CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start", "async-done"})
+
+
+@dataclass(frozen=True)
+class Rule:
+  """`scopes` match whole components of the op_name path (named scopes);
+  `substrings` match anywhere in the lowercased op_name/target/event name;
+  `sources` are regexes on one source frame, "path/file.py:function", lowercased."""
+
+  category: str
+  scopes: tuple[str, ...] = ()
+  substrings: tuple[str, ...] = ()
+  sources: tuple[str, ...] = ()
+
+
+# Order matters: the first rule that matches wins; named scopes and kernel
+# names are tried before source frames. Scopes come from our
+# MaxText/moe/block.py (route, dispatch, gmm, combine) and upstream 0.2.5's
+# layers/moe.py (sort_activations = the permute/unpermute gathers,
+# weight_sum = the weighted unpermute, wi_0/wi_1/wo = the capacity path's
+# expert einsums). Upstream's attention has no named scope and the backward of
+# an einsum loses its name (op_name ".../transpose"), so the source frames XLA
+# keeps with each op decide those: attention = the attention core
+# (layers/attention_op.py: scores, mask, softmax, PV, or the fused kernel);
+# the q/k/v/out projections stay in "rest".
+RULES: tuple[Rule, ...] = (
+    # Collectives of expert parallelism: dispatch/combine whatever scope they sit in.
+    Rule("dispatch_combine", substrings=("all-to-all", "all_to_all", "alltoall", "collective-permute",
+                                         "collective_permute", "sendrecv")),
+    Rule("gmm", scopes=("gmm", "gmm_dlhs", "gmm_drhs", "wi_0", "wi_1", "wo"),
+         substrings=("ragged_dot", "ragged-dot", "megablox", "tokamax", "gmm", "grouped_matmul",
+                     "grouped_gemm", "mosaic_gpu", "ragged_matmul"),
+         sources=(r"maxtext/moe/gmm/", r"layers/moe\.py:.*(gmm|ragged_dot)", r"megablox", r"tokamax")),
+    Rule("dispatch_combine", scopes=("dispatch", "combine", "sort_activations", "weight_sum", "permute",
+                                     "unpermute"),
+         sources=(r"maxtext/moe/dispatch/", r"layers/moe\.py:.*(permute|sort_activations|all_to_all|weight_sum)")),
+    Rule("route", scopes=("route",),
+         sources=(r"maxtext/moe/routing\.py", r"layers/moe\.py:.*(gatelogit|get_topk|routing|scale_weights)")),
+    Rule("attention", scopes=("attention", "self_attention", "attention_op", "dot_product_attention"),
+         substrings=("cudnn$fmha", "fmha", "flash", "dot_product_attention", "sdpa", "bkgts", "bkgtd", "splash"),
+         sources=(r"layers/attention_op\.py", r"jax/_src/cudnn/fused_attention")),
+)
+
+
+def classify(descriptor: str, frames: tuple[str, ...] = ()) -> str | None:
+  """Category of an op; None when no rule matches.
+
+  descriptor: op_name path (plus custom-call target / event name);
+  frames: its source frames innermost first, "path/file.py:function".
+  """
+  lowered = descriptor.lower()
+  components = set(re.split(r"[/ ;]", lowered))
+  for rule in RULES:
+    if components.intersection(rule.scopes) or any(s in lowered for s in rule.substrings):
+      return rule.category
+  for frame in frames:
+    frame = frame.lower()
+    for rule in RULES:
+      if any(re.search(pattern, frame) for pattern in rule.sources):
+        return rule.category
+  return None
+
+
+# ---------------------------------------------------------------- HLO text
+
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([\w\-]+)\(")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID_RE = re.compile(r"stack_frame_id=(\d+)")
+_CALLS_RE = re.compile(r"calls=%?([\w.\-]+)")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+INHERIT_HOPS = 3
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+MAX_FRAMES = 8  # innermost frames kept per op: enough to reach the layer code
+
+
+@dataclass(frozen=True)
+class HloOp:
+  opcode: str
+  descriptor: str  # op_name (+ custom-call target); "" when the op has no metadata
+  frames: tuple[str, ...]  # "path/file.py:function", innermost first
+  inherited: bool = False  # metadata taken from an operand (a copy/transpose XLA inserted has none)
+
+
+def _short_path(path: str) -> str:
+  """site-packages/maxtext/layers/moe.py -> maxtext/layers/moe.py; /repo/MaxText/moe/x.py -> MaxText/moe/x.py."""
+  for marker in ("site-packages/", "/MaxText/", "/patches/"):
+    if marker in path:
+      return (marker.strip("/") + "/" if marker != "site-packages/" else "") + path.split(marker, 1)[1]
+  return path
+
+
+def _stack_tables(lines: list[str]) -> dict[int, tuple[str, ...]]:
+  """stack_frame_id -> frames innermost first, from the dump's header tables.
+
+  Read empirically from jax 0.11.2 dumps: a frame's printed parent_frame_id
+  is one more than its parent's printed id (a root frame points at a missing
+  id), which yields call chains that match the source; only the innermost
+  MAX_FRAMES are kept, and classification looks at the innermost match."""
+  section, files, funcs, locs, frames = None, {}, {}, {}, {}
+  for line in lines:
+    if line in _TABLES:
+      section = line
+      continue
+    if line.startswith(("%", "ENTRY")):  # the tables sit between the HloModule line and the computations
+      break
+    parts = line.split(" ", 1)
+    if len(parts) != 2 or not parts[0].isdigit():
+      continue
+    key, rest = int(parts[0]), parts[1]
+    if section == "FileNames":
+      files[key] = _short_path(rest.strip('"'))
+    elif section == "FunctionNames":
+      funcs[key] = rest.strip('"')
+    elif section == "FileLocations":
+      f = dict(kv.split("=", 1) for kv in rest.strip("{}").split())
+      locs[key] = f"{files.get(int(f.get('file_name_id', 0)), '?')}:{funcs.get(int(f.get('function_name_id', 0)), '?')}"
+    elif section == "StackFrames":
+      f = dict(kv.split("=", 1) for kv in rest.strip("{}").split())
+      frames[key] = (int(f.get("file_location_id", 0)), int(f.get("parent_frame_id", 0)))
+  chains = {}
+  for frame_id in frames:
+    chain, current, seen = [], frame_id, set()
+    while current in frames and current not in seen and len(chain) < MAX_FRAMES:
+      seen.add(current)
+      loc, parent = frames[current]
+      chain.append(locs.get(loc, "?"))
+      current = parent - 1  # see the docstring: the parent's printed id is parent_frame_id - 1
+    chains[frame_id] = tuple(chain)
+  return chains
+
+
+def parse_hlo(text: str) -> dict[str, HloOp]:
+  """instruction name -> HloOp; a fusion without metadata takes its computation root's (else first)."""
+  lines = text.splitlines()
+  chains = _stack_tables(lines)
+  raw: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+  operands: dict[str, list[str]] = {}
+  calls: dict[str, str] = {}
+  comp_first: dict[str, tuple[str, tuple[str, ...]]] = {}
+  comp = None
+  for line in lines:
+    header = _COMP_RE.match(line)
+    if header and not line.startswith(" "):
+      comp = header.group(1)
+      continue
+    m = _INSTR_RE.match(line)
+    if not m:
+      continue
+    name = m.group(1)
+    parts = [found.group(1) for found in (_OP_NAME_RE.search(line), _TARGET_RE.search(line)) if found]
+    frame = _FRAME_ID_RE.search(line)
+    entry = (" ".join(parts), chains.get(int(frame.group(1)), ()) if frame else ())
+    raw[name] = (m.group(2), *entry)
+    operands[name] = _OPERAND_RE.findall(line[m.end():].split(")", 1)[0])
+    called = _CALLS_RE.search(line)
+    if called:
+      calls[name] = called.group(1)
+    if comp and entry[0] and (line.lstrip().startswith("ROOT") or comp not in comp_first):
+      comp_first[comp] = entry
+  ops = {}
+  for name, (opcode, desc, frames) in raw.items():
+    if not desc and name in calls:
+      desc, frames = comp_first.get(calls[name], ("", ()))
+    ops[name] = HloOp(opcode, desc, frames)
+  # Ops XLA created (layout copies, split reductions) carry no metadata: they
+  # take the nearest operand's, up to INHERIT_HOPS producers back.
+  for name, op in list(ops.items()):
+    if op.descriptor:
+      continue
+    frontier, seen = list(operands.get(name, ())), {name}
+    for _ in range(INHERIT_HOPS):
+      source = next((ops[o] for o in frontier if o in ops and ops[o].descriptor and not ops[o].inherited), None)
+      if source:
+        ops[name] = HloOp(op.opcode, source.descriptor, source.frames, inherited=True)
+        break
+      seen.update(frontier)
+      frontier = [p for o in frontier for p in operands.get(o, ()) if p not in seen]
+  return ops
+
+
+def load_hlo_maps(run_dir: Path) -> dict[str, dict[str, HloOp]]:
+  """module name (jit_train_step) -> {instruction -> descriptor}, from every optimized dump."""
+  maps: dict[str, dict[str, str]] = {}
+  for path in sorted(glob.glob(str(run_dir / "**" / "*after_optimizations.txt"), recursive=True)):
+    module = Path(path).name.split(".")[1] if Path(path).name.startswith("module_") else Path(path).name
+    maps.setdefault(module, {}).update(parse_hlo(Path(path).read_text(errors="replace")))
+  return maps
+
+
+# ---------------------------------------------------------------- trace
+
+# Device-plane lines that summarise kernels already on the stream lines.
+_SUMMARY_LINES = ("xla modules", "steps", "framework", "source code", "launch stats", "xla traceme", "tensorflow ops")
+_CONTAINERS = ("threadpoollistener", "thunkexecutor")
+
+
+@dataclass(frozen=True)
+class OpEvent:
+  name: str
+  hlo_op: str | None
+  module: str | None
+  run_id: object
+  duration_ns: int
+
+
+def read_events(xplane: Path) -> tuple[list[OpEvent], str]:
+  """Executed-op events: GPU device-plane kernels if there are any, else CPU host op events."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  data = jax.profiler.ProfileData.from_file(str(xplane))
+  warnings.filterwarnings("ignore", message="builtin type event_stats", category=DeprecationWarning)
+  device_planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+  events: list[OpEvent] = []
+  for plane in device_planes:
+    lines = list(plane.lines)
+    # "XLA Ops" (when present) already lists each op once; else take the stream lines.
+    xla_ops = [l for l in lines if l.name.lower() == "xla ops"]
+    for line in xla_ops or [l for l in lines if not l.name.lower().startswith(_SUMMARY_LINES)]:
+      for e in line.events:
+        stats = dict(e.stats)
+        events.append(OpEvent(e.name, stats.get("hlo_op"), stats.get("hlo_module"), stats.get("run_id"),
+                              int(e.duration_ns)))
+  if events:
+    return events, "gpu"
+  for plane in data.planes:
+    if not plane.name.startswith("/host:CPU"):
+      continue
+    for line in plane.lines:
+      for e in line.events:
+        if e.name.lower().startswith(_CONTAINERS):
+          continue
+        stats = dict(e.stats)
+        if "hlo_op" in stats:
+          events.append(OpEvent(e.name, stats["hlo_op"], stats.get("hlo_module"), stats.get("run_id"),
+                                int(e.duration_ns)))
+  return events, "cpu"
+
+
+def find_xplane(run_dir: Path) -> Path:
+  found = sorted(glob.glob(str(run_dir / "**" / "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+  if not found:
+    raise FileNotFoundError(f"no *.xplane.pb under {run_dir} (run with profiler=xplane)")
+  return Path(found[-1])
+
+
+def profiled_steps(run_dir: Path, events: list[OpEvent], module: str) -> int | None:
+  """Distinct executions (run_id) of the step module; else upstream's profiler_steps of the run."""
+  runs = {e.run_id for e in events if e.module == module and e.run_id is not None}
+  if runs:
+    return len(runs)
+  effective = run_dir / "maxtext-moe" / "effective_config.json"
+  if effective.exists():
+    value = json.loads(effective.read_text()).get("upstream_overrides", {}).get("profiler_steps")
+    if value is not None:
+      return int(value)
+  return None
+
+
+# ---------------------------------------------------------------- breakdown
+
+_NO_OP = HloOp("", "", ())
+
+
+def breakdown(run_dir: str | Path, steps: int | None = None, module: str = "jit_train_step", top: int = 10) -> dict:
+  """Per-category ms/step and share of the step module's op time, plus the top ops of "rest"."""
+  run_dir = Path(run_dir)
+  xplane = find_xplane(run_dir)
+  events, device = read_events(xplane)
+  hlo = load_hlo_maps(run_dir)
+  step_map = hlo.get(module, {})
+  steps = steps or profiled_steps(run_dir, events, module) or 1
+
+  totals = collections.Counter()
+  rest_ops = collections.Counter()
+  unattributed_ops = collections.Counter()
+  other_modules = collections.Counter()
+  matched, inherited_ns = 0, 0
+  for e in events:
+    if e.module is not None and e.module != module:
+      other_modules[e.module] += e.duration_ns
+      continue
+    op = step_map.get(e.hlo_op or "", _NO_OP)
+    if op.opcode in CONTROL_FLOW:
+      continue  # its body's ops have their own events
+    desc = op.descriptor
+    matched += bool(desc)
+    inherited_ns += e.duration_ns if op.inherited else 0
+    category = classify(f"{desc} {e.name}", op.frames)
+    if category is None:
+      category = "rest" if desc else "unattributed"
+    totals[category] += e.duration_ns
+    if category == "rest":
+      where = " < ".join(f.rsplit("/", 1)[-1] for f in op.frames[:3])
+      rest_ops[f"{e.hlo_op or e.name}  [{desc[:80]}] {where}"] += e.duration_ns
+    elif category == "unattributed":
+      unattributed_ops[e.hlo_op or e.name] += e.duration_ns
+  total_ns = sum(totals.values())
+  per_step = lambda ns: ns / steps / 1e6  # noqa: E731
+  return {
+      "run_dir": str(run_dir),
+      "xplane": str(xplane),
+      "hlo_dump_found": bool(step_map),
+      "device": device,
+      "steps": steps,
+      "events": len(events),
+      "events_with_hlo_metadata": matched,
+      "total_ms_per_step": per_step(total_ns),
+      "inherited_share": inherited_ns / total_ns if total_ns else 0.0,
+      "categories": {
+          c: {"ms_per_step": per_step(totals[c]), "share": totals[c] / total_ns if total_ns else 0.0} for c in CATEGORIES
+      },
+      "top_rest": [[name, per_step(ns)] for name, ns in rest_ops.most_common(top)],
+      "top_unattributed": [[name, per_step(ns)] for name, ns in unattributed_ops.most_common(top)],
+      "other_modules_ms_per_step": {m: per_step(ns) for m, ns in other_modules.most_common()},
+  }
+
+
+def format_breakdown(result: dict, title: str = "") -> str:
+  lines = [f"step breakdown {title}".rstrip() + f" ({result['device']}, {result['steps']} profiled steps, "
+           f"op time summed over streams/threads)"]
+  if not result["hlo_dump_found"]:
+    lines.append("  WARNING: no HLO dump for the step module; ops are classified by event name only")
+  for c in CATEGORIES:
+    v = result["categories"][c]
+    lines.append(f"  {c:<18} {v['ms_per_step']:>10.2f} ms/step {100 * v['share']:>6.1f}%")
+  lines.append(f"  {'total':<18} {result['total_ms_per_step']:>10.2f} ms/step"
+               f"  ({100 * result['inherited_share']:.1f}% classified through an operand's metadata)")
+  if result["top_rest"]:
+    lines.append("  top ops in rest (ms/step):")
+    lines += [f"    {ms:>9.3f}  {name}" for name, ms in result["top_rest"]]
+  if result["top_unattributed"]:
+    lines.append("  top unattributed (ms/step):")
+    lines += [f"    {ms:>9.3f}  {name}" for name, ms in result["top_unattributed"]]
+  return "\n".join(lines)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("run_dir")
+  parser.add_argument("--steps", type=int, default=None, help="profiled steps (default: from the trace)")
+  parser.add_argument("--module", default="jit_train_step")
+  parser.add_argument("--json", action="store_true", help="print the breakdown as JSON")
+  args = parser.parse_args()
+  result = breakdown(args.run_dir, steps=args.steps, module=args.module)
+  print(json.dumps(result, indent=2) if args.json else format_breakdown(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,130 @@
+"""scripts/profile_breakdown.py: the classifier table, the HLO reader, and a real traced tiny run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from conftest import REPO, run_train
+
+_spec = importlib.util.spec_from_file_location("profile_breakdown", REPO / "scripts" / "profile_breakdown.py")
+pb = importlib.util.module_from_spec(_spec)
+sys.modules["profile_breakdown"] = pb
+_spec.loader.exec_module(pb)
+
+
+@pytest.mark.parametrize(
+    "descriptor, frames, expected",
+    [
+        # our named scopes (MaxText/moe/block.py), forward and backward
+        ("jit(train_step)/jvp()/while/body/eval_jaxpr/gmm/dot_general", (), "gmm"),
+        ("jit(train_step)/transpose(jvp())/while/body/checkpoint/rematted_computation/gmm_dlhs/dot", (), "gmm"),
+        ("jit(train_step)/jvp()/while/body/eval_jaxpr/dispatch/jit(searchsorted)/while", (), "dispatch_combine"),
+        ("jit(train_step)/transpose(jvp())/while/body/combine/mul", (), "dispatch_combine"),
+        ("jit(train_step)/jvp()/while/body/route/top_k", (), "route"),
+        # upstream's scopes and ops
+        ("jit(train_step)/jvp()/sort_activations/gather", (), "dispatch_combine"),
+        ("jit(train_step)/jvp()/weight_sum/reduce_sum", (), "dispatch_combine"),
+        ("jit(train_step)/jvp()/ragged_dot_general", (), "gmm"),
+        ("jit(train_step)/jvp()/wi_0/dot_general", (), "gmm"),
+        ("jit(train_step)/jvp()/ragged_all_to_all", (), "dispatch_combine"),
+        ("all-to-all.3", (), "dispatch_combine"),
+        # kernels: custom-call targets and GPU kernel names
+        ("jit(train_step)/jvp()/dot_product_attention __cudnn$fmhaSoftmax", (), "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_knob_7", (), "attention"),
+        ("flash_fprop_kernel", (), "attention"),
+        ("jit(train_step)/x mosaic_gpu", (), "gmm"),
+        ("jit(train_step)/jvp()/btkgd,bskd->bkgts/dot_general", (), "attention"),
+        # nameless backward ops decided by their source frames, innermost first
+        ("jit(train_step)/transpose(jvp())/transpose", ("maxtext/layers/attention_op.py:AttentionOp.qk_product",
+                                                         "maxtext/layers/attention_mla.py:MLA.__call__"), "attention"),
+        ("jit(train_step)/transpose(jvp())/transpose", ("MaxText/moe/gmm/__init__.py:gmm",
+                                                         "MaxText/moe/block.py:expert_ffn"), "gmm"),
+        ("jit(train_step)/jvp()/gather", ("maxtext/layers/moe.py:RoutedMoE.permute",), "dispatch_combine"),
+        ("jit(train_step)/jvp()/mul", ("maxtext/layers/moe.py:RoutedMoE.unpermute",), "dispatch_combine"),
+        ("jit(train_step)/jvp()/top_k", ("maxtext/layers/moe.py:RoutedMoE.get_topk",), "route"),
+        ("jit(train_step)/jvp()/dot", ("maxtext/layers/moe.py:RoutedMoE.sparse_matmul.<locals>.gmm",), "gmm"),
+        # the rest: projections, dense MLP, optimizer, output head
+        ("jit(train_step)/transpose(jvp())/transpose", ("maxtext/layers/linears.py:_compute_dot_general_nnx",
+                                                         "maxtext/layers/linears.py:MlpBlock.__call__"), None),
+        ("jit(train_step)/jit(tree_bias_correction)/div", (), None),
+        ("jit(train_step)/mul", ("maxtext/layers/attention_mla.py:MLA.mla_query_projection",), None),
+        # no false hits: "wo" only as a whole scope, "transpose" is not "permute"
+        ("jit(train_step)/word/two/transpose", (), None),
+    ],
+)
+def test_classifier_table(descriptor, frames, expected):
+  assert pb.classify(descriptor, frames) == expected
+
+
+_HLO = """HloModule jit_train_step, is_scheduled=true
+
+FileNames
+1 "/x/site-packages/maxtext/layers/attention_op.py"
+2 "/repo/MaxText/moe/block.py"
+
+FunctionNames
+1 "AttentionOp.qk_product"
+2 "expert_ffn"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=3122 end_line=3122 column=1 end_column=2}
+2 {file_name_id=2 function_name_id=2 line=90 end_line=90 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=2 parent_frame_id=1}
+2 {file_location_id=1 parent_frame_id=2}
+
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(train_step)/combine/mul"}
+}
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %multiply_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_computation
+  %dot.7 = f32[4]{0} multiply(%multiply_fusion, %p), metadata={op_name="jit(train_step)/transpose(jvp())/transpose" stack_frame_id=2}
+  %cc = f32[4]{0} custom-call(%dot.7), custom_call_target="__cudnn$fmhaSoftmax"
+  %while.3 = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body, metadata={op_name="jit(train_step)/while"}
+  ROOT %copy.1 = f32[4]{0} copy(%cc)
+}
+"""
+
+
+def test_parse_hlo_resolves_fusions_frames_and_targets():
+  ops = pb.parse_hlo(_HLO)
+  assert ops["multiply_fusion"].descriptor == "jit(train_step)/combine/mul"  # from the fused root
+  assert ops["dot.7"].frames[0] == "maxtext/layers/attention_op.py:AttentionOp.qk_product"
+  assert pb.classify(ops["dot.7"].descriptor, ops["dot.7"].frames) == "attention"
+  assert "__cudnn$fmhaSoftmax" in ops["cc"].descriptor
+  assert ops["while.3"].opcode == "while" and "while" in pb.CONTROL_FLOW
+  # no metadata of its own: takes its operand's (the attention custom call)
+  assert ops["copy.1"].inherited and pb.classify(ops["copy.1"].descriptor, ops["copy.1"].frames) == "attention"
+  assert not ops["dot.7"].inherited
+
+
+def test_traced_tiny_run_breaks_down_the_step(tmp_path):
+  """A real profiled tiny run (our MoE block on CPU): every category the brief
+  names gets time, the categories add up to the total, little is unattributed."""
+  run_dir = tmp_path / "outputs" / "prof"
+  result = run_train(
+      tmp_path, "configs/deepseek3-tiny.yml", "moe_block=ours", "steps=6", "enable_checkpointing=false",
+      "profiler=xplane", "skip_first_n_steps_for_profiler=2", "profiler_steps=3",
+      run_name="prof",
+      env={"XLA_FLAGS": f"--xla_dump_to={run_dir / 'xla_dump'} --xla_dump_hlo_module_re=jit_train_step"},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = pb.breakdown(run_dir)
+  assert out["hlo_dump_found"] and out["device"] == "cpu"
+  assert out["steps"] == 3  # distinct executions of the step module in the trace
+  cats = out["categories"]
+  for name in ("gmm", "dispatch_combine", "attention", "route"):
+    assert cats[name]["ms_per_step"] > 0, (name, pb.format_breakdown(out))
+  total = sum(c["ms_per_step"] for c in cats.values())
+  assert total == pytest.approx(out["total_ms_per_step"], rel=0.01)
+  assert cats["unattributed"]["share"] < 0.10, pb.format_breakdown(out)
+  assert out["top_rest"], "the top ops of rest are listed so misclassification shows"
+  text = pb.format_breakdown(out, title="ours")
+  assert "gmm" in text and "dispatch_combine" in text and "unattributed" in text
