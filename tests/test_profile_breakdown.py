@@ -105,6 +105,29 @@ def test_parse_hlo_resolves_fusions_frames_and_targets():
   assert not ops["dot.7"].inherited
 
 
+def test_summarize_falls_back_to_annotation_then_kernel_name():
+  """GPU-shaped events (no dump entry): the runtime's op_name annotation, then
+  the kernel name decide; other modules and control flow are kept out."""
+  ev = pb.OpEvent
+  events = [
+      ev("sm90_xmma_gemm", "fusion.1", "jit_train_step", 1, 4_000_000, "while/body/gmm/dot_general"),
+      ev("nccl_AllToAll_kernel", None, "jit_train_step", 1, 1_000_000),
+      ev("cudnn_generated_fort_native_sdpa_sm90", "custom-call.3", "jit_train_step", 1, 2_000_000),
+      ev("loop_add_fusion", "add.9", "jit_train_step", 1, 2_000_000, "while/body/add"),
+      ev("MemcpyD2D", None, "jit_train_step", 1, 1_000_000),
+      ev("while.5", "while.5", "jit_train_step", 1, 9_000_000),  # spans its body: skipped
+      ev("loop_rng", "rng.1", "jit_raw_generate_synthetic_data", 2, 5_000_000),
+  ]
+  step_map = {"while.5": pb.HloOp("while", "jit(train_step)/while", ())}
+  out = pb.summarize(events, step_map, steps=2)
+  ms = {c: v["ms_per_step"] for c, v in out["categories"].items()}
+  assert ms == {"gmm": 2.0, "dispatch_combine": 0.5, "route": 0.0, "attention": 1.0, "rest": 1.0,
+                "unattributed": 0.5}
+  assert out["total_ms_per_step"] == 5.0
+  assert out["other_modules_ms_per_step"] == {"jit_raw_generate_synthetic_data": 2.5}
+  assert out["top_unattributed"] == [["MemcpyD2D", 0.5]]
+
+
 def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   """A real profiled tiny run (our MoE block on CPU): every category the brief
   names gets time, the categories add up to the total, little is unattributed."""
