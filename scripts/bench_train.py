@@ -17,7 +17,9 @@ variant is dropless.
 --profile: each variant also traces --profile-steps late steps (upstream's
 xplane profiler) and dumps its optimized HLO into its run directory; the
 step breakdown of each (grouped GEMM, dispatch/combine, routing, attention,
-rest: scripts/profile_breakdown.py) is printed before the table.
+rest: scripts/profile_breakdown.py) is printed before the table. The traced
+steps run with the profiler on (and upstream blocks on the state around them),
+so take the table's step times from a run without --profile.
 """
 
 from __future__ import annotations
