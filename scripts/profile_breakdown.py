@@ -241,12 +241,22 @@ def parse_hlo(text: str) -> dict[str, HloOp]:
   return ops
 
 
-def load_hlo_maps(run_dir: Path) -> dict[str, dict[str, HloOp]]:
-  """module name (jit_train_step) -> {instruction -> descriptor}, from every optimized dump."""
-  maps: dict[str, dict[str, str]] = {}
+def load_hlo_maps(run_dir: Path) -> dict[str | int, dict[str, HloOp]]:
+  """{instruction -> HloOp} per module name (jit_train_step) and per program id, from every optimized dump.
+
+  Dumps are named module_<program id>.<module name>.<backend>_after_optimizations.txt;
+  the trace's events carry the same program id, which tells two compilations
+  of one module name apart (the name-keyed map merges them)."""
+  maps: dict[str | int, dict[str, HloOp]] = {}
   for path in sorted(glob.glob(str(run_dir / "**" / "*after_optimizations.txt"), recursive=True)):
-    module = Path(path).name.split(".")[1] if Path(path).name.startswith("module_") else Path(path).name
-    maps.setdefault(module, {}).update(parse_hlo(Path(path).read_text(errors="replace")))
+    name = Path(path).name
+    ops = parse_hlo(Path(path).read_text(errors="replace"))
+    match = re.match(r"module_(\d+)\.([^.]+)\.", name)
+    if match:
+      maps[int(match.group(1))] = ops
+      maps.setdefault(match.group(2), {}).update(ops)
+    else:
+      maps.setdefault(name, {}).update(ops)
   return maps
 
 
@@ -265,6 +275,7 @@ class OpEvent:
   run_id: object
   duration_ns: int
   scope: str = ""  # op_name the GPU runtime annotates kernels with ("name"/"op_name" stat); "" on CPU
+  program_id: int | None = None
 
 
 def read_events(xplane: Path) -> tuple[list[OpEvent], str]:
@@ -284,7 +295,7 @@ def read_events(xplane: Path) -> tuple[list[OpEvent], str]:
         stats = dict(e.stats)
         scope = stats.get("op_name") or stats.get("name") or stats.get("tf_op") or ""
         events.append(OpEvent(e.name, stats.get("hlo_op"), stats.get("hlo_module"), stats.get("run_id"),
-                              int(e.duration_ns), str(scope)))
+                              int(e.duration_ns), str(scope), _int_or_none(stats.get("program_id"))))
   if events:
     return events, "gpu"
   for plane in data.planes:
@@ -297,8 +308,15 @@ def read_events(xplane: Path) -> tuple[list[OpEvent], str]:
         stats = dict(e.stats)
         if "hlo_op" in stats:
           events.append(OpEvent(e.name, stats["hlo_op"], stats.get("hlo_module"), stats.get("run_id"),
-                                int(e.duration_ns)))
+                                int(e.duration_ns), "", _int_or_none(stats.get("program_id"))))
   return events, "cpu"
+
+
+def _int_or_none(value) -> int | None:
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    return None
 
 
 def find_xplane(run_dir: Path) -> Path:
@@ -331,14 +349,15 @@ def breakdown(run_dir: str | Path, steps: int | None = None, module: str = "jit_
   run_dir = Path(run_dir)
   xplane = find_xplane(run_dir)
   events, device = read_events(xplane)
-  step_map = load_hlo_maps(run_dir).get(module, {})
+  maps = load_hlo_maps(run_dir)
   steps = steps or profiled_steps(run_dir, events, module) or 1
+  by_program = {k: v for k, v in maps.items() if isinstance(k, int)}
   return {"run_dir": str(run_dir), "xplane": str(xplane), "device": device,
-          **summarize(events, step_map, steps, module, top)}
+          **summarize(events, maps.get(module, {}), steps, module, top, by_program)}
 
 
 def summarize(events: list[OpEvent], step_map: dict[str, HloOp], steps: int, module: str = "jit_train_step",
-              top: int = 10) -> dict:
+              top: int = 10, by_program: dict[int, dict[str, HloOp]] | None = None) -> dict:
   """Attributes each event of `module` to a category (events of other modules are reported apart).
 
   The HLO map (instruction -> op_name and source frames) decides first; an
@@ -353,7 +372,8 @@ def summarize(events: list[OpEvent], step_map: dict[str, HloOp], steps: int, mod
     if e.module is not None and e.module != module:
       other_modules[e.module] += e.duration_ns
       continue
-    op = step_map.get(e.hlo_op or e.name, _NO_OP)
+    ops = (by_program or {}).get(e.program_id, step_map)
+    op = ops.get(e.hlo_op or e.name, _NO_OP)
     if op.opcode in CONTROL_FLOW:
       continue  # its body's ops have their own events
     desc = op.descriptor or e.scope

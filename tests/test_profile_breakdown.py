@@ -128,6 +128,17 @@ def test_summarize_falls_back_to_annotation_then_kernel_name():
   assert out["top_unattributed"] == [["MemcpyD2D", 0.5]]
 
 
+def test_summarize_picks_the_dump_of_the_events_program():
+  """Two compilations of jit_train_step can reuse instruction names: the event's program id decides."""
+  events = [pb.OpEvent("fusion.1", "fusion.1", "jit_train_step", 1, 1_000_000, "", 7),
+            pb.OpEvent("fusion.1", "fusion.1", "jit_train_step", 1, 3_000_000, "", 8)]
+  by_program = {7: {"fusion.1": pb.HloOp("fusion", "jit(train_step)/gmm/dot", ())},
+                8: {"fusion.1": pb.HloOp("fusion", "jit(train_step)/combine/mul", ())}}
+  out = pb.summarize(events, by_program[8], steps=1, by_program=by_program)
+  assert out["categories"]["gmm"]["ms_per_step"] == 1.0
+  assert out["categories"]["dispatch_combine"]["ms_per_step"] == 3.0
+
+
 def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   """A real profiled tiny run (our MoE block on CPU): every category the brief
   names gets time, the categories add up to the total, little is unattributed."""
@@ -142,6 +153,7 @@ def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   out = pb.breakdown(run_dir)
   assert out["hlo_dump_found"] and out["device"] == "cpu"
   assert out["steps"] == 3  # distinct executions of the step module in the trace
+  assert out["events_with_hlo_metadata"] > 0.5 * out["events"]  # the dump matched the trace's ops
   cats = out["categories"]
   for name in ("gmm", "dispatch_combine", "attention", "route"):
     assert cats[name]["ms_per_step"] > 0, (name, pb.format_breakdown(out))
