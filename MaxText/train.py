@@ -49,10 +49,24 @@ def run_environment(
     env["DECOUPLE_GCLOUD"] = "TRUE"
   env.update((composed or xla_presets.compose_for(run, environ)).env)
   xla_flags = env.get("XLA_FLAGS", environ.get("XLA_FLAGS", "")).strip()
-  dump_hlo = bool(run.upstream.get("dump_hlo", False))
-  if not xla_flags and not dump_hlo:
+  if run.upstream.get("dump_hlo", False):
+    # Upstream adds its dump flags to XLA_FLAGS while validating its config,
+    # which is after launch.start has created the backend: XLA never sees them.
+    # So they are set here, into the run directory, and upstream (seeing
+    # XLA_FLAGS set and dump_hlo_xla_flags empty) leaves them alone.
+    env["XLA_FLAGS"] = f"{xla_flags} {hlo_dump_flags(run)}".strip()
+  elif not xla_flags:
     env["XLA_FLAGS"] = NEUTRAL_XLA_FLAGS
   return env
+
+
+def hlo_dump_flags(run: fork_config.RunConfig) -> str:
+  """Upstream's own dump flags (its dump_hlo_xla_flags default), into the run directory."""
+  if run.upstream.get("dump_hlo_xla_flags"):
+    return str(run.upstream["dump_hlo_xla_flags"])
+  flags = f"--xla_dump_to={run.upstream['dump_hlo_local_dir']} --xla_dump_large_constants"
+  module = run.upstream.get("dump_hlo_local_module_name", "jit_train_step")
+  return f"{flags} --xla_dump_hlo_module_re={module}" if module else flags
 
 
 def validate_with_upstream(run: fork_config.RunConfig):
@@ -84,7 +98,8 @@ def write_run_files(
       "config_path": str(run.config_path),
       "fork": run.fork.model_dump(),
       "upstream_overrides": run.upstream,
-      "environment": {**env, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+      "environment": {**env, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+                      "DECOUPLE_GCLOUD": os.environ.get("DECOUPLE_GCLOUD", "")},
       "patches": applied,
       "xla_presets": presets or {},
   }
@@ -150,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     print(__doc__.strip())
     print(f"\nDefault config: {fork_config.DEFAULT_CONFIG}")
     return 0
+  # Local-first: never reach for Google Cloud clients. Set before the config is
+  # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
+  # would otherwise bind the real storage client, and upload_dump would call it).
+  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
   try:
     run = fork_config.load(args)
     run_training(run)

@@ -75,25 +75,19 @@ def dense_gemm_peak_tflops(size: int = 8192, reps: int = 20) -> float | None:
   return 2 * size**3 / statistics.median(times) / 1e12
 
 
-def profile_overrides(args, run_dir: Path) -> tuple[list[str], dict[str, str]]:
-  """Upstream's xplane profiler over late steps, and an HLO dump of the step in the run directory.
-
-  The dump goes through XLA_FLAGS set before the child starts: upstream's
-  dump_hlo=true sets XLA_FLAGS only after our entry point has created the
-  backend, so XLA would never see it."""
+def profile_overrides(args) -> list[str]:
+  """Upstream's xplane profiler over late steps, and an HLO dump of the step
+  (our entry point puts it in the run directory and sets the flags before the
+  backend starts)."""
   skip = max(args.steps - args.profile_steps - 1, 1)
-  overrides = ["profiler=xplane", f"skip_first_n_steps_for_profiler={skip}", f"profiler_steps={args.profile_steps}"]
-  dump = f"--xla_dump_to={run_dir / 'xla_dump'} --xla_dump_hlo_module_re=jit_train_step"
-  flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", "").strip(), dump) if f)
-  return overrides, {**os.environ, "XLA_FLAGS": flags}
+  return ["profiler=xplane", f"skip_first_n_steps_for_profiler={skip}", f"profiler_steps={args.profile_steps}",
+          "dump_hlo=true", "dump_hlo_local_module_name=jit_train_step"]
 
 
 def run_variant(name: str, overrides: list[str], args) -> dict:
   run_name = f"{name}-{time.strftime('%H%M%S')}"
-  env = None
   if args.profile:
-    extra_overrides, env = profile_overrides(args, Path(args.out) / run_name)
-    overrides = [*overrides, *extra_overrides]
+    overrides = [*overrides, *profile_overrides(args)]
   cmd = [sys.executable, "-m", "MaxText.train", args.config, *overrides, *args.extra,
          f"steps={args.steps}", f"base_output_directory={args.out}", f"run_name={run_name}",
          "enable_checkpointing=false"]
@@ -102,7 +96,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
   started = time.monotonic()
   with open(log_path, "w") as log:
     try:
-      proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+      proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
                             check=False)
       returncode = proc.returncode
     except subprocess.TimeoutExpired:

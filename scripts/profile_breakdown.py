@@ -6,12 +6,10 @@
 RUN_DIR is a `python -m MaxText.train` run directory made with upstream's
 profiler on and an HLO dump in the run directory:
 
-  XLA_FLAGS="--xla_dump_to=RUN_DIR/xla_dump --xla_dump_hlo_module_re=jit_train_step" \
-  python -m MaxText.train ... profiler=xplane skip_first_n_steps_for_profiler=N profiler_steps=M
+  python -m MaxText.train ... profiler=xplane skip_first_n_steps_for_profiler=N profiler_steps=M dump_hlo=true
 
-(`scripts/bench_train.py --profile` does this for every variant.) Upstream's
-own `dump_hlo=true` is not used: it sets XLA_FLAGS only after our entry point
-has created the backend, so XLA never sees the dump flag.
+(`scripts/bench_train.py --profile` does this for every variant; our entry
+point puts the dump in `RUN_DIR/xla_dump`.)
 
 How time is attributed:
 - The trace (`<run>/tensorboard/plugins/profile/*/*.xplane.pb`, read with

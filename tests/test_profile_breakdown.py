@@ -145,9 +145,8 @@ def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   run_dir = tmp_path / "outputs" / "prof"
   result = run_train(
       tmp_path, "configs/deepseek3-tiny.yml", "moe_block=ours", "steps=6", "enable_checkpointing=false",
-      "profiler=xplane", "skip_first_n_steps_for_profiler=2", "profiler_steps=3",
+      "profiler=xplane", "skip_first_n_steps_for_profiler=2", "profiler_steps=3", "dump_hlo=true",
       run_name="prof",
-      env={"XLA_FLAGS": f"--xla_dump_to={run_dir / 'xla_dump'} --xla_dump_hlo_module_re=jit_train_step"},
   )
   assert result.returncode == 0, result.stderr[-3000:]
   out = pb.breakdown(run_dir)

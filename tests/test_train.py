@@ -70,6 +70,16 @@ def test_run_writes_only_under_its_run_directory(tmp_path):
   assert (result.run_dir / "jax_cache").is_dir()  # the compile cache lives with the run
 
 
+def test_hlo_dump_lands_in_the_run_directory(tmp_path):
+  started = time.time()
+  result = run_train(tmp_path, TINY, "steps=2", "enable_checkpointing=false", "dump_hlo=true")
+  assert result.returncode == 0, result.stderr[-3000:]
+  dumped = [p.name for p in (result.run_dir / "xla_dump").glob("*jit_train_step*after_optimizations.txt")]
+  assert dumped, f"no optimized HLO of jit_train_step under {result.run_dir / 'xla_dump'}"
+  fresh_dumps = [p for p in _files_under(Path("/tmp/xla_dump")) if p.stat().st_mtime >= started]
+  assert fresh_dumps == [], f"HLO dumped outside the run directory: {fresh_dumps[:3]}"
+
+
 def test_resume_matches_an_unbroken_run(tmp_path):
   # The LR schedule length is fixed so both runs see the same schedule.
   common = [TINY, "learning_rate_schedule_steps=6", "checkpoint_period=3"]
