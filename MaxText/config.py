@@ -22,7 +22,9 @@ from typing import Any, Literal
 import omegaconf
 import pydantic
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs: MaxText/configs links to the repo's configs/ in a checkout
+# and is a copy inside an installed wheel (pyproject package-data).
+REPO_CONFIGS = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "deepseek3-tiny.yml"
 BASE_CONFIG_KEY = "base_config"
 

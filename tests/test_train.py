@@ -122,3 +122,21 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
   assert result.returncode == 2
   assert f"unknown config key 'num_expertz' ({cfg}); did you mean 'num_experts'?" in result.stderr
   assert not os.path.exists(result.run_dir)
+
+
+def test_the_wheel_carries_the_shipped_configs(tmp_path):
+  """An installed package (wheelhouse, container) runs the default config with no checkout."""
+  import subprocess
+  import sys
+  import zipfile
+
+  from MaxText import config
+
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+                  str(Path(__file__).parent.parent)], check=True, capture_output=True)
+  (wheel,) = tmp_path.glob("maxtext_moe-*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  assert "MaxText/configs/deepseek3-tiny.yml" in names
+  assert "MaxText/configs/models/deepseek3-tiny.yml" in names  # its base_config
+  assert "MaxText/configs/bench/proxy-1xh200.yml" in names
+  assert config.DEFAULT_CONFIG == Path(config.__file__).parent / "configs" / "deepseek3-tiny.yml"
