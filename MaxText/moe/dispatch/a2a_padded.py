@@ -84,6 +84,11 @@ def exclusive_cumsum(a, axis=0):
   return jnp.cumsum(a, axis=axis) - a
 
 
+def exchange_blocks(x, axis_name: str):
+  """Block p of x's leading axis goes to peer p; block p of the result came from peer p."""
+  return jax.lax.all_to_all(x, axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+
 def expert_major(recv_PE, block_start_P, rows: int):
   """Maps received rows to expert-major order for the grouped GEMM; no sort.
 
@@ -132,7 +137,7 @@ class A2APaddedDispatcher:
     return max(1, min(slots, math.ceil(self.capacity_factor * slots / self.ep_size)))
 
   def _a2a(self, x):
-    return jax.lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, tiled=True)
+    return exchange_blocks(x, self.axis_name)
 
   def dispatch(self, x_TD, ids_TK):
     n, num_local = self.ep_size, self.num_experts // self.ep_size

@@ -169,7 +169,7 @@ class RaggedA2ADispatcher:
   exchange_impl: ExchangeImpl = jax.lax.ragged_all_to_all  # tests: an all_to_all emulation on CPU
 
   def _a2a(self, x):
-    return jax.lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, tiled=True)
+    return a2a_padded.exchange_blocks(x, self.axis_name)
 
   def dispatch(self, x_TD, ids_TK):
     n, num_local = self.ep_size, self.num_experts // self.ep_size

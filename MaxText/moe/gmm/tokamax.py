@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from MaxText.moe.gmm import _pad, _rows
+from MaxText.moe.gmm import _pad, _rows, xla
 
 NAME = "tokamax"
 INSTALL = "pip install tokamax==0.0.17"
@@ -21,15 +21,8 @@ INSTALL = "pip install tokamax==0.0.17"
 # again; tests use it to run this adapter on CPU.)
 _IMPLEMENTATION = "mosaic"
 
-_GMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
-_GMM_TRANSPOSED_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
-_TGMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-)
+# tokamax takes jax's ragged_dot dimension layouts, defined once in xla.py.
+_GMM_DIMS, _GMM_TRANSPOSED_DIMS, _TGMM_DIMS = xla.GMM_DIMS, xla.GMM_TRANSPOSED_DIMS, xla.TGMM_DIMS
 
 
 def _tokamax():

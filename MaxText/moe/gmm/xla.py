@@ -17,15 +17,15 @@ from MaxText.moe.gmm import _rows
 NAME = "xla"
 
 # out[m] = lhs[m] @ rhs[g(m)]: rhs_GKN contracts on its dim 1.
-_GMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
+GMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
 # out[m] = lhs[m] @ rhs[g(m)].T: rhs_GNK contracts on its dim 2 (the dlhs product).
-_GMM_TRANSPOSED_DIMS = jax.lax.RaggedDotDimensionNumbers(
+GMM_TRANSPOSED_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
 # out[g] = lhs[rows of g].T @ dout[rows of g]: the ragged dim M is contracted.
-_TGMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
+TGMM_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
 )
 
@@ -40,7 +40,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
       _rows.to_local(lhs_MK, rows),
       rhs_GKN,
       rows.sizes_L,
-      _GMM_TRANSPOSED_DIMS if transpose_rhs else _GMM_DIMS,
+      GMM_TRANSPOSED_DIMS if transpose_rhs else GMM_DIMS,
       preferred_element_type=jnp.float32,
   )
   return _rows.from_local(out_MN, rows).astype(out_dtype)
@@ -52,7 +52,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_
       _rows.to_local(lhs_MK, rows),
       _rows.to_local(dout_MN, rows),
       rows.sizes_L,
-      _TGMM_DIMS,
+      TGMM_DIMS,
       preferred_element_type=jnp.float32,
   )
   return drhs_GKN.astype(out_dtype)
