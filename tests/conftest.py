@@ -6,6 +6,8 @@ Training tests run in subprocesses so that each gets a fresh JAX backend
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +18,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str, relpath: str):
+  """A script under the repo (with or without .py) as a module, loaded once.
+
+  Registered in sys.modules before it runs: dataclasses look their module up there."""
+  if name in sys.modules:
+    return sys.modules[name]
+  loader = importlib.machinery.SourceFileLoader(name, str(REPO / relpath))
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+  sys.modules[name] = module
+  loader.exec_module(module)
+  return module
 
 
 @dataclass

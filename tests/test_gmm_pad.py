@@ -12,15 +12,13 @@ kernels' numbers (`bash scripts/gpu_checks.sh selftest-small`).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import load_script
 from gmm_reference import Case, dense_gmm, rel_err
 from MaxText.moe import gmm as gmm_lib
 from MaxText.moe.gmm import _pad, mgpu, mgpu_kernels, mgpu_tiling
@@ -28,11 +26,7 @@ from MaxText.moe.gmm import tokamax as tokamax_backend
 
 
 def _selftest():
-  spec = importlib.util.spec_from_file_location("gpu_selftest", REPO / "scripts" / "gpu_selftest.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-  spec.loader.exec_module(module)
-  return module
+  return load_script("gpu_selftest", "scripts/gpu_selftest.py")
 
 
 _SELFTEST = _selftest()

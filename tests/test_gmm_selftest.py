@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import load_script
 from MaxText.moe.gmm import xla as xla_backend
 
 
 def _selftest():
-  spec = importlib.util.spec_from_file_location("gpu_selftest", REPO / "scripts" / "gpu_selftest.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-  spec.loader.exec_module(module)
-  return module
+  return load_script("gpu_selftest", "scripts/gpu_selftest.py")
 
 
 def test_selftest_passes_xla_on_the_small_cases():

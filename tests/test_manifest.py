@@ -8,8 +8,6 @@ check of its FROM/ARG structure and install steps.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -22,6 +20,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = yaml.safe_load((REPO / "docker" / "manifest.yaml").read_text())
 DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
@@ -30,14 +30,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 def load_wheelhouse():
   """scripts/wheelhouse (an executable without .py) as a module."""
-  if "wheelhouse_script" in sys.modules:
-    return sys.modules["wheelhouse_script"]
-  loader = importlib.machinery.SourceFileLoader("wheelhouse_script", str(REPO / "scripts" / "wheelhouse"))
-  spec = importlib.util.spec_from_loader(loader.name, loader)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[loader.name] = module  # dataclasses look their module up there
-  loader.exec_module(module)
-  return module
+  return load_script("wheelhouse_script", "scripts/wheelhouse")
 
 
 def requirements(lines: list[str]) -> dict[str, Requirement]:

@@ -8,8 +8,6 @@ tests/test_container.py installs a real wheelhouse.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -19,19 +17,14 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def load_wheelhouse():
   """scripts/wheelhouse (an executable without .py) as a module."""
-  if "wheelhouse_script" in sys.modules:
-    return sys.modules["wheelhouse_script"]
-  loader = importlib.machinery.SourceFileLoader("wheelhouse_script", str(REPO / "scripts" / "wheelhouse"))
-  spec = importlib.util.spec_from_loader(loader.name, loader)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[loader.name] = module  # dataclasses look their module up there
-  loader.exec_module(module)
-  return module
+  return load_script("wheelhouse_script", "scripts/wheelhouse")
 
 
 wh = load_wheelhouse()
