@@ -149,3 +149,30 @@ def test_tokamax_adapter_runs_through_tokamax_on_cpu(monkeypatch, case):
       jnp.swapaxes(rhs, 1, 2) if case.transpose_rhs else rhs
   )
   assert rel_err(drhs, want) < 1e-5 if np.any(want) else not np.any(drhs)
+
+
+def test_tokamax_adapter_zeroes_foreign_rows_before_dw(monkeypatch):
+  """tokamax 0.0.17's GPU dW masks rows outside a group by multiplying (the H200 self-test
+  saw NaN rows reach dW). A stand-in kernel with that behaviour: the adapter must hand it
+  exact zeros in every row outside the local groups, so dW stays finite and right."""
+
+  def multiply_masked_tgmm(lhs_MK, dout_MN, group_sizes_L, dims, out_dtype):
+    del dims
+    ends_L = jnp.cumsum(group_sizes_L)
+    row_M = jnp.arange(lhs_MK.shape[0])
+    in_group_LM = (row_M >= (ends_L - group_sizes_L)[:, None]) & (row_M < ends_L[:, None])
+    masked_LMK = lhs_MK[None] * in_group_LM[..., None].astype(lhs_MK.dtype)  # NaN * 0 = NaN
+    return jnp.einsum("lmk,mn->lkn", masked_LMK, dout_MN).astype(out_dtype)
+
+  monkeypatch.setattr(tokamax_backend, "_ragged_dot", multiply_masked_tgmm)
+  m, k, n = 40, 64, 64
+  gs = jnp.asarray([10, 0, 20, 5], jnp.int32)  # groups 1..3 local; 5 padding rows at the end
+  lhs = jax.random.normal(jax.random.key(0), (m, k))
+  dout = jax.random.normal(jax.random.key(1), (m, n))
+  foreign_M = (jnp.arange(m) < 10) | (jnp.arange(m) >= 35)
+  poisoned = jnp.where(foreign_M[:, None], jnp.nan, lhs)
+  dw = tokamax_backend.tgmm(poisoned, dout, gs, group_offset=jnp.int32(1), num_local_groups=3,
+                            out_dtype=jnp.float32)
+  want = jnp.stack([lhs[10:10].T @ dout[10:10], lhs[10:30].T @ dout[10:30], lhs[30:35].T @ dout[30:35]])
+  assert np.isfinite(np.asarray(dw)).all()
+  assert rel_err(dw, want) < 1e-5

@@ -51,6 +51,17 @@ def to_local(x_M: jax.Array, rows: LocalRows) -> jax.Array:
   return jnp.roll(x_M, -rows.start, axis=0) if rows.shifted else x_M
 
 
+def zero_outside_local(x_M: jax.Array, rows: LocalRows) -> jax.Array:
+  """`x_M` (already `to_local`) with every row past the local groups set to exact zero.
+
+  For kernels that mask rows by multiplying (tokamax's dW): NaN or inf in a padding row or
+  another shard's row would otherwise survive as NaN * 0. A select, fused by XLA into the
+  roll or pad when there is one; otherwise one pass over x_M.
+  """
+  inside_M = jnp.arange(x_M.shape[0]) < rows.end - rows.start
+  return jnp.where(inside_M.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.zeros((), x_M.dtype))
+
+
 def from_local(y_M: jax.Array, rows: LocalRows) -> jax.Array:
   """Undoes `to_local`, then zeroes every row outside the window.
 

@@ -264,7 +264,10 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       def mask_rows(lhs_smem, keep):
         idx = plgpu.layout_cast(
             lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_m), 0), plgpu.Layout.WGMMA)
-        lhs_smem[...] = lhs_smem[...] * keep(idx).astype(lhs_smem.dtype)
+        # A select, not a multiply by the mask: rows outside the group may hold NaN or inf
+        # (other shards' rows, padding), and NaN * 0 would still reach dW.
+        tile = lhs_smem[...]
+        lhs_smem[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
         plgpu.commit_smem()
 
       def acc_scope(acc_ref):
@@ -398,7 +401,8 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
         def mask_rows(dout_wg, keep):
           idx = plgpu.layout_cast(
               lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_n), 0), plgpu.Layout.WGMMA)
-          dout_wg[...] = dout_wg[...] * keep(idx).astype(dout_wg.dtype)
+          tile = dout_wg[...]  # select, not multiply: see mask_rows in the kernel above
+          dout_wg[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
           plgpu.commit_smem()
 
         def mma(idx, lhs_smem, dout_smem, acc_ref):

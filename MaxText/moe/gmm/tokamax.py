@@ -93,6 +93,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
   rows = _rows.local_rows(group_sizes_G, group_offset, num_local_groups)
-  lhs_MK, dout_MN = _rows.to_local(lhs_MK, rows), _rows.to_local(dout_MN, rows)
+  # tokamax 0.0.17's dW kernel masks rows outside a group by multiplying, so a NaN there (the
+  # GPU self-test puts NaN in them) reached dW; zero lhs's foreign rows first (dout's rows are
+  # the finite cotangent of our zero-written output rows).
+  lhs_MK = _rows.zero_outside_local(_rows.to_local(lhs_MK, rows), rows)
+  dout_MN = _rows.to_local(dout_MN, rows)
   kernel = lambda lhs, dout: _ragged_dot(lhs, dout, rows.sizes_L, _TGMM_DIMS, out_dtype)
   return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_align(lhs_MK.dtype, rows=64))
