@@ -100,7 +100,7 @@ def test_tgmm_pads_rows_and_crops_k_n():
 _DSV3 = [(8192, 7168, 2048, False), (8192, 2048, 7168, False), (8192, 2048, 7168, True)]
 
 
-def _trace_passthrough(backend_gmm, backend_tgmm, record, gmm_returns_kernel_out=True):
+def _trace_passthrough(backend_gmm, backend_tgmm, record, gmm_returns_kernel_out=True, tgmm_selects_lhs=False):
   for m, k, n, transpose in _DSV3:
     def fwd(x, w, gs, transpose=transpose):
       out = backend_gmm(x, w, gs, group_offset=jnp.int32(0), transpose_rhs=transpose, out_dtype=jnp.bfloat16)
@@ -113,7 +113,9 @@ def _trace_passthrough(backend_gmm, backend_tgmm, record, gmm_returns_kernel_out
     def dw(x, d, gs):
       out = backend_tgmm(x, d, gs, group_offset=jnp.int32(0), num_local_groups=32, out_dtype=jnp.bfloat16)
       a, b = record.pop("args")[:2]
-      assert a is x and b is d and out is record.pop("out")
+      assert b is d and out is record.pop("out")
+      # tokamax's dW gets lhs through one row select (foreign rows to exact zero), same shape.
+      assert a.shape == x.shape if tgmm_selects_lhs else a is x
       return out
 
     w = (32, n, k) if transpose else (32, k, n)
@@ -155,7 +157,8 @@ def test_tokamax_aligned_shapes_reach_tokamax_unpadded(monkeypatch):
   monkeypatch.setattr(tokamax_backend, "_ragged_dot", _recorder(record, shape))
   # gmm's result then goes through _rows.from_local's row select (the protocol's zero rows,
   # there before padding was): the same [M, N], not a crop.
-  _trace_passthrough(tokamax_backend.gmm, tokamax_backend.tgmm, record, gmm_returns_kernel_out=False)
+  _trace_passthrough(tokamax_backend.gmm, tokamax_backend.tgmm, record, gmm_returns_kernel_out=False,
+                     tgmm_selects_lhs=True)
 
 
 # ------------------------------------------------------------------ tokamax
