@@ -151,6 +151,29 @@ def format_table(rows: list[dict], peak: float | None, tokens_per_step: int | No
   return "\n".join(lines)
 
 
+def format_losses(rows: list[dict]) -> str:
+  """Per-step losses of every variant that trained, and each one's largest |difference| from
+  the first upstream variant in the run (same data and seed; dense_equivalent is another
+  model, so its difference is not a correctness figure)."""
+  trained = [r for r in rows if r.get("losses")]
+  if not trained:
+    return ""
+  ref = next((r for r in trained if r["variant"].startswith("upstream")), trained[0])
+  steps = sorted({int(s) for r in trained for s in r["losses"]})
+  lines = ["loss by step " + " ".join(f"{r['variant']:>17}" for r in trained)]
+  for step in steps:
+    cells = (r["losses"].get(str(step)) for r in trained)
+    lines.append(f"{step:>12} " + " ".join(f"{v:>17.4f}" if v is not None else f"{'-':>17}" for v in cells))
+  for r in trained:
+    if r is ref:
+      continue
+    common = [s for s in r["losses"] if s in ref["losses"]]
+    if common:
+      worst = max(abs(r["losses"][s] - ref["losses"][s]) for s in common)
+      lines.append(f"max |loss - {ref['variant']}| over {len(common)} steps, {r['variant']}: {worst:.4f}")
+  return "\n".join(lines)
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -189,6 +212,7 @@ def main() -> int:
         print(profile_breakdown.format_breakdown(row["breakdown"], title=row["variant"]) + "\n")
       else:
         print(f"step breakdown {row['variant']}: none ({row.get('breakdown_error') or row.get('error', 'run failed')})\n")
+  print(format_losses(rows) + "\n")
   print(format_table(rows, peak, args.tokens_per_step))
   return 0 if all(r["returncode"] == 0 for r in rows) else 1
 

@@ -337,6 +337,31 @@ def profiled_steps(run_dir: Path, events: list[OpEvent], module: str) -> int | N
   return None
 
 
+# ---------------------------------------------------------------- memory
+
+def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:
+  """The n largest slices of the step's buffer assignment, from XLA's memory-usage report
+  (`*<module>*after_optimizations-memory-usage-report.txt`, written with every HLO dump):
+  size, and the shapes of the values that share the slice over the step."""
+  paths = sorted(glob.glob(str(run_dir / "**" / f"*{module}*after_optimizations-memory-usage-report.txt"),
+                           recursive=True))
+  if not paths:
+    return []
+  rows = []
+  for line in Path(paths[-1]).read_text().splitlines():
+    fields = [f.strip() for f in line.split(";")]
+    # "<cumulative>(<share>); <size>; <offset>; <used_by_n_values>; <shapes>"
+    if len(fields) == 5 and fields[2].isdigit():
+      rows.append({"size": fields[1], "bytes": _bytes(fields[1]), "values": int(fields[3]), "shapes": fields[4]})
+  return sorted(rows, key=lambda r: -r["bytes"])[:n]
+
+
+def _bytes(text: str) -> float:
+  units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+  match = re.fullmatch(r"([\d.]+)\s*([KMGT]?i?B)", text)
+  return float(match.group(1)) * units[match.group(2)] if match else 0.0
+
+
 # ---------------------------------------------------------------- breakdown
 
 _NO_OP = HloOp("", "", ())
@@ -351,6 +376,7 @@ def breakdown(run_dir: str | Path, steps: int | None = None, module: str = "jit_
   steps = steps or profiled_steps(run_dir, events, module) or 1
   by_program = {k: v for k, v in maps.items() if isinstance(k, int)}
   return {"run_dir": str(run_dir), "xplane": str(xplane), "device": device,
+          "largest_buffers": largest_buffers(run_dir, module),
           **summarize(events, maps.get(module, {}), steps, module, top, by_program)}
 
 
@@ -420,6 +446,9 @@ def format_breakdown(result: dict, title: str = "") -> str:
   if result["top_unattributed"]:
     lines.append("  top unattributed (ms/step):")
     lines += [f"    {ms:>9.3f}  {name}" for name, ms in result["top_unattributed"]]
+  if result.get("largest_buffers"):
+    lines.append("  largest buffers of the step (XLA memory-usage report):")
+    lines += [f"    {b['size']:>10}  {b['values']:>3} values  {b['shapes'][:140]}" for b in result["largest_buffers"]]
   return "\n".join(lines)
 
 
