@@ -7,7 +7,9 @@
 
 Routing runs in the global (auto-sharded) view; dispatch -> combine runs per
 shard inside `jax.shard_map` when a mesh is given, the expert axis carrying
-expert parallelism (the dispatcher owns its collectives). Upstream-agnostic:
+expert parallelism (the dispatcher owns its collectives); a `global_view`
+dispatcher (te_ncclep: TE's ops partition themselves) is called outside it
+and only the grouped GEMMs run per shard. Upstream-agnostic:
 patches/routed_moe.py feeds it upstream RoutedMoE's parameters.
 """
 
@@ -122,6 +124,31 @@ class Sharding:
   expert_axis: str | None = None
 
 
+def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig,
+                                     dispatcher: Dispatcher, sharding: Sharding):
+  """For dispatchers whose ops partition themselves (`global_view`, te_ncclep).
+
+  dispatch/combine run in the global view and the weights go out with the
+  tokens; only the grouped GEMMs run per shard, on the [P, R, D] receive
+  buffer (and meta) whose leading dim P is split like the tokens. The expert
+  axis must be the innermost token axis: rank p = (outer coordinate) * EP +
+  (expert coordinate) holds that expert shard's weights.
+  """
+  if sharding is None or not sharding.token_axes or sharding.token_axes[-1] != sharding.expert_axis:
+    raise ValueError(f"MoE dispatch backend {dispatcher.name!r} needs a mesh whose innermost token axis is the "
+                     f"expert axis; got {sharding}")
+  tok = P(tuple(sharding.token_axes))
+  pin = lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(sharding.mesh, tok))  # noqa: E731
+  with jax.named_scope("dispatch"):
+    x_PRD, meta = dispatcher.dispatch(pin(x_TD.astype(cfg.dtype)), pin(ids_TK), pin(weights_TK))
+  ffn = lambda x_1RD, meta_1, e: expert_ffn(x_1RD[0], meta_1, e, cfg)[None]  # noqa: E731
+  exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
+  y_PRD = jax.shard_map(ffn, mesh=sharding.mesh, in_specs=(tok, tok, exp), out_specs=tok)(x_PRD, meta, experts)
+  with jax.named_scope("combine"):
+    y_TD = dispatcher.combine(y_PRD, weights_TK, meta)
+  return y_TD, meta.overflow_P
+
+
 def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
               sharding: Sharding | None = None):
   """Routed experts of T tokens; returns (y_TD, Routing, overflow: bool[]).
@@ -131,6 +158,10 @@ def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatch
   """
   with jax.named_scope("route"):
     r = routing_lib.route(x_TD, router.kernel_DE, router.bias_E, cfg.router, dtype=cfg.gate_dtype)
+  if getattr(dispatcher, "global_view", False):
+    y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, r.weights_TK, experts, cfg, dispatcher,
+                                                      sharding)
+    return y_TD.astype(cfg.dtype), r, jnp.any(overflow)
   body = lambda x, ids, w, e: dispatch_ffn_combine(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)

@@ -11,7 +11,12 @@ meta has `group_sizes_G`, `group_offset` and `num_local_experts`, which is all
 the grouped GEMM needs.
 
 Expert-parallel backends run inside `jax.shard_map` with the expert axis
-named by `axis_name`; `local` needs no collective. Backends, one file each:
+named by `axis_name`; `local` needs no collective. Except a dispatcher with
+`global_view = True` (te_ncclep: Transformer Engine's EP ops are partitioned
+by TE itself): the block calls it outside shard_map, as
+`dispatch(x_TD, ids_TK, weights_TK) -> ([P, R, D] rows, meta)` (the weights
+travel with the tokens; combine ignores its weights), and runs only the
+grouped GEMMs per shard. Backends, one file each:
 """
 
 from __future__ import annotations
