@@ -87,7 +87,8 @@ RULES: tuple[Rule, ...] = (
     Rule("dispatch_combine", substrings=("all-to-all", "all_to_all", "alltoall", "collective-permute",
                                          "collective_permute", "sendrecv")),
     Rule("gmm", scopes=("gmm", "gmm_dlhs", "gmm_drhs", "wi_0", "wi_1", "wo"),
-         substrings=("ragged_dot", "ragged-dot", "megablox", "tokamax", "gmm", "grouped_matmul",
+         # No bare "gmm": it is inside "wgmma", which most Hopper kernel names carry.
+         substrings=("ragged_dot", "ragged-dot", "megablox", "tokamax", "/gmm", "grouped_matmul",
                      "grouped_gemm", "mosaic_gpu", "ragged_matmul"),
          sources=(r"maxtext/moe/gmm/", r"layers/moe\.py:.*(gmm|ragged_dot)", r"megablox", r"tokamax")),
     Rule("dispatch_combine", scopes=("dispatch", "combine", "sort_activations", "weight_sum", "permute",
@@ -403,7 +404,11 @@ def summarize(events: list[OpEvent], step_map: dict[str, HloOp], steps: int, mod
     desc = op.descriptor or e.scope
     matched += bool(desc)
     inherited_ns += e.duration_ns if op.inherited else 0
-    category = classify(f"{desc} {e.name}", op.frames)
+    # The HLO's metadata decides before the kernel's name: cuDNN's flash-attention kernels
+    # are named "..._wgmma_...", which the gmm rule's "gmm" would claim (an H200 trace put
+    # ~100 ms/step of attention under gmm that way).
+    category = classify(desc, op.frames) if desc else None
+    category = category or classify(e.name)
     if category is None:
       category = "rest" if desc else "unattributed"
     totals[category] += e.duration_ns

@@ -35,6 +35,9 @@ _spec.loader.exec_module(pb)
         ("jit(train_step)/jvp()/dot_product_attention __cudnn$fmhaSoftmax", (), "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_knob_7", (), "attention"),
         ("flash_fprop_kernel", (), "attention"),
+        # cuDNN's Hopper attention kernels carry "wgmma": not a grouped GEMM
+        ("sm90_flash_bprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0", (), "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_wgmma_kernel", (), None),
         ("jit(train_step)/x mosaic_gpu", (), "gmm"),
         ("jit(train_step)/jvp()/btkgd,bskd->bkgts/dot_general", (), "attention"),
         # nameless backward ops decided by their source frames, innermost first
