@@ -165,3 +165,22 @@ def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   assert out["top_rest"], "the top ops of rest are listed so misclassification shows"
   text = pb.format_breakdown(out, title="ours")
   assert "gmm" in text and "dispatch_combine" in text and "unattributed" in text
+  # The step's largest buffers come from XLA's memory-usage report in the same dump.
+  sizes = [b["bytes"] for b in out["largest_buffers"]]
+  assert len(sizes) == 5 and sizes == sorted(sizes, reverse=True) and sizes[0] > 0
+  assert all("[" in b["shapes"] for b in out["largest_buffers"])
+  assert "largest buffers" in text
+
+
+def test_bench_train_reports_loss_gap_to_upstream():
+  """bench_train's loss section: per-step losses, and each variant's largest gap to the first
+  upstream variant over their common steps (a failed variant has no losses and is left out)."""
+  from conftest import load_script
+  bt = load_script("bench_train", "scripts/bench_train.py")
+  rows = [{"variant": "ours", "losses": {"0": 10.0, "1": 9.0, "2": 8.5}},
+          {"variant": "upstream_tokamax", "losses": {"0": 10.0, "1": 9.02, "2": 8.49}},
+          {"variant": "upstream_ragged", "error": "out of memory"}]
+  text = bt.format_losses(rows)
+  assert "max |loss - upstream_tokamax| over 3 steps, ours: 0.0200" in text
+  assert "upstream_ragged" not in text
+  assert text.splitlines()[0].split() == ["loss", "by", "step", "ours", "upstream_tokamax"]
