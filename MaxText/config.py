@@ -61,6 +61,17 @@ class ForkConfig(pydantic.BaseModel):
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = "error"
   # ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(default=None, gt=0)
+  # te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound for the batch.
+  moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(default=None, ge=1)
+  # te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 for NCCL EP).
+  moe_te_ncclep_alignment: int = pydantic.Field(default=128, ge=1)
+
+  @pydantic.field_validator("moe_te_ncclep_alignment")
+  @classmethod
+  def _alignment_is_a_power_of_two(cls, value: int) -> int:
+    if value & (value - 1):
+      raise ValueError("must be a power of two (1, 2, 4, ..., 128)")
+    return value
 
   # --- XLA / environment presets (MaxText/xla_presets.py) ---
   # Named flag/env presets, merged in order; the user's XLA_FLAGS win.
