@@ -27,6 +27,7 @@ SEAM_MODULES = (
     "patches.tensorboard",  # event files in the run directory in decoupled mode
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
+    "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
 )
 
 

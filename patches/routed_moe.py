@@ -151,6 +151,8 @@ def _ours(layer, inputs, settings: dict):
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
   options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
   axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
+  if backend == "te_ncclep":
+    options = _te_ncclep_options(layer, batch * seq, settings["te_ncclep_options"])
   disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
   block_cfg = block.BlockConfig(
       router=_router_config(layer),
@@ -169,6 +171,17 @@ def _ours(layer, inputs, settings: dict):
   y_TD, r, overflow = block.moe_block(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
+
+
+def _te_ncclep_options(layer, num_tokens: int, te_options: dict) -> dict:
+  """The capacity and alignment te_ncclep was bootstrapped with (the same plan, from the same config and mesh)."""
+  from patches import te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
+
+  p = te_ncclep_bootstrap.plan(layer.config, dict(layer.mesh.shape), **te_options)
+  if num_tokens > p.max_tokens_per_rank * p.num_ranks:
+    raise ValueError(f"te_ncclep: this MoE call has {num_tokens} tokens, more than the {p.max_tokens_per_rank} per "
+                     f"rank x {p.num_ranks} ranks TE was bootstrapped for")
+  return p.dispatch_options()
 
 
 def _subclass(upstream_cls, settings: dict):
@@ -204,6 +217,9 @@ def settings_from(fork) -> dict:
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
+      # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
+      "te_ncclep_options": {"recv_capacity_per_rank": fork.moe_te_ncclep_recv_capacity_per_rank,
+                            "alignment": fork.moe_te_ncclep_alignment},
   }
 
 
@@ -211,10 +227,22 @@ def wanted(fork) -> bool:
   return fork.moe_block != "upstream"
 
 
+def _check_te_ncclep_runs_here() -> None:
+  """Before anything is written or compiled: a config error naming what to install or change."""
+  from MaxText.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import dispatch  # pylint: disable=import-outside-toplevel
+
+  reason = dispatch.unavailable_reason("te_ncclep")
+  if reason:
+    raise ConfigError(f"moe_dispatch_backend=te_ncclep cannot run here: {reason}")
+
+
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   if fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
     raise RuntimeError("moe_block=te needs Transformer Engine with JAX MoE support: "
                        "pip install 'transformer_engine[jax]' on a CUDA machine (or use moe_block=ours)")
+  if fork.moe_block == "ours" and fork.moe_dispatch_backend == "te_ncclep":
+    _check_te_ncclep_runs_here()
   settings = settings_from(fork)
   if fork.moe_block == "ours" and fork.moe_gmm_backend == "upstream":
     _log("moe_block=ours: moe_gmm_backend=upstream means the xla grouped GEMM inside our block")

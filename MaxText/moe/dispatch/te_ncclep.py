@@ -15,6 +15,15 @@ installed where this was written, so it has never run against a real TE):
   ep_combine(cfg, handle_mem_PN, token_counts_PG, expert_out_PRD, num_local_tokens)
       -> y_TD: per token, the UNWEIGHTED sum of its K rows
 
+Upstream MaxText 0.2.5 calls ep_bootstrap with these keywords too (plus
+max_token_dtype, drop_on_overflow: max_utils.maybe_bootstrap_te_moe). A TE
+read later (NVIDIA/TransformerEngine at 00145f7) has another API: ep_bootstrap
+also takes ep_size, ep_dispatch a per-layer EpHandle (ep_make_handle) in place
+of EpLayerConfig, and ep_combine the recv weights (it weights the rows
+itself). This adapter does not fit that one; check the installed TE first.
+In a run, patches/te_ncclep_bootstrap.py calls `bootstrap` (upstream's own TE
+bootstrap moment) and patches/routed_moe.py passes the same capacity to `make`.
+
 P = ranks (dp * ep, one GPU per process), R = recv_capacity_per_rank, G =
 local experts. Rank p's buffer is expert-major: local expert g's zone follows
 g-1's, padded to the alignment, and token_counts_PG[p] are the zone sizes
