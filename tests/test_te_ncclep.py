@@ -373,3 +373,21 @@ if __name__ == "__main__":
   assert sys.argv[1:] == ["block"], sys.argv
   for row in _block_check():
     print(json.dumps(row), flush=True)
+
+
+@pytest.mark.parametrize("later_api", ["ep_make_handle", "weighted_combine"])
+def test_a_te_with_the_later_ep_api_is_refused_not_guessed(monkeypatch, later_api):
+  """A TE whose EP API is the later one (EpHandle; ep_combine weighting rows itself) would get
+  rows this adapter already weighted: a wrong sum with no error. It must be refused by name."""
+  modules, _ = _install(monkeypatch.setitem, ep_size=2, num_ep_groups=1, with_total_recv=False)
+  ep_mod = modules["transformer_engine.jax.ep"]
+  if later_api == "ep_make_handle":
+    monkeypatch.setattr(ep_mod, "ep_make_handle", lambda *a, **k: None, raising=False)
+    want = "EpHandle API"
+  else:
+    monkeypatch.setattr(ep_mod, "ep_combine",
+                        lambda handle, handle_mem, recv_topk_weights, expert_out, num_local_tokens: None)
+    want = "takes routing weights"
+  assert want in dispatch.unavailable_reason("te_ncclep")
+  with pytest.raises(RuntimeError, match=want):
+    dispatch.make("te_ncclep", num_experts=8, axis_name="expert", ep_size=2, recv_capacity_per_rank=64)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 
 import jax
@@ -74,11 +75,31 @@ def _te_ep():
                        f"import ({e}); {INSTALL}") from e
 
 
+def api_mismatch(te_ep) -> str | None:
+  """Why the installed TE's EP API is not the one this adapter is written to, or None.
+
+  The later API (EpHandle from ep_make_handle; ep_combine taking the received weights and
+  weighting the rows itself) would get rows we already weighted: a silently wrong sum,
+  so it is refused rather than guessed at."""
+  if not hasattr(te_ep, "EpLayerConfig") or hasattr(te_ep, "ep_make_handle"):
+    return ("the installed transformer_engine.jax.ep has the EpHandle API (ep_make_handle), not the "
+            "EpLayerConfig API of NVIDIA/TransformerEngine#3036 this adapter is written to; use "
+            "moe_dispatch_backend=a2a_padded")
+  params = inspect.signature(te_ep.ep_combine).parameters
+  if any("weight" in name for name in params):
+    return (f"the installed TE's ep_combine takes routing weights ({', '.join(params)}): it weights rows "
+            "itself, and this adapter pre-weights them; use moe_dispatch_backend=a2a_padded")
+  return None
+
+
 def unavailable_reason() -> str | None:
   try:
-    _te_ep()
+    te_ep = _te_ep()
   except RuntimeError as e:
     return str(e).split(": ", 1)[1]
+  mismatch = api_mismatch(te_ep)
+  if mismatch:
+    return mismatch
   if jax.default_backend() != "gpu":
     return f"NCCL EP runs on CUDA GPUs (SM90+) only, not on {jax.default_backend()}"
   if jax.local_device_count() != 1:
@@ -222,7 +243,9 @@ class NcclEPDispatcher:
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int = 1, recv_capacity_per_rank: int | None = None,
          alignment: int = 128) -> NcclEPDispatcher:
-  _te_ep()  # the install message first: nothing below helps without TE
+  mismatch = api_mismatch(_te_ep())  # the install message first: nothing below helps without TE
+  if mismatch:
+    raise RuntimeError(f"MoE dispatch backend {NAME!r} cannot use this TE: {mismatch}")
   if axis_name is None or ep_size < 2 or num_experts % ep_size:
     raise ValueError(f"te_ncclep dispatch needs an expert mesh axis of size >= 2 dividing num_experts "
                      f"({num_experts}); got axis {axis_name!r} of size {ep_size}")
