@@ -36,3 +36,14 @@ def test_selftest_catches_a_kernel_that_leaves_padding_rows_unwritten(monkeypatc
   padding_case = next(c for c in selftest.small_cases() if c.name == "padding_rows")
   with pytest.raises(AssertionError, match="out: .*"):
     selftest.run_case(gmm_lib, "xla", padding_case, seed=0)
+
+
+def test_selftest_picks_cases_and_an_unrun_case_is_not_a_pass(capsys):
+  selftest = _selftest()
+  assert selftest.main(["--cpu-smoke", "--cases", "m37_untiled"]) == 0
+  assert "ALL PASS (1 pass" in capsys.readouterr().out
+  assert selftest.main(["--cpu-smoke", "--deadline-s", "0"]) == 3  # nothing ran: not green
+  assert "INCOMPLETE: 7 not run" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    selftest.main(["--cpu-smoke", "--cases", "no_such_case"])
+  assert "valid: balanced" in capsys.readouterr().err
