@@ -84,11 +84,13 @@ class ProgressTracker:
   def summary(self, run_dir: Path, upstream: dict[str, Any]) -> dict[str, Any]:
     steady = self.steady_step_times()
     tflops = [r.tflops_per_device for r in self.steady_records() if r.tflops_per_device]
+    tokens = [r.tokens_per_s_per_device for r in self.steady_records() if r.tokens_per_s_per_device]
     return {
         "steps_completed": len(self.records),
         "last_step": self.records[-1].step if self.records else None,
         "median_step_time_s": statistics.median(steady) if self.records else None,
         "median_tflops_per_device": statistics.median(tflops) if tflops else None,
+        "median_tokens_per_s_per_device": statistics.median(tokens) if tokens else None,
         "first_loss": self.records[0].loss if self.records else None,
         "final_loss": self.records[-1].loss if self.records else None,
         "wall_time_s": time.monotonic() - self.started,

@@ -11,7 +11,7 @@ on. A dense bf16 GEMM timed at the start calibrates MFU for this GPU.
 
 Prints one table last: median step time after warm-up, TFLOP/s/device as
 MaxText counts it, MFU against the measured dense-GEMM peak and against the
-989 TF/s datasheet figure, tokens/s, peak device memory, and whether the
+989 TF/s datasheet figure, tokens/s per device, peak device memory, and whether the
 variant is dropless.
 
 --profile: each variant also traces --profile-steps late steps (upstream's
@@ -134,7 +134,7 @@ def steady_stats(row: dict, warmup: int) -> dict:
 
 
 def format_table(rows: list[dict], peak: float | None, tokens_per_step: int | None) -> str:
-  header = f"{'variant':<20} {'step s':>8} {'TFLOP/s':>8} {'MFU/meas':>9} {'MFU/989':>8} {'tok/s':>9} {'peak GiB':>9} {'dropless':>8}  note"
+  header = f"{'variant':<20} {'step s':>8} {'TFLOP/s':>8} {'MFU/meas':>9} {'MFU/989':>8} {'tok/s/dev':>9} {'peak GiB':>9} {'dropless':>8}  note"
   lines = [header, "-" * len(header)]
   for row in rows:
     stats = steady_stats(row, 0)
@@ -142,7 +142,9 @@ def format_table(rows: list[dict], peak: float | None, tokens_per_step: int | No
       lines.append(f"{row['variant']:<20} {'-':>8} {'-':>8} {'-':>9} {'-':>8} {'-':>9} {'-':>9} {str(row['dropless']):>8}  {row.get('error', '')}")
       continue
     tflops = stats.get("tflops") or 0.0
-    tok_s = tokens_per_step / stats["step_s"] if tokens_per_step else float("nan")
+    # MaxText's own tokens/s/device (summary.json); --tokens-per-step only for older summaries.
+    tok_s = row.get("median_tokens_per_s_per_device") or (
+        tokens_per_step / stats["step_s"] if tokens_per_step else float("nan"))
     mfu_meas = f"{tflops / peak:.3f}" if peak else "-"
     peak_gib = row.get("peak_device_memory_gib")
     lines.append(
@@ -185,7 +187,9 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--out", default="outputs/bench_train")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
-  parser.add_argument("--tokens-per-step", type=int, default=16384, help="global tokens per step (batch x seq)")
+  parser.add_argument("--tokens-per-step", type=int, default=16384,
+                      help="global tokens per step (batch x seq); only used when a run's summary lacks MaxText's "
+                           "tokens/s/device")
   parser.add_argument("--profile", action="store_true", help="trace late steps and print each variant's step breakdown")
   parser.add_argument("--profile-steps", type=int, default=3, help="steps traced per variant with --profile")
   parser.add_argument("extra", nargs="*", help="key=value overrides applied to every variant")

@@ -42,6 +42,9 @@ def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
   assert "[progress] step 5/5 (100%)" in result.stdout
   assert "ETA" in result.stdout
   assert "maxtext-moe run summary" in result.stdout
+  summary = result.summary  # MaxText's own per-step metrics, medians after warm-up
+  assert summary["steps_completed"] == 5 and summary["median_step_time_s"] > 0
+  assert summary["median_tokens_per_s_per_device"] > 0 and summary["median_tflops_per_device"] > 0
   assert f"run directory       {result.run_dir}" in result.stdout
   effective = (result.run_dir / "maxtext-moe" / "effective_config.json").read_text()
   assert '"steps": 5' in effective
