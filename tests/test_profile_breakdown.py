@@ -184,3 +184,16 @@ def test_bench_train_reports_loss_gap_to_upstream():
   assert "max |loss - upstream_tokamax| over 3 steps, ours: 0.0200" in text
   assert "upstream_ragged" not in text
   assert text.splitlines()[0].split() == ["loss", "by", "step", "ours", "upstream_tokamax"]
+
+
+def test_bench_train_table_takes_tokens_per_second_from_the_run():
+  """tok/s/dev is MaxText's own figure from summary.json, not batch arithmetic from a flag
+  (which went stale whenever a variant changed the batch); a failed run keeps its row."""
+  from conftest import load_script
+  bt = load_script("bench_train", "scripts/bench_train.py")
+  rows = [{"variant": "ours", "median_step_time_s": 1.5, "median_tflops_per_device": 478.2,
+           "median_tokens_per_s_per_device": 22156.0, "peak_device_memory_gib": 100.3, "dropless": True},
+          {"variant": "ours_b12", "error": "out of memory", "dropless": True}]
+  lines = bt.format_table(rows, peak=650.0, tokens_per_step=16384).splitlines()
+  assert lines[2].split()[:6] == ["ours", "1.500", "478.2", "0.736", "0.484", "22156"]
+  assert lines[3].split()[0] == "ours_b12" and lines[3].endswith("out of memory")
