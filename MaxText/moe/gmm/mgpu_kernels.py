@@ -219,6 +219,30 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   return kernel(*table, lhs_MK, rhs)
 
 
+def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi, first, block_k: int):
+  """dW kernels, per pipeline step si of group gi's row window (which starts at row `first`,
+  aligned down to block_k): zero the rows of this (block_k, cols) SMEM block that belong to a
+  neighbouring group, those before the group's start at its first step and those from its
+  end at its last. A select, not a multiply by the mask: rows outside the group may hold NaN
+  or inf (other shards' rows, padding), and NaN * 0 would still reach dW."""
+
+  def zero_rows(keep):
+    idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (block_k, cols), 0), plgpu.Layout.WGMMA)
+    tile = block_smem[...]
+    block_smem[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
+    plgpu.commit_smem()
+
+  @pl.when(si == 0)
+  def _():
+    lo = starts_g[gi] - first
+    zero_rows(lambda r: r >= lo)
+
+  @pl.when(si == steps - 1)
+  def _():
+    hi = ends_g[gi] - first - si * block_k
+    zero_rows(lambda r: r < hi)
+
+
 def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: TgmmTiling, out_dtype):
   """drhs[g] = lhs_MK[starts[g]:ends[g]]^T @ dout_MN[same rows] -> [G, K, N]; empty -> 0.
 
@@ -261,29 +285,10 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       # The slice may run past the end of the arrays; the pipeline never reads that part.
       window = pl.ds(first, rows)
 
-      def mask_rows(lhs_smem, keep):
-        idx = plgpu.layout_cast(
-            lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_m), 0), plgpu.Layout.WGMMA)
-        # A select, not a multiply by the mask: rows outside the group may hold NaN or inf
-        # (other shards' rows, padding), and NaN * 0 would still reach dW.
-        tile = lhs_smem[...]
-        lhs_smem[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
-        plgpu.commit_smem()
-
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, dout_smem):
           (si,) = idx
-
-          @pl.when(si == 0)
-          def _():
-            lo = starts_g[gi] - first
-            mask_rows(lhs_smem, lambda r: r >= lo)
-
-          @pl.when(si == steps - 1)
-          def _():
-            hi = ends_g[gi] - first - si * t.block_k
-            mask_rows(lhs_smem, lambda r: r < hi)
-
+          _zero_neighbour_rows(lhs_smem, t.block_m, si, steps, starts_g, ends_g, gi, first, t.block_k)
           plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_smem)
           if delay == 0:
             plgpu.wgmma_wait(0)
@@ -398,27 +403,11 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
               o_gmem.at[gi, pl.ds(mi * t.block_m, t.block_m),
                         pl.ds(ni * t.cta_n + wg * t.block_n, t.block_n)])
 
-        def mask_rows(dout_wg, keep):
-          idx = plgpu.layout_cast(
-              lax.broadcasted_iota(jnp.int32, (t.block_k, t.block_n), 0), plgpu.Layout.WGMMA)
-          tile = dout_wg[...]  # select, not multiply: see mask_rows in the kernel above
-          dout_wg[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
-          plgpu.commit_smem()
-
         def mma(idx, lhs_smem, dout_smem, acc_ref):
           (si,) = idx
           dout_wg = dout_smem.at[:, wg_cols]
-
-          @pl.when(si == 0)
-          def _():
-            lo = starts_g[gi] - first
-            mask_rows(dout_wg, lambda r: r >= lo)
-
-          @pl.when(si == steps - 1)
-          def _():
-            hi = ends_g[gi] - first - si * t.block_k
-            mask_rows(dout_wg, lambda r: r < hi)
-
+          # Each compute warpgroup masks only its own dout columns (lhs is shared: masking it would race).
+          _zero_neighbour_rows(dout_wg, t.block_n, si, steps, starts_g, ends_g, gi, first, t.block_k)
           plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_wg)
           plgpu.wgmma_wait(0)
           return acc_ref
