@@ -149,10 +149,11 @@ def _ours(layer, inputs, settings: dict):
   batch, seq, hidden = inputs.shape
   ep_size = layer.get_expert_parallelism_size()
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
-  options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
   axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
-  if backend == "te_ncclep":
+  if backend == "te_ncclep":  # the capacity TE was bootstrapped with, not the raw keys
     options = _te_ncclep_options(layer, batch * seq, settings["te_ncclep_options"])
+  else:
+    options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
   disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
   block_cfg = block.BlockConfig(
       router=_router_config(layer),

@@ -58,8 +58,7 @@ def zero_outside_local(x_M: jax.Array, rows: LocalRows) -> jax.Array:
   another shard's row would otherwise survive as NaN * 0. A select, fused by XLA into the
   roll or pad when there is one; otherwise one pass over x_M.
   """
-  inside_M = jnp.arange(x_M.shape[0]) < rows.end - rows.start
-  return jnp.where(inside_M.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.zeros((), x_M.dtype))
+  return _keep_rows(x_M, jnp.arange(x_M.shape[0]) < rows.end - rows.start)
 
 
 def from_local(y_M: jax.Array, rows: LocalRows) -> jax.Array:
@@ -71,5 +70,9 @@ def from_local(y_M: jax.Array, rows: LocalRows) -> jax.Array:
   if rows.shifted:
     y_M = jnp.roll(y_M, rows.start, axis=0)
   row_M = jnp.arange(y_M.shape[0])
-  inside_M = (row_M >= rows.start) & (row_M < rows.end)
-  return jnp.where(inside_M.reshape((-1,) + (1,) * (y_M.ndim - 1)), y_M, jnp.zeros((), y_M.dtype))
+  return _keep_rows(y_M, (row_M >= rows.start) & (row_M < rows.end))
+
+
+def _keep_rows(x_M: jax.Array, inside_M: jax.Array) -> jax.Array:
+  """x_M with every row where inside_M is False set to exact zero (a select: NaN does not survive)."""
+  return jnp.where(inside_M.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.zeros((), x_M.dtype))

@@ -24,6 +24,11 @@ SMEM_LIMIT_BYTES = 227 * 1024
 BF16_BYTES = 2
 
 
+def _check_smem(tiling, out_itemsize: int) -> None:
+  if tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+    raise ValueError(f"{tiling} needs {tiling.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
+
+
 @dataclasses.dataclass(frozen=True)
 class FwdTiling:
   """Tiling of the warp-specialized grouped GEMM (one memory + two compute warpgroups).
@@ -69,9 +74,7 @@ class FwdTiling:
       raise ValueError(f"N={n} must be a multiple of 2*block_n={self.cta_n}")
     if self.block_n % self.epi_n:
       raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
-    if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
-      raise ValueError(
-          f"{self} needs {self.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
+    _check_smem(self, out_itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +108,7 @@ class TgmmTiling:
       raise ValueError(f"K={k} must be a multiple of block_m={self.block_m}")
     if n % self.cta_n:
       raise ValueError(f"N={n} must be a multiple of {self.cta_n} (block_n x compute warpgroups)")
-    if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
-      raise ValueError(
-          f"{self} needs {self.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
+    _check_smem(self, out_itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
