@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -23,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_gmm as bench  # noqa: E402
-from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
+from MaxText.moe.gmm import mgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
 
 # (op, K, N, transpose_rhs): the DeepSeek-V3 products (dlhs = fwd with K, N swapped).
@@ -34,14 +35,22 @@ PROBLEMS = {
     "dw_up": ("tgmm", 7168, 2048, False),
     "dw_down": ("tgmm", 2048, 7168, False),
 }
-FWD_VARIANTS = [dict(stages=s, grid_block_n=b) for s in (3, 4) for b in (4, 16)]
-TGMM_VARIANTS = [dict(block_k=64, stages=4), dict(block_k=64, stages=6),
-                 dict(block_k=128, stages=3),
-                 dict(warp_specialized=True, stages=3, grid_block_n=4),   # not yet timed
+# Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
+# "block" = the options for uneven group sizes turned off (JAX's block-aligned scheme):
+# group-aligned windows + half-height tail MMAs (fwd), windows from the group's first row +
+# largest groups first (dW).
+FWD_VARIANTS = [{}, dict(group_aligned=False, half_tiles=False),
+                dict(epi_n=128, stages=3),  # one epilogue store per warpgroup
+                dict(grid_block_n=8)]
+TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),
+                 dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
 
 
-def run_problem(name, m, g, dist, seed):
+VARIANTS_BY_OP = {"fwd": FWD_VARIANTS, "tgmm": TGMM_VARIANTS}
+
+
+def run_problem(name, m, g, dist, seed, deadline):
   op, k, n, transpose = PROBLEMS[name]
   sizes = bench.group_sizes(dist, m, g, np.random.default_rng(seed))
   gs = jnp.asarray(sizes)
@@ -52,23 +61,23 @@ def run_problem(name, m, g, dist, seed):
     wshape = (g, n, k) if transpose else (g, k, n)
     w = (jax.random.normal(kw, wshape, jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     ref = bench.ref_fwd(x, jnp.swapaxes(w, 1, 2) if transpose else w, sizes)
-    variants = [dataclasses.replace(mt.FwdTiling(), **v) for v in FWD_VARIANTS]
+    variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in FWD_VARIANTS]
   else:
     d = jax.random.normal(kw, (m, n), jnp.bfloat16)
     ref = bench.ref_tgmm(x, d, sizes)
-    variants = [dataclasses.replace(mt.TgmmTiling(), **v) for v in TGMM_VARIANTS]
-  starts, ends = mk.local_group_bounds(gs, 0, g, m)
-  for t in variants:
+    variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in TGMM_VARIANTS]
+  for i, t in enumerate(variants):
+    if time.monotonic() > deadline:
+      print(f"# deadline: {name} variants {i}.. not run", flush=True)
+      break
     if op == "fwd":
-      fn = jax.jit(lambda x, w, gs, t=t: mk.grouped_matmul(
-          x, w, mk.work_table(gs, 0, g, m, t.block_m), tiling=t, transpose_rhs=transpose,
-          out_dtype=jnp.bfloat16))
+      fn = jax.jit(lambda x, w, gs, t=t: mgpu.gmm(x, w, gs, transpose_rhs=transpose, tiling=t))
       args = (x, w, gs)
     else:
-      fn = jax.jit(lambda x, d, s, e, t=t: mk.transposed_grouped_matmul(
-          x, d, s, e, tiling=t, out_dtype=jnp.bfloat16))
-      args = (x, d, starts, ends)
-    rec = dict(problem=name, op=op, k=k, n=n, tiling=dataclasses.asdict(t))
+      fn = jax.jit(lambda x, d, gs, t=t: mgpu.tgmm(x, d, gs, num_local_groups=g, tiling=t))
+      args = (x, d, gs)
+    rec = dict(problem=name, op=op, k=k, n=n, tiling=dataclasses.asdict(t),
+               change=VARIANTS_BY_OP[op][i])
     try:
       err = bench.rel_err(fn(*args), ref)
       ms, _ = bench.time_ms(fn, args, reps=5, target_s=0.03)
@@ -88,10 +97,20 @@ def main():
   ap.add_argument("--dist", default="zipf1.2")
   ap.add_argument("--problems", default=",".join(PROBLEMS))
   ap.add_argument("--out", default=None)
+  ap.add_argument("--deadline-s", type=float, default=1e9,
+                  help="start no variant after this many seconds (the summary still prints)")
   args = ap.parse_args()
+  deadline = time.monotonic() + args.deadline_s
   allres = []
   for i, name in enumerate(args.problems.split(",")):
-    allres += run_problem(name, args.m, args.g, args.dist, 100 + i)
+    allres += run_problem(name, args.m, args.g, args.dist, 100 + i, deadline)
+  print(f"# {args.dist} M={args.m} G={args.g}; change = fields changed from the table's entry")
+  print(f"{'problem':10} {'ms':>7} {'TF/s':>6} {'err':>8}  change")
+  for r in allres:
+    err = "-" if r["err"] is None else f"{r['err']:.1e}"
+    ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
+    print(f"{r['problem']:10} {ms:>7} {r['tflops']:6.0f} {err:>8}  {r['change'] or 'table'}"
+          + (f"  {r['error'][:60]}" if r.get("error") else ""))
   best = {}
   for r in allres:
     if r["ms"] is None or not (r["err"] is not None and r["err"] < bench.TOL):

@@ -47,10 +47,11 @@ def test_validate_rejects_bad_shapes():
 
 
 # ------------------------------------------------------------------ work table
-def _check_schedule(sizes, offset, num_local, m, block_m):
-  kind, group, block, row0, size = (
+def _check_schedule(sizes, offset, num_local, m, block_m, group_aligned=False):
+  kind, group, start, row0, size = (
       np.asarray(a) for a in mgpu_kernels.work_table(
-          jnp.asarray(sizes, jnp.int32), offset, num_local, m, block_m))
+          jnp.asarray(sizes, jnp.int32), offset, num_local, m, block_m,
+          window_align=8 if group_aligned else None))
   assert kind.shape == (mgpu_kernels.num_work_items(m, num_local, block_m),)
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)
@@ -58,12 +59,16 @@ def _check_schedule(sizes, offset, num_local, m, block_m):
   for g in range(num_local):
     owner[min(starts[offset + g], m):min(ends[offset + g], m)] = g
   covered = np.zeros(m, int)
-  for kd, g, b, r0, sz in zip(kind, group, block, row0, size):
+  for kd, g, st, r0, sz in zip(kind, group, start, row0, size):
     if kd == mgpu_kernels.SKIP:
       assert sz == 0
       continue
-    assert sz > 0 and 0 <= r0 and r0 + sz <= block_m  # a piece stays inside its block
-    rows = np.arange(b * block_m + r0, b * block_m + r0 + sz)
+    assert sz > 0 and 0 <= r0 and r0 + sz <= block_m  # a piece stays inside its window
+    if group_aligned:
+      assert st % 8 == 0 and r0 < 8  # windows start at the piece, aligned down to 8 rows
+    else:
+      assert st % block_m == 0  # windows are row blocks
+    rows = np.arange(st + r0, st + r0 + sz)
     covered[rows] += 1
     expect = g if kd == mgpu_kernels.COMPUTE else -1
     assert (owner[rows] == expect).all()
@@ -79,8 +84,9 @@ def _check_schedule(sizes, offset, num_local, m, block_m):
     ([0, 0, 0], 0, 3, 50),                       # nothing routed
     ([300, 300], 1, 1, 500),                     # local group runs past M: clipped
 ])
-def test_work_table_partitions_rows(sizes, offset, num_local, m):
-  _check_schedule(sizes, offset, num_local, m, 128)
+@pytest.mark.parametrize("group_aligned", [False, True])
+def test_work_table_partitions_rows(sizes, offset, num_local, m, group_aligned):
+  _check_schedule(sizes, offset, num_local, m, 128, group_aligned)
 
 
 def test_work_table_random_schedules():
@@ -91,12 +97,50 @@ def test_work_table_random_schedules():
     m = int(sizes.sum() + rng.integers(0, 200))
     num_local = int(rng.integers(1, g + 1))
     offset = int(rng.integers(0, g - num_local + 1))
-    _check_schedule(sizes.tolist(), offset, num_local, max(m, 1), int(rng.choice([64, 128])))
+    _check_schedule(sizes.tolist(), offset, num_local, max(m, 1), int(rng.choice([64, 128])),
+                    bool(rng.integers(2)))
 
 
-def test_aligned_groups_cost_no_extra_tiles():
-  kind, *_ = mgpu_kernels.work_table(jnp.full((4,), 256, jnp.int32), 0, 4, 1024, 128)
+@pytest.mark.parametrize("group_aligned", [False, True])
+def test_aligned_groups_cost_no_extra_tiles(group_aligned):
+  kind, *_ = mgpu_kernels.work_table(jnp.full((4,), 256, jnp.int32), 0, 4, 1024, 128,
+                                     window_align=8 if group_aligned else None)
   assert int((np.asarray(kind) == mgpu_kernels.COMPUTE).sum()) == 8
+
+
+def test_group_aligned_cuts_cost_one_partial_tile_per_group():
+  # Groups [0,100), [100,300), [300,400): cuts at multiples of 128 give 1 + 3 + 2 = 6 pieces
+  # ([100,128) [128,256) [256,300) and [300,384) [384,400)); cuts from each group's first row
+  # (aligned down to 8: windows at 96 and 296) give 1 + 2 + 1.
+  sizes = jnp.asarray([100, 200, 100], jnp.int32)
+  for align, pieces in ((None, 6), (8, 4)):
+    kind, *_ = mgpu_kernels.work_table(sizes, 0, 3, 400, 128, window_align=align)
+    assert int((np.asarray(kind) == mgpu_kernels.COMPUTE).sum()) == pieces
+
+
+@pytest.mark.parametrize("num_sms,total", [(4, 8), (4, 10), (132, 28672), (5, 3)])
+def test_boustrophedon_is_a_permutation(num_sms, total):
+  perm = np.asarray(mgpu_kernels.boustrophedon(jnp.arange(total), num_sms, total))
+  assert sorted(perm.tolist()) == list(range(total))
+  assert perm[:num_sms].tolist() == list(range(min(num_sms, total)))  # round 0 as is
+
+
+def test_largest_first_rounds_even_out_the_sms():
+  # dW tiles of the benchmark's Zipf-1.2 draw (32 groups x 896 tiles, cost = row steps),
+  # dealt to 132 SMs as nd_loop does (SM s: flat s, s+132, ...). In the drawn group order the
+  # busiest SM has 2.4% more steps than the mean; largest first in alternating rounds, 0.8%.
+  from conftest import load_script
+  bench_gmm = load_script("bench_gmm", "scripts/bench_gmm.py")
+  sizes = bench_gmm.group_sizes("zipf1.2", 65536, 32, np.random.default_rng(2))
+
+  def spread(sizes_G, perm):
+    cost = np.repeat(-(-np.asarray(sizes_G) // 64), 896)[perm]
+    per_sm = np.bincount(np.arange(cost.size) % 132, weights=cost, minlength=132)
+    return per_sm.max() / per_sm.mean() - 1
+
+  n = 32 * 896
+  snake = np.asarray(mgpu_kernels.boustrophedon(jnp.arange(n), 132, n))
+  assert spread(np.sort(sizes)[::-1], snake) < 0.01 < 0.02 < spread(sizes, np.arange(n))
 
 
 # ------------------------------------------------------------------ validation / availability
@@ -123,6 +167,13 @@ def test_argument_validation():
 
 
 # ------------------------------------------------------------------ lowering for CUDA
+# The options for skewed group sizes (mgpu_tiling: group_aligned, half_tiles; exact_start,
+# largest_first) are on by default; the tests also run the kernels with them off (JAX's
+# block-aligned scheme), which is a tuner variant.
+_BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False, half_tiles=False)
+_BLOCK_TGMM = dict(exact_start=False, largest_first=False)
+
+
 def _lower(fn, *shapes):
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -142,15 +193,26 @@ def test_gmm_lowers_to_mosaic_gpu(transpose, offset, num_local, out_dtype):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gmm_lowers_at_deepseek_shapes(transpose):
+  # Group-aligned windows and the half-height MMA branch, at the up-proj (and its dlhs) shape.
+  w = (32, 2048, 7168) if transpose else (32, 7168, 2048)
+  text = _lower(lambda x, w, gs: mgpu.gmm(x, w, gs, transpose_rhs=transpose),
+                ((4096, 7168), jnp.bfloat16), (w, jnp.bfloat16), ((32,), jnp.int32))
+  assert "mosaic_gpu" in text
+
+
 def test_tgmm_lowers_to_mosaic_gpu():
   text = _lower(lambda x, d, gs: mgpu.tgmm(x, d, gs, group_offset=2, num_local_groups=4),
                 ((1000, 256), jnp.bfloat16), ((1000, 512), jnp.bfloat16), ((8,), jnp.int32))
   assert "mosaic_gpu" in text
 
 
-def test_warp_specialized_tgmm_lowers_at_deepseek_shape():
+@pytest.mark.parametrize("block_aligned", [False, True])
+def test_warp_specialized_tgmm_lowers_at_deepseek_shape(block_aligned):
   # 3 stages of (64x128 + 64x256) bf16 + a 128x256 output tile fit Hopper's shared memory.
-  tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3)
+  tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3,
+                                  **(_BLOCK_TGMM if block_aligned else {}))
   text = _lower(lambda x, d, s, e: mgpu_kernels.transposed_grouped_matmul(
       x, d, s, e, tiling=tiling, out_dtype=jnp.bfloat16),
       ((4096, 7168), jnp.bfloat16), ((4096, 2048), jnp.bfloat16), ((32,), jnp.int32),
@@ -174,11 +236,16 @@ def _ref_rows(x, w, starts, ends, m):
   return out
 
 
-@pytest.mark.parametrize("transpose,offset,num_local,out_dtype", [
-    (False, 2, 3, jnp.bfloat16),   # ring EP: groups 2..4 local, the rest and padding zero
-    (True, 0, 6, jnp.float32),     # dlhs form, f32 output
+@pytest.mark.parametrize("transpose,offset,num_local,out_dtype,tiling", [
+    # Defaults: group-aligned windows (group 2 from row 64: its first row 70 aligned down to 8)
+    # and 64-row MMAs for
+    # the 2- and 1-row tails.
+    (False, 2, 3, jnp.bfloat16, None),   # ring EP: groups 2..4 local, the rest and padding zero
+    (True, 0, 6, jnp.float32, None),     # dlhs form, f32 output
+    (False, 2, 3, jnp.bfloat16, _BLOCK_FWD),
+    (True, 0, 6, jnp.float32, _BLOCK_FWD),
 ])
-def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype):
+def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256
   sizes = [70, 0, 130, 1, 0, 90]  # 10 padding rows at the end
   kx, kw = jax.random.split(jax.random.key(0))
@@ -187,7 +254,8 @@ def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype):
   rhs = jnp.swapaxes(w, 1, 2) if transpose else w
   gs = jnp.asarray(sizes, jnp.int32)
   with _interpret():
-    out = mgpu.gmm(x, rhs, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype)
+    out = mgpu.gmm(x, rhs, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype,
+                   tiling=tiling)
   ends = np.cumsum(sizes)[offset:offset + num_local]
   starts = ends - np.asarray(sizes[offset:offset + num_local])
   ref = _ref_rows(x, w, starts, ends, m)
@@ -200,8 +268,9 @@ def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype):
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("warp_specialized", [False, True])
-def test_tgmm_kernel_interpreted(warp_specialized):
+@pytest.mark.parametrize("warp_specialized,block_aligned", [(False, False), (True, False),
+                                                            (False, True), (True, True)])
+def test_tgmm_kernel_interpreted(warp_specialized, block_aligned):
   m, k, n = 300, 128, 256
   sizes = [100, 0, 170, 30]
   kx, kd = jax.random.split(jax.random.key(1))
@@ -216,14 +285,11 @@ def test_tgmm_kernel_interpreted(warp_specialized):
   else:
     x = jnp.where(foreign_M, jnp.nan, x).astype(x.dtype)
   gs = jnp.asarray(sizes, jnp.int32)
+  # Defaults: windows from each group's first row (100 -> 96), largest group (170) first.
+  tiling = mgpu_tiling.TgmmTiling(**(dict(warp_specialized=True, stages=3) if warp_specialized else {}),
+                                  **(_BLOCK_TGMM if block_aligned else {}))
   with _interpret():
-    if warp_specialized:  # opt-in variant, called through the kernel with its tiling
-      starts, ends = mgpu_kernels.local_group_bounds(gs, 1, 3, m)
-      tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3)
-      dw = mgpu_kernels.transposed_grouped_matmul(
-          x, d, starts, ends, tiling=tiling, out_dtype=jnp.bfloat16)
-    else:
-      dw = mgpu.tgmm(x, d, gs, group_offset=1, num_local_groups=3)
+    dw = mgpu.tgmm(x, d, gs, group_offset=1, num_local_groups=3, tiling=tiling)
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)
   for i, g in enumerate(range(1, 4)):
@@ -245,14 +311,14 @@ def test_warp_specialized_kernels_have_no_races_interpreted(kernel):
   x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
   interp.reset_gpu_interpret_mode_state()
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    # The defaults' code paths are a superset of the block-aligned ones' (a second,
+    # half-height MMA branch; a remapped tile order).
     if kernel == "gmm":
       w = jax.random.normal(jax.random.key(1), (2, k, n), jnp.bfloat16)
       out = mgpu.gmm(x, w, gs, group_offset=1)
     else:
       d = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
-      starts, ends = mgpu_kernels.local_group_bounds(gs, 1, 2, m)
-      out = mgpu_kernels.transposed_grouped_matmul(
-          x, d, starts, ends, tiling=mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3),
-          out_dtype=jnp.bfloat16)
+      tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3)
+      out = mgpu.tgmm(x, d, gs, group_offset=1, num_local_groups=2, tiling=tiling)
     jax.block_until_ready(out)
   assert not interp.get_races().races_found

@@ -74,21 +74,24 @@ def _check_operands(lhs_MK, rhs, group_sizes_G, transpose_rhs):
         f"rhs has {rhs.shape[0]} local groups but group_sizes only {group_sizes_G.shape[0]}")
 
 
-def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None):
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
+        tiling=None):
   """out_MN[rows of local group g] = lhs_MK[rows] @ rhs[g] (rhs[g].T with transpose_rhs);
-  rows of non-local groups and rows past sum(group_sizes) are zeros."""
+  rows of non-local groups and rows past sum(group_sizes) are zeros. tiling: a FwdTiling to
+  use instead of the table's (the tuner's and benchmarks' override)."""
   from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   k = lhs_MK.shape[1]
   n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-  tiling = mgpu_tiling.lookup("fwd", k, n).fit_output(out_dtype.itemsize)
+  tiling = (tiling or mgpu_tiling.lookup("fwd", k, n)).fit_output(out_dtype.itemsize)
 
   def kernel(lhs_PK, rhs):  # P >= M rows, K and N padded to the tiling
     # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
     table = mgpu_kernels.work_table(
-        group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m)
+        group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
+        window_align=tiling.window_align)
     return mgpu_kernels.grouped_matmul(
         lhs_PK, rhs, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
@@ -96,8 +99,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))
 
 
-def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
-  """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros."""
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None,
+         tiling=None):
+  """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros.
+  tiling: a TgmmTiling to use instead of the table's."""
   from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
 
   if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
@@ -109,7 +114,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   m, k = lhs_MK.shape
   n = dout_MN.shape[1]
-  tiling = mgpu_tiling.lookup("tgmm", k, n)
+  tiling = tiling or mgpu_tiling.lookup("tgmm", k, n)
   # Bounds clipped to the original M: padded rows are in no group.
   starts, ends = mgpu_kernels.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
 

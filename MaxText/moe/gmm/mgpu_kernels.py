@@ -47,49 +47,56 @@ def local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows):
 
 
 def num_work_items(num_rows: int, num_local_groups: int, block_m: int) -> int:
-  """Static bound on work items: every cut point inside [0, M) (local start, the G_local-1
-  inner boundaries, local end) adds at most one piece to the cdiv(M, block_m) row blocks."""
-  return pl.cdiv(num_rows, block_m) + num_local_groups + 1
+  """Static bound on work items: the G_local + 2 row segments (see `work_table`) each add at
+  most one partial piece to the cdiv(M, block_m) row blocks."""
+  return pl.cdiv(num_rows, block_m) + num_local_groups + 2
 
 
-def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m):
+def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m, *,
+               window_align: int | None = None):
   """Row-tile schedule of the forward kernel, as int32 arrays of length `num_work_items`.
 
   Rows [0, M) are cut into segments: [0, local_start) zero, one per local group, and
-  [local_end, M) zero. Each segment is cut into pieces at block_m boundaries; a piece is
+  [local_end, M) zero. Each segment is cut into pieces of at most block_m rows; a piece is
   one work item:
     kind:  COMPUTE (rows of a local group), ZERO (rows to be written as zeros), SKIP (unused
            tail of the table),
     group: local group id (COMPUTE only),
-    block: row-block index (rows block*block_m .. +block_m are loaded),
-    row0:  first row of the piece within the block, size: number of rows of the piece.
+    start: first row of the block_m-row window the kernel loads and multiplies (a multiple
+           of window_align),
+    row0:  first row of the piece within the window, size: number of rows of the piece.
+  A segment's cuts start at its first row aligned down to window_align and follow every
+  block_m rows. window_align = block_m (the default) is JAX's scheme: a group boundary inside
+  a block costs that block once per side, up to G-1 extra blocks. A small window_align (8,
+  the least Mosaic GPU's swizzled TMA loads accept) leaves only a segment's last piece
+  partial: about half the wasted rows for random group sizes.
   """
+  align = window_align or block_m
   starts, ends = local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows)
   zero = jnp.zeros((1,), jnp.int32)
   seg_lo = jnp.concatenate([zero, starts, ends[-1:]])
   seg_hi = jnp.concatenate([starts[:1], ends, zero + num_rows])
   num_segments = num_local_groups + 2
   nonempty = seg_hi > seg_lo
-  first_block = seg_lo // block_m
-  last_block = jnp.maximum(seg_hi - 1, 0) // block_m
-  count = jnp.where(nonempty, last_block - first_block + 1, 0)
+  origin = seg_lo // align * align  # first cut of a segment
+  count = jnp.where(nonempty, pl.cdiv(seg_hi - origin, block_m), 0)
   cum_end = jnp.cumsum(count)
   cum_start = cum_end - count
 
   w = jnp.arange(num_work_items(num_rows, num_local_groups, block_m), dtype=jnp.int32)
   seg = jnp.clip(jnp.searchsorted(cum_end, w, side="right"), 0, num_segments - 1)
   seg = seg.astype(jnp.int32)
-  block = first_block[seg] + (w - cum_start[seg])
-  lo = jnp.maximum(seg_lo[seg], block * block_m)
-  hi = jnp.minimum(seg_hi[seg], block * block_m + block_m)
+  start = origin[seg] + (w - cum_start[seg]) * block_m
+  lo = jnp.maximum(seg_lo[seg], start)
+  hi = jnp.minimum(seg_hi[seg], start + block_m)
   valid = w < cum_end[-1]
   is_group = (seg > 0) & (seg < num_segments - 1)
   kind = jnp.where(valid, jnp.where(is_group, COMPUTE, ZERO), SKIP).astype(jnp.int32)
   group = jnp.clip(seg - 1, 0, num_local_groups - 1)
-  block = jnp.where(valid, block, 0)
-  row0 = jnp.where(valid, lo - block * block_m, 0)
+  start = jnp.where(valid, start, 0)
+  row0 = jnp.where(valid, lo - start, 0)
   size = jnp.where(valid, hi - lo, 0)
-  return kind, group, block, row0, size
+  return kind, group, start, row0, size
 
 
 def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
@@ -146,7 +153,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         compute_context=compute_context,
     )
 
-  def body(kind_g, group_g, block_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
+  def body(kind_g, group_g, start_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
     ignore = lambda *_, **__: None
 
     @functools.partial(
@@ -162,35 +169,35 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       def _tiles(loop_info):
         mi, ni = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n), 1, t.grid_block_n)
         kind = kind_g[mi]
-        block = block_g[mi]
         row0 = row0_g[mi]
         size = size_g[mi]
-        rows = pl.ds(block * t.block_m, t.block_m)
+        rows = pl.ds(pl.multiple_of(start_g[mi], t.window_align), t.block_m)
 
-        def epilogue(chunk):  # chunk(c): [block_m, epi_n] values of this warpgroup's tile
+        def epilogue(chunk, tile_rows: int):  # chunk(c): [tile_rows, epi_n] values of this wg
           for c in range(t.block_n // t.epi_n):
             col = ni * t.cta_n + wg * t.block_n + c * t.epi_n
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem[wg] = chunk(c)
+            out_smem.at[wg, pl.ds(0, tile_rows)][...] = chunk(c)
             plgpu.commit_smem()
             _store_rows(out_smem.at[wg], out_gmem.at[rows, pl.ds(col, t.epi_n)],
-                        row0, size, t.block_m)
+                        row0, size, tile_rows)
 
-        @pl.when(kind == COMPUTE)
-        def _compute():
+        def compute(tile_rows: int):
+          """The MMA over the window's first tile_rows rows (block_m, or half of it)."""
           def compute_context(run_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.block_m, t.block_n), jnp.float32))
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_rows, t.block_n), jnp.float32))
             def _acc(acc_ref):
               run_pipeline(acc_ref)
               acc = acc_ref[...].astype(out_dtype)
-              epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n])
+              epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n], tile_rows)
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:
               rhs_wg = rhs_smem.at[pl.ds(wg * t.block_n, t.block_n)].transpose((1, 0))
             else:
               rhs_wg = rhs_smem.at[:, pl.ds(wg * t.block_n, t.block_n)]
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_wg)
+            lhs_rows = lhs_smem if tile_rows == t.block_m else lhs_smem.at[pl.ds(0, tile_rows)]
+            plgpu.wgmma(acc_ref, lhs_rows, rhs_wg)
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -199,11 +206,25 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
           rhs_tile = rhs_g.at[cols, :] if transpose_rhs else rhs_g.at[:, cols]
           pipeline(mma, compute_context)(lhs_gmem.at[rows, :], rhs_tile, allocations=allocs)
 
+        # A piece inside the window's first half (a group's short tail) issues half the MMAs:
+        # 64 rows is one wgmma's native height. The loads stay block_m rows (one pipeline).
+        half = t.block_m // 2
+        small = (row0 + size <= half) if t.half_tiles else False
+
+        @pl.when((kind == COMPUTE) & jnp.logical_not(small))
+        def _full():
+          compute(t.block_m)
+
+        if t.half_tiles:
+          @pl.when((kind == COMPUTE) & small)
+          def _half():
+            compute(half)
+
         @pl.when((kind == ZERO) & (wg < 2))
         def _zero():
           # Built per chunk: a whole zero tile would hold 128 registers per thread.
           epilogue(lambda c: plgpu.layout_cast(
-              jnp.zeros((t.block_m, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
+              jnp.zeros((t.block_m, t.epi_n), out_dtype), plgpu.Layout.WGMMA), t.block_m)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -219,12 +240,56 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   return kernel(*table, lhs_MK, rhs)
 
 
-def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi, first, block_k: int):
+def _dw_schedule(starts_G, ends_G, t: TgmmTiling):
+  """Per-group row windows of the dW kernels, int32 [G] each: (starts, ends, steps, first,
+  order). A group's contraction runs over rows first .. first + steps*block_k, first being
+  its start aligned down to block_k (JAX's scheme) or, with t.exact_start, only to the 8
+  rows TMA needs, so that the first step holds < 8 rows of the previous group, not < 64.
+  `order` lists the groups to visit: largest first with t.largest_first (see `_dw_tile`)."""
+  starts = starts_G.astype(jnp.int32)
+  ends = ends_G.astype(jnp.int32)
+  first = starts // t.window_align * t.window_align
+  steps = jnp.where(ends > starts, pl.cdiv(ends - first, t.block_k), 0)
+  if t.largest_first:
+    order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)
+  else:
+    order = jnp.arange(starts.shape[0], dtype=jnp.int32)
+  return starts, ends, steps, first, order
+
+
+def boustrophedon(flat, num_sms, total: int):
+  """Index permutation of [0, total): rounds of num_sms consecutive indices, every odd
+  round reversed (the last, possibly short, round within its own length)."""
+  rnd = flat // num_sms
+  lane = flat - rnd * num_sms
+  round_len = jnp.minimum(num_sms, total - rnd * num_sms)
+  return rnd * num_sms + jnp.where(rnd % 2 == 1, round_len - 1 - lane, lane)
+
+
+def _dw_tile(flat, order_g, num_tiles: int, t: TgmmTiling, grid_mn):
+  """(group, mi, ni) of the persistent loop's flat index `flat` (over G x num_tiles tiles).
+
+  nd_loop hands SM s the flat indices s, s+S, s+2S...: tile costs follow group sizes, so
+  with a few large groups some SMs get one more large tile than others. With
+  t.largest_first the groups come largest first and every other round of S indices is
+  reversed (boustrophedon), so an SM that drew a large tile in one round draws a small one
+  in the next; the SMs' totals then differ by about one small tile, not one large one."""
+  if t.largest_first:
+    flat = boustrophedon(flat, lax.axis_size("sm"), order_g.shape[0] * num_tiles)
+  gi = order_g[flat // num_tiles]
+  mi, ni = plgpu.planar_snake(flat % num_tiles, grid_mn, 1, t.grid_block_n)
+  return gi, mi, ni
+
+
+def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi, first,
+                         t: TgmmTiling):
   """dW kernels, per pipeline step si of group gi's row window (which starts at row `first`,
-  aligned down to block_k): zero the rows of this (block_k, cols) SMEM block that belong to a
+  see `_dw_schedule`): zero the rows of this (block_k, cols) SMEM block that belong to a
   neighbouring group, those before the group's start at its first step and those from its
-  end at its last. A select, not a multiply by the mask: rows outside the group may hold NaN
-  or inf (other shards' rows, padding), and NaN * 0 would still reach dW."""
+  end at its last; a step with no such rows (an aligned boundary) costs no pass. A select,
+  not a multiply by the mask: rows outside the group may hold NaN or inf (other shards'
+  rows, padding), and NaN * 0 would still reach dW."""
+  block_k = t.block_k
 
   def zero_rows(keep):
     idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (block_k, cols), 0), plgpu.Layout.WGMMA)
@@ -232,14 +297,15 @@ def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi,
     block_smem[...] = jnp.where(keep(idx), tile, jnp.zeros_like(tile))
     plgpu.commit_smem()
 
-  @pl.when(si == 0)
+  lo = starts_g[gi] - first
+  hi = ends_g[gi] - first - si * block_k
+
+  @pl.when((si == 0) & (lo > 0))
   def _():
-    lo = starts_g[gi] - first
     zero_rows(lambda r: r >= lo)
 
-  @pl.when(si == steps - 1)
+  @pl.when((si == steps - 1) & (hi < block_k))
   def _():
-    hi = ends_g[gi] - first - si * block_k
     zero_rows(lambda r: r < hi)
 
 
@@ -259,11 +325,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   if t.warp_specialized:
     return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype)
   g = starts_G.shape[0]
-  starts = starts_G.astype(jnp.int32)
-  ends = ends_G.astype(jnp.int32)
-  block_starts = starts // t.block_k * t.block_k
-  block_ends = -(ends // -t.block_k) * t.block_k
-  num_steps = jnp.where(ends > starts, (block_ends - block_starts) // t.block_k, 0)
+  starts, ends, num_steps, first_rows, order = _dw_schedule(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -275,12 +337,11 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   grid_m, grid_n = k // t.block_m, n // t.block_n
   delay = 1 if t.stages > 1 else 0
 
-  def body(starts_g, ends_g, steps_g, bstart_g, lhs_gmem, dout_gmem, o_gmem):
-    @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+  def body(starts_g, ends_g, steps_g, first_g, order_g, lhs_gmem, dout_gmem, o_gmem):
+    @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
     def _tiles(loop_info):
-      gi = loop_info.index[0]
-      mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, t.grid_block_n)
-      first = pl.multiple_of(bstart_g[gi], t.block_k)
+      gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
+      first = pl.multiple_of(first_g[gi], t.window_align)
       steps = steps_g[gi]
       # The slice may run past the end of the arrays; the pipeline never reads that part.
       window = pl.ds(first, rows)
@@ -288,7 +349,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, dout_smem):
           (si,) = idx
-          _zero_neighbour_rows(lhs_smem, t.block_m, si, steps, starts_g, ends_g, gi, first, t.block_k)
+          _zero_neighbour_rows(lhs_smem, t.block_m, si, steps, starts_g, ends_g, gi, first, t)
           plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_smem)
           if delay == 0:
             plgpu.wgmma_wait(0)
@@ -329,7 +390,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return kernel(starts, ends, num_steps, block_starts, lhs_MK, dout_MN)
+  return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
 
 
 def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTiling, out_dtype):
@@ -341,11 +402,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
   rows, k = lhs_MK.shape
   n = dout_MN.shape[1]
   g = starts_G.shape[0]
-  starts = starts_G.astype(jnp.int32)
-  ends = ends_G.astype(jnp.int32)
-  block_starts = starts // t.block_k * t.block_k
-  block_ends = -(ends // -t.block_k) * t.block_k
-  num_steps = jnp.where(ends > starts, (block_ends - block_starts) // t.block_k, 0)
+  starts, ends, num_steps, first_rows, order = _dw_schedule(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
@@ -371,7 +428,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
         compute_context=compute_context,
     )
 
-  def body(starts_g, ends_g, steps_g, bstart_g, lhs_gmem, dout_gmem, o_gmem):
+  def body(starts_g, ends_g, steps_g, first_g, order_g, lhs_gmem, dout_gmem, o_gmem):
     ignore = lambda *_, **__: None
     lhs_shape = lhs_gmem.at[:, pl.ds(0, t.block_m)]
     dout_shape = dout_gmem.at[:, pl.ds(0, t.cta_n)]
@@ -385,11 +442,10 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+      @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
       def _tiles(loop_info):
-        gi = loop_info.index[0]
-        mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, t.grid_block_n)
-        first = pl.multiple_of(bstart_g[gi], t.block_k)
+        gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
+        first = pl.multiple_of(first_g[gi], t.window_align)
         steps = steps_g[gi]
         window = pl.ds(first, rows)  # may run past the arrays' end; never read there
         wg_cols = pl.ds(wg * t.block_n, t.block_n)
@@ -407,7 +463,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
           (si,) = idx
           dout_wg = dout_smem.at[:, wg_cols]
           # Each compute warpgroup masks only its own dout columns (lhs is shared: masking it would race).
-          _zero_neighbour_rows(dout_wg, t.block_n, si, steps, starts_g, ends_g, gi, first, t.block_k)
+          _zero_neighbour_rows(dout_wg, t.block_n, si, steps, starts_g, ends_g, gi, first, t)
           plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_wg)
           plgpu.wgmma_wait(0)
           return acc_ref
@@ -441,4 +497,4 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return kernel(starts, ends, num_steps, block_starts, lhs_MK, dout_MN)
+  return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)

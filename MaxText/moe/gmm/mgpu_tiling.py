@@ -22,6 +22,9 @@ import dataclasses
 # Hopper: 227 KiB of shared memory per block (opt-in maximum on sm_90).
 SMEM_LIMIT_BYTES = 227 * 1024
 BF16_BYTES = 2
+# Mosaic GPU lowers a TMA load into swizzled, (8, 64)-tiled SMEM only from a row provably a
+# multiple of 8 (layout inference rejects other dynamic row indices).
+TMA_ROW_ALIGN = 8
 
 
 def _check_smem(tiling, out_itemsize: int) -> None:
@@ -42,6 +45,11 @@ class FwdTiling:
              range can be stored; a narrow one keeps shared memory for the pipeline).
   grid_block_n: width, in tiles, of the band the persistent loop sweeps along N before
              moving down M (weights of one group stay in L2 across its row tiles).
+  group_aligned: cut each group's rows into tiles from its first row (aligned down to 8),
+             so only its last tile is partial, instead of at multiples of block_m (a boundary
+             inside a block costs the block twice). `mgpu_kernels.work_table`.
+  half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
+             tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
   """
 
   block_m: int = 128
@@ -50,10 +58,17 @@ class FwdTiling:
   stages: int = 4
   epi_n: int = 64
   grid_block_n: int = 4
+  group_aligned: bool = True
+  half_tiles: bool = True
 
   @property
   def cta_n(self) -> int:
     return 2 * self.block_n
+
+  @property
+  def window_align(self) -> int:
+    """Row multiple every tile window starts at: TMA into the (8, 64)-tiled SMEM needs 8."""
+    return TMA_ROW_ALIGN if self.group_aligned else self.block_m
 
   def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
     stage = (self.block_m * self.block_k + self.block_k * self.cta_n) * BF16_BYTES
@@ -74,6 +89,8 @@ class FwdTiling:
       raise ValueError(f"N={n} must be a multiple of 2*block_n={self.cta_n}")
     if self.block_n % self.epi_n:
       raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
+    if self.half_tiles and self.block_m % 128:
+      raise ValueError(f"half_tiles needs block_m a multiple of 128 (wgmma is 64 rows), got {self.block_m}")
     _check_smem(self, out_itemsize)
 
 
@@ -86,6 +103,10 @@ class TgmmTiling:
   dense dW estimated from the bwd total); True = one memory + two compute warpgroups on
   block_m x (2 * block_n) tiles (checked in interpret mode and lowering only: not yet timed
   on a GPU, so not the default).
+  exact_start: a group's row window starts at its first row aligned down to 8 (TMA's need,
+  see TMA_ROW_ALIGN), not to block_k: about block_k/2 fewer wasted rows per group.
+  largest_first: visit groups largest first, in alternating-direction rounds over the SMs,
+  so that skewed group sizes do not leave some SMs one large tile behind the others.
   """
 
   block_m: int = 128
@@ -94,10 +115,17 @@ class TgmmTiling:
   stages: int = 4
   grid_block_n: int = 4
   warp_specialized: bool = False
+  exact_start: bool = True
+  largest_first: bool = True
 
   @property
   def cta_n(self) -> int:
     return self.block_n * (2 if self.warp_specialized else 1)
+
+  @property
+  def window_align(self) -> int:
+    """Row multiple a group's row window starts at (see exact_start)."""
+    return TMA_ROW_ALIGN if self.exact_start else self.block_k
 
   def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
     stage = (self.block_k * self.block_m + self.block_k * self.cta_n) * BF16_BYTES
