@@ -36,13 +36,10 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
-# "block" = the options for uneven group sizes turned off (JAX's block-aligned scheme):
-# group-aligned windows + half-height tail MMAs (fwd), windows from the group's first row +
-# largest groups first (dW).
-FWD_VARIANTS = [{}, dict(group_aligned=False, half_tiles=False),
+FWD_VARIANTS = [{}, dict(group_aligned=True, half_tiles=True),  # cuts from each group's start
                 dict(epi_n=128, stages=3),  # one epilogue store per warpgroup
                 dict(grid_block_n=8)]
-TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),
+TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
 

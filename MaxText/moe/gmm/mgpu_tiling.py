@@ -58,8 +58,8 @@ class FwdTiling:
   stages: int = 4
   epi_n: int = 64
   grid_block_n: int = 4
-  group_aligned: bool = True
-  half_tiles: bool = True
+  group_aligned: bool = False
+  half_tiles: bool = False
 
   @property
   def cta_n(self) -> int:
@@ -99,10 +99,10 @@ class TgmmTiling:
   """Tiling of the transposed grouped GEMM (dW): output tiles of block_m x block_n of the
   [K, N] per-group result, contraction over rows in steps of block_k.
 
-  warp_specialized: False = one warpgroup per block (JAX's structure; measured, 0.82 of
-  dense dW estimated from the bwd total); True = one memory + two compute warpgroups on
-  block_m x (2 * block_n) tiles (checked in interpret mode and lowering only: not yet timed
-  on a GPU, so not the default).
+  warp_specialized: False = one warpgroup per block (JAX's structure); True = one memory +
+  two compute warpgroups on block_m x (2 * block_n) tiles. Timed on the H200 (tune_gmm.py,
+  Zipf-1.2, commit a8585d2): dW up 3.079 vs 3.116 ms (1%, noise), dW down 3.246 vs 3.158
+  (3% slower), so not the default.
   exact_start: a group's row window starts at its first row aligned down to 8 (TMA's need,
   see TMA_ROW_ALIGN), not to block_k: about block_k/2 fewer wasted rows per group.
   largest_first: visit groups largest first, in alternating-direction rounds over the SMs,
@@ -156,6 +156,12 @@ DEFAULTS = {
     "jax_fwd": JaxFwdTiling(),
 }
 
+# Options for uneven group sizes, A/B'd by tune_gmm.py on one H200 (M=65536, G=32, Zipf-1.2,
+# commit a8585d2, ms, the same inputs within each problem):
+#   dW exact_start + largest_first (the TgmmTiling defaults): up 3.412 -> 3.116, down
+#     3.357 -> 3.158.
+#   fwd group_aligned + half_tiles (off by default): up 3.052 -> 3.035 (noise), down 2.975 ->
+#     3.186 (7% slower, not understood: the work table has 527 instead of 542 row pieces).
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
 TABLE: dict[tuple[str, int, int], object] = {
