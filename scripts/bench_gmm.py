@@ -405,6 +405,8 @@ def print_table(rows):
 
 def main():
   global ARGS
+  # Lines reach a redirected log even when a time limit kills the run.
+  sys.stdout.reconfigure(line_buffering=True)
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--quick", action="store_true",
                   help="DeepSeek-V3: up, down at M=65536 G=32 balanced+zipf1.2, fwd+bwd; FFN zipf1.2")

@@ -180,6 +180,8 @@ def format_losses(rows: list[dict]) -> str:
 
 
 def main() -> int:
+  # Lines reach a redirected log even when a time limit kills the run.
+  sys.stdout.reconfigure(line_buffering=True)
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default=DEFAULT_CONFIG)
   parser.add_argument("--variants", default="upstream_tokamax,ours,dense_equivalent",

@@ -153,6 +153,8 @@ def _rel_err(got, want) -> float:
 
 
 def main(argv=None) -> int:
+  # Lines reach a redirected log even when a time limit kills the run.
+  sys.stdout.reconfigure(line_buffering=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--backends", default="xla,tokamax,mgpu,te", help="comma-separated; default: all")
   parser.add_argument("--cpu-smoke", action="store_true", help="xla only, small cases, on CPU")
