@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_gmm as bench  # noqa: E402
+import kernel_timeline as timeline  # noqa: E402
 from MaxText.moe.gmm import mgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
 
@@ -47,7 +48,22 @@ TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's bloc
 VARIANTS_BY_OP = {"fwd": FWD_VARIANTS, "tgmm": TGMM_VARIANTS}
 
 
-def run_problem(name, m, g, dist, seed, deadline, rounds):
+def profile_variant(make_fn, args, out_dir):
+  """One run of the variant's kernel with Mosaic GPU's on-device profiler: its summary (per
+  tile kind, idle SMs at the end) from scripts/kernel_timeline.py."""
+  os.makedirs(out_dir, exist_ok=True)
+  before = set(os.listdir(out_dir))
+  jax.block_until_ready(jax.jit(make_fn(out_dir))(*args))
+  jax.effects_barrier()  # the trace is written by a host callback
+  new = sorted(set(os.listdir(out_dir)) - before)
+  if not new:
+    return f"# no trace written to {out_dir}"
+  with open(os.path.join(out_dir, new[-1])) as fh:
+    summary = timeline.summarize(timeline.load_ranges(json.load(fh)))
+  return timeline.format_summary(os.path.join(out_dir, new[-1]), summary)
+
+
+def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
   op, k, n, transpose = PROBLEMS[name]
   sizes = bench.group_sizes(dist, m, g, np.random.default_rng(seed))
   gs = jnp.asarray(sizes)
@@ -63,7 +79,7 @@ def run_problem(name, m, g, dist, seed, deadline, rounds):
     d = jax.random.normal(kw, (m, n), jnp.bfloat16)
     ref = bench.ref_tgmm(x, d, sizes)
     variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in TGMM_VARIANTS]
-  ready = []  # (record, jitted fn, args) of the variants that compiled and passed the check
+  ready = []  # (record, jitted fn, args, tiling) of the variants that compiled and passed the check
   for i, t in enumerate(variants):
     if time.monotonic() > deadline:
       print(f"# deadline: {name} variants {i}.. not run", flush=True)
@@ -79,7 +95,7 @@ def run_problem(name, m, g, dist, seed, deadline, rounds):
     try:
       rec["err"] = bench.rel_err(fn(*args), ref)
       if rec["err"] < bench.TOL:
-        ready.append((rec, fn, args))
+        ready.append((rec, fn, args, t))
     except Exception as e:
       rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
       traceback.print_exc(limit=2)
@@ -91,11 +107,21 @@ def run_problem(name, m, g, dist, seed, deadline, rounds):
     if r and time.monotonic() > deadline:
       print(f"# deadline: {name} timed in {r} of {rounds} rounds", flush=True)
       break
-    for rec, fn, args in ready:
+    for rec, fn, args, _ in ready:
       rec["rounds_ms"].append(bench.time_ms(fn, args, reps=3, target_s=0.03)[0])
-  for rec, _, _ in ready:
+  for rec, _, _, _ in ready:
     rec["ms"] = float(np.median(rec["rounds_ms"]))
     rec["tflops"] = 2.0 * m * k * n / rec["ms"] / 1e9
+  if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
+    for i, (rec, _, args, t) in enumerate(ready):
+      if op == "fwd":
+        make = lambda d, t=t: (lambda x, w, gs: mgpu.gmm(
+            x, w, gs, transpose_rhs=transpose, tiling=t, profile_dir=d))
+      else:
+        make = lambda d, t=t: (lambda x, dd, gs: mgpu.tgmm(
+            x, dd, gs, num_local_groups=g, tiling=t, profile_dir=d))
+      print(f"# profile {name} {rec['change'] or 'table'}", flush=True)
+      print(profile_variant(make, args, os.path.join(profile_dir, f"{name}_{i}")), flush=True)
   for rec in results:
     print(json.dumps(rec), flush=True)
   return results
@@ -111,13 +137,17 @@ def main():
   ap.add_argument("--problems", default=",".join(PROBLEMS))
   ap.add_argument("--out", default=None)
   ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per problem")
+  ap.add_argument("--profile-dir", default=None,
+                  help="also run each variant once under Mosaic GPU's on-device profiler, "
+                       "write its trace here and print scripts/kernel_timeline.py's summary")
   ap.add_argument("--deadline-s", type=float, default=1e9,
                   help="start no variant after this many seconds (the summary still prints)")
   args = ap.parse_args()
   deadline = time.monotonic() + args.deadline_s
   allres = []
   for i, name in enumerate(args.problems.split(",")):
-    allres += run_problem(name, args.m, args.g, args.dist, 100 + i, deadline, args.rounds)
+    allres += run_problem(name, args.m, args.g, args.dist, 100 + i, deadline, args.rounds,
+                          args.profile_dir)
   print(f"# {args.dist} M={args.m} G={args.g}; change = fields changed from the table's entry")
   print("# ms = median over interleaved rounds; spread = (max - min) / median of the rounds")
   print(f"{'problem':10} {'ms':>7} {'spread':>6} {'TF/s':>6} {'err':>8}  change")

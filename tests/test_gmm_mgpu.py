@@ -202,6 +202,14 @@ def test_gmm_lowers_at_deepseek_shapes(transpose):
   assert "mosaic_gpu" in text
 
 
+def test_profile_dir_turns_on_the_device_profiler():
+  # Lowering a profiled kernel needs a CUDA backend (its trace buffer), and the interpreter
+  # ignores profiling: the GPU run is the check. Here: jax accepts the parameters we build.
+  on, off = mgpu_kernels._compiler_params("/runs/r1/prof"), mgpu_kernels._compiler_params(None)
+  assert (on.profile_dir, on.profile_space > 0, on.profile_bounds_check) == ("/runs/r1/prof", True, True)
+  assert (off.profile_dir, off.profile_space) == ("", 0)
+
+
 def test_tgmm_lowers_to_mosaic_gpu():
   text = _lower(lambda x, d, gs: mgpu.tgmm(x, d, gs, group_offset=2, num_local_groups=4),
                 ((1000, 256), jnp.bfloat16), ((1000, 512), jnp.bfloat16), ((8,), jnp.int32))

@@ -75,10 +75,11 @@ def _check_operands(lhs_MK, rhs, group_sizes_G, transpose_rhs):
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
-        tiling=None):
+        tiling=None, profile_dir=None):
   """out_MN[rows of local group g] = lhs_MK[rows] @ rhs[g] (rhs[g].T with transpose_rhs);
   rows of non-local groups and rows past sum(group_sizes) are zeros. tiling: a FwdTiling to
-  use instead of the table's (the tuner's and benchmarks' override)."""
+  use instead of the table's (the tuner's and benchmarks' override). profile_dir: write the
+  kernel's on-device trace there (`mgpu_kernels._compiler_params`)."""
   from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
@@ -93,16 +94,17 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
         group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
         window_align=tiling.window_align)
     return mgpu_kernels.grouped_matmul(
-        lhs_PK, rhs, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+        lhs_PK, rhs, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+        profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None,
-         tiling=None):
+         tiling=None, profile_dir=None):
   """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros.
-  tiling: a TgmmTiling to use instead of the table's."""
+  tiling, profile_dir: as for `gmm`."""
   from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
 
   if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
@@ -120,7 +122,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
 
   def kernel(lhs_PK, dout_PN):
     return mgpu_kernels.transposed_grouped_matmul(
-        lhs_PK, dout_PN, starts, ends, tiling=tiling, out_dtype=out_dtype)
+        lhs_PK, dout_PN, starts, ends, tiling=tiling, out_dtype=out_dtype, profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
   return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_tgmm_align(tiling))

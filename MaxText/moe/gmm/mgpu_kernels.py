@@ -99,6 +99,20 @@ def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m,
   return kind, group, start, row0, size
 
 
+# Trace events per warpgroup when profiling (two per named scope entered; ~220 dW tiles per
+# SM at the DeepSeek-V3 shapes). Past it, events are dropped (bounds-checked), not corrupted.
+_PROFILE_EVENTS = 4096
+
+
+def _compiler_params(profile_dir: str | None):
+  """Mosaic GPU parameters; with profile_dir, its on-device profiler writes a Chrome-trace
+  JSON there per kernel run: one begin/end pair per `jax.named_scope` entered, per SM and
+  warpgroup (scripts/kernel_timeline.py summarizes it). For diagnostics: it slows the kernel."""
+  profile = dict(profile_space=_PROFILE_EVENTS, profile_dir=profile_dir,
+                 profile_bounds_check=True) if profile_dir else {}
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
+
+
 def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
   """TMA-stores rows [row0, row0+size) of src_smem to the same rows of dst_gmem.
 
@@ -114,7 +128,8 @@ def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
     bit //= 2
 
 
-def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype):
+def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
+                   profile_dir: str | None = None):
   """out_MN[rows of group g] = lhs_MK[rows] @ rhs[g]; ZERO rows are written as zeros.
 
   rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs. table: `work_table(...)`.
@@ -211,20 +226,24 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         half = t.block_m // 2
         small = (row0 + size <= half) if t.half_tiles else False
 
+        # Named scopes: the tile kinds in a profile (see _compiler_params).
         @pl.when((kind == COMPUTE) & jnp.logical_not(small))
         def _full():
-          compute(t.block_m)
+          with jax.named_scope("full_tile"):
+            compute(t.block_m)
 
         if t.half_tiles:
           @pl.when((kind == COMPUTE) & small)
           def _half():
-            compute(half)
+            with jax.named_scope("half_tile"):
+              compute(half)
 
         @pl.when((kind == ZERO) & (wg < 2))
         def _zero():
-          # Built per chunk: a whole zero tile would hold 128 registers per thread.
-          epilogue(lambda c: plgpu.layout_cast(
-              jnp.zeros((t.block_m, t.epi_n), out_dtype), plgpu.Layout.WGMMA), t.block_m)
+          with jax.named_scope("zero_tile"):
+            # Built per chunk: a whole zero tile would hold 128 registers per thread.
+            epilogue(lambda c: plgpu.layout_cast(
+                jnp.zeros((t.block_m, t.epi_n), out_dtype), plgpu.Layout.WGMMA), t.block_m)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -235,7 +254,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=_compiler_params(profile_dir),
   )
   return kernel(*table, lhs_MK, rhs)
 
@@ -309,7 +328,8 @@ def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi,
     zero_rows(lambda r: r < hi)
 
 
-def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: TgmmTiling, out_dtype):
+def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: TgmmTiling, out_dtype,
+                              profile_dir: str | None = None):
   """drhs[g] = lhs_MK[starts[g]:ends[g]]^T @ dout_MN[same rows] -> [G, K, N]; empty -> 0.
 
   The contraction runs over rows in steps of block_k; the first and last step of a group
@@ -323,7 +343,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   t = tiling
   t.validate(k, n, jnp.dtype(out_dtype).itemsize)
   if t.warp_specialized:
-    return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype)
+    return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype, profile_dir)
   g = starts_G.shape[0]
   starts, ends, num_steps, first_rows, order = _dw_schedule(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
@@ -339,6 +359,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
 
   def body(starts_g, ends_g, steps_g, first_g, order_g, lhs_gmem, dout_gmem, o_gmem):
     @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
+    @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
     def _tiles(loop_info):
       gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
       first = pl.multiple_of(first_g[gi], t.window_align)
@@ -388,12 +409,13 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=_compiler_params(profile_dir),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
 
 
-def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTiling, out_dtype):
+def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTiling, out_dtype,
+                                  profile_dir):
   """Warp-specialized dW: a memory warpgroup streams (block_k x block_m) lhs and
   (block_k x 2*block_n) dout blocks of one group's rows; two compute warpgroups each own
   block_n output columns. Boundary steps zero the rows of neighbouring groups in each
@@ -443,6 +465,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
+      @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
       def _tiles(loop_info):
         gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
         first = pl.multiple_of(first_g[gi], t.window_align)
@@ -495,6 +518,6 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=_compiler_params(profile_dir),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)

@@ -1,0 +1,98 @@
+"""Summarize a Mosaic GPU on-device profile of one kernel run: where its time goes per tile
+kind, and how long SMs sit idle at the end waiting for the last one.
+
+The profile is the Chrome-trace JSON that Mosaic GPU's profiler writes when a kernel is built
+with `profile_dir` (`mgpu_kernels._compiler_params`; `tune_gmm.py --profile-dir`): one
+begin ("B") / end ("E") event pair per `jax.named_scope` range entered, `ts` in microseconds,
+`pid` = 1 + SM id, `tid` = one trace per warpgroup of each block (jax 0.11.2,
+`jax/experimental/mosaic/gpu/profiler.py`).
+
+  python scripts/kernel_timeline.py TRACE.json [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  name: str
+  sm: int
+  trace: int
+  begin_us: float
+  end_us: float
+
+  @property
+  def dur_us(self) -> float:
+    return self.end_us - self.begin_us
+
+
+def load_ranges(trace: dict) -> list[Range]:
+  """Pairs each trace's B/E events (nested ranges close innermost first)."""
+  open_by_trace: dict[int, list[dict]] = {}
+  ranges = []
+  for ev in trace["traceEvents"]:
+    stack = open_by_trace.setdefault(ev["tid"], [])
+    if ev["ph"] == "B":
+      stack.append(ev)
+    elif ev["ph"] == "E":
+      if not stack or stack[-1]["name"] != ev["name"]:
+        raise ValueError(f"unbalanced trace: E {ev['name']!r} in tid {ev['tid']} with open "
+                         f"{[e['name'] for e in stack]}")
+      b = stack.pop()
+      ranges.append(Range(ev["name"], ev["pid"] - 1, ev["tid"], b["ts"], ev["ts"]))
+  return ranges
+
+
+def summarize(ranges: list[Range]) -> dict:
+  """Kernel span, per-scope duration statistics, and the end-of-kernel tail.
+
+  tail_idle: mean over SMs of (last end of any SM - this SM's last end) / span, the share of
+  the SMs' time spent waiting for the slowest one (0 = perfectly balanced)."""
+  if not ranges:
+    raise ValueError("no ranges: was the kernel built with profile_dir, and are its tiles in named scopes?")
+  t0 = min(r.begin_us for r in ranges)
+  t1 = max(r.end_us for r in ranges)
+  span = t1 - t0
+  scopes = {}
+  for name in sorted({r.name for r in ranges}):
+    durs = sorted(r.dur_us for r in ranges if r.name == name)
+    q = lambda f: durs[min(len(durs) - 1, int(f * len(durs)))]
+    scopes[name] = dict(count=len(durs), median_us=statistics.median(durs), p10_us=q(0.1),
+                        p90_us=q(0.9), max_us=durs[-1], total_us=sum(durs))
+  last_end = {}
+  for r in ranges:
+    last_end[r.sm] = max(last_end.get(r.sm, r.end_us), r.end_us)
+  idle = [(t1 - e) / span for e in last_end.values()] if span > 0 else [0.0]
+  return dict(span_us=span, sms=len(last_end), scopes=scopes,
+              tail_idle=statistics.mean(idle), tail_idle_max=max(idle))
+
+
+def format_summary(label: str, s: dict) -> str:
+  lines = [f"# {label}: span {s['span_us']:.1f} us on {s['sms']} SMs; idle at the end "
+           f"{s['tail_idle']:.1%} of SM time (worst SM {s['tail_idle_max']:.1%})",
+           f"{'scope':14} {'count':>7} {'median us':>10} {'p10':>8} {'p90':>8} {'max':>8}"]
+  for name, st in s["scopes"].items():
+    lines.append(f"{name:14} {st['count']:7d} {st['median_us']:10.2f} {st['p10_us']:8.2f} "
+                 f"{st['p90_us']:8.2f} {st['max_us']:8.2f}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  sys.stdout.reconfigure(line_buffering=True)
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("traces", nargs="+")
+  args = ap.parse_args(argv)
+  for path in args.traces:
+    with open(path) as fh:
+      print(format_summary(path, summarize(load_ranges(json.load(fh)))))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
