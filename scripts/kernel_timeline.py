@@ -73,6 +73,21 @@ def summarize(ranges: list[Range]) -> dict:
               tail_idle=statistics.mean(idle), tail_idle_max=max(idle))
 
 
+def block_sequences(ranges: list[Range], names: set[str], traces_per_block: int,
+                    trace_in_block: int = 0) -> dict[int, list[Range]]:
+  """{block index: its ranges named in `names`, in time order}, from one warpgroup's trace
+  per block (the profiler numbers traces 1 + trace_in_block + traces_per_block * block).
+  With a persistent kernel, block b's i-th range is then loop step b + i * num_blocks."""
+  by_block: dict[int, list[Range]] = {}
+  for r in ranges:
+    block, wg = divmod(r.trace - 1, traces_per_block)
+    if r.name in names and wg == trace_in_block:
+      by_block.setdefault(block, []).append(r)
+  for seq in by_block.values():
+    seq.sort(key=lambda r: r.begin_us)
+  return by_block
+
+
 def format_summary(label: str, s: dict) -> str:
   lines = [f"# {label}: span {s['span_us']:.1f} us on {s['sms']} SMs; idle at the end "
            f"{s['tail_idle']:.1%} of SM time (worst SM {s['tail_idle_max']:.1%})",

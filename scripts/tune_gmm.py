@@ -25,7 +25,9 @@ import numpy as np  # noqa: E402
 
 import bench_gmm as bench  # noqa: E402
 import kernel_timeline as timeline  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu  # noqa: E402
+from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
 from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
 
 # (op, K, N, transpose_rhs): the DeepSeek-V3 products (dlhs = fwd with K, N swapped).
@@ -48,9 +50,49 @@ TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's bloc
 VARIANTS_BY_OP = {"fwd": FWD_VARIANTS, "tgmm": TGMM_VARIANTS}
 
 
-def profile_variant(make_fn, args, out_dir):
+# Forward tiles by the piece they computed: full pieces of small / medium / large groups,
+# partial pieces (a group's boundary), zero pieces.
+_FWD_SCOPES = {"full_tile", "half_tile", "zero_tile"}
+_GROUP_BUCKETS = ((1024, "full, group < 1024 rows"), (4096, "full, group < 4096"),
+                  (1 << 31, "full, group >= 4096"))
+
+
+def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
+  """Median duration (us) and count per piece class, matching each block's tile ranges (one
+  compute warpgroup's trace) to the loop steps b, b + num_blocks, ... of `grouped_matmul`."""
+  kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(
+      jnp.asarray(sizes_G), 0, len(sizes_G), m, t.block_m, window_align=t.window_align))
+  grid_n = n // t.cta_n
+  total = kind.shape[0] * grid_n
+  item = np.asarray(jax.vmap(lambda f: plgpu.planar_snake(
+      f, (kind.shape[0], grid_n), 1, t.grid_block_n)[0])(jnp.arange(total)))
+  rows_of_group = np.asarray(sizes_G)
+  durs: dict[str, list[float]] = {}
+  mismatched = 0
+  for b, seq in timeline.block_sequences(ranges, _FWD_SCOPES, traces_per_block=3).items():
+    steps = [f for f in range(b, total, num_blocks) if kind[item[f]] != mk.SKIP]
+    if len(steps) != len(seq):
+      mismatched += 1
+      continue
+    for f, r in zip(steps, seq):
+      i = item[f]
+      if kind[i] == mk.ZERO:
+        label = "zero"
+      elif size[i] < t.block_m:
+        label = f"partial ({r.name})"
+      else:
+        label = next(l for lim, l in _GROUP_BUCKETS if rows_of_group[group[i]] < lim)
+      durs.setdefault(label, []).append(r.dur_us)
+  lines = [f"{'piece':26} {'count':>6} {'median us':>10}"]
+  lines += [f"{k:26} {len(v):6d} {np.median(v):10.2f}" for k, v in sorted(durs.items())]
+  if mismatched:
+    lines.append(f"# {mismatched} blocks' ranges did not match their loop steps (left out)")
+  return "\n".join(lines)
+
+
+def profile_variant(make_fn, args, out_dir, classify=None):
   """One run of the variant's kernel with Mosaic GPU's on-device profiler: its summary (per
-  tile kind, idle SMs at the end) from scripts/kernel_timeline.py."""
+  tile kind, idle SMs at the end) from scripts/kernel_timeline.py, and classify(ranges)."""
   os.makedirs(out_dir, exist_ok=True)
   before = set(os.listdir(out_dir))
   jax.block_until_ready(jax.jit(make_fn(out_dir))(*args))
@@ -59,8 +101,9 @@ def profile_variant(make_fn, args, out_dir):
   if not new:
     return f"# no trace written to {out_dir}"
   with open(os.path.join(out_dir, new[-1])) as fh:
-    summary = timeline.summarize(timeline.load_ranges(json.load(fh)))
-  return timeline.format_summary(os.path.join(out_dir, new[-1]), summary)
+    ranges = timeline.load_ranges(json.load(fh))
+  text = timeline.format_summary(os.path.join(out_dir, new[-1]), timeline.summarize(ranges))
+  return text + ("\n" + classify(ranges) if classify else "")
 
 
 def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
@@ -114,14 +157,18 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
     rec["tflops"] = 2.0 * m * k * n / rec["ms"] / 1e9
   if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
     for i, (rec, _, args, t) in enumerate(ready):
+      classify = None
       if op == "fwd":
         make = lambda d, t=t: (lambda x, w, gs: mgpu.gmm(
             x, w, gs, transpose_rhs=transpose, tiling=t, profile_dir=d))
+        classify = lambda ranges, t=t: fwd_tile_classes(
+            ranges, sizes, m, t, n, jax.devices()[0].core_count)
       else:
         make = lambda d, t=t: (lambda x, dd, gs: mgpu.tgmm(
             x, dd, gs, num_local_groups=g, tiling=t, profile_dir=d))
       print(f"# profile {name} {rec['change'] or 'table'}", flush=True)
-      print(profile_variant(make, args, os.path.join(profile_dir, f"{name}_{i}")), flush=True)
+      print(profile_variant(make, args, os.path.join(profile_dir, f"{name}_{i}"), classify),
+            flush=True)
   for rec in results:
     print(json.dumps(rec), flush=True)
   return results

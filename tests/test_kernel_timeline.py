@@ -50,3 +50,53 @@ def test_unbalanced_or_empty_traces_are_refused():
     timeline.load_ranges(bad)
   with pytest.raises(ValueError, match="profile_dir"):
     timeline.summarize([])
+
+
+def test_block_sequences_follow_one_warpgroup_per_block():
+  # 3 traces per block (memory + 2 compute warpgroups): tid 1 = block 0 wg 0, tid 4 =
+  # block 1 wg 0, tid 2 = block 0 wg 1 (left out).
+  ranges = timeline.load_ranges(_trace([
+      ("full_tile", 5, 1, 10.0, 20.0), ("full_tile", 5, 1, 0.0, 10.0),
+      ("zero_tile", 7, 4, 0.0, 3.0), ("full_tile", 5, 2, 0.0, 10.0), ("mma", 5, 1, 1.0, 2.0)]))
+  seqs = timeline.block_sequences(ranges, {"full_tile", "zero_tile"}, traces_per_block=3)
+  assert sorted(seqs) == [0, 1]
+  assert [r.begin_us for r in seqs[0]] == [0.0, 10.0] and seqs[1][0].name == "zero_tile"
+
+
+def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
+  # A synthetic profile of grouped_matmul's persistent loop (4 blocks, steps b, b+4, ...),
+  # each tile's duration set by its piece: tune_gmm must recover the durations per class.
+  import sys
+  import numpy as np
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / "scripts"))
+  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  mk, mt = tune.mk, tune.mt
+  sizes, m, n, num_blocks = [300, 0, 2000, 5000], 7400, 512, 4
+  t = mt.FwdTiling()
+  kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(jnp.asarray(sizes), 0, 4, m, 128))
+  grid_n = n // t.cta_n
+  total = kind.shape[0] * grid_n
+  expect = {"zero": 0.5, "partial (full_tile)": 1.0, "full, group < 1024 rows": 2.0,
+            "full, group < 4096": 3.0, "full, group >= 4096": 4.0}
+  ranges = []
+  for b in range(num_blocks):
+    clock = 0.0
+    for f in range(b, total, num_blocks):
+      i = int(plgpu.planar_snake(jnp.int32(f), (kind.shape[0], grid_n), 1, t.grid_block_n)[0])
+      if kind[i] == mk.SKIP:
+        continue
+      if kind[i] == mk.ZERO:
+        label = "zero"
+      elif size[i] < 128:
+        label = "partial (full_tile)"
+      else:
+        label = next(l for lim, l in tune._GROUP_BUCKETS if sizes[group[i]] < lim)
+      name = "zero_tile" if kind[i] == mk.ZERO else "full_tile"
+      ranges.append((name, b, 1 + 3 * b, clock, clock + expect[label]))
+      clock += expect[label]
+  text = tune.fwd_tile_classes(timeline.load_ranges(_trace(ranges)), sizes, m, t, n, num_blocks)
+  got = {line[:26].strip(): float(line.split()[-1]) for line in text.splitlines()[1:]}
+  assert got == expect, text
