@@ -52,7 +52,8 @@ def _check_schedule(sizes, offset, num_local, m, block_m, group_aligned=False):
       np.asarray(a) for a in mgpu_kernels.work_table(
           jnp.asarray(sizes, jnp.int32), offset, num_local, m, block_m,
           window_align=8 if group_aligned else None))
-  assert kind.shape == (mgpu_kernels.num_work_items(m, num_local, block_m),)
+  assert kind.shape == (mgpu_kernels.num_work_items(
+      m, num_local, block_m, 8 if group_aligned else None),)
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)
   owner = np.full(m, -1)  # expected local group per row, -1 = zero row
@@ -99,6 +100,15 @@ def test_work_table_random_schedules():
     offset = int(rng.integers(0, g - num_local + 1))
     _check_schedule(sizes.tolist(), offset, num_local, max(m, 1), int(rng.choice([64, 128])),
                     bool(rng.integers(2)))
+
+
+def test_group_aligned_windows_that_start_before_their_group():
+  # Groups of 127 rows start at rows 0, 127, 254, ... (7, 6, 5 ... rows past a multiple of
+  # 8): aligned down, most need 2 windows of 128 for their 127 rows; every row is still
+  # written exactly once and the table's length bound holds.
+  for g in (8, 32, 64):
+    _check_schedule([127] * g, 0, g, 127 * g, 128, group_aligned=True)
+    _check_schedule([125, 3] * (g // 2), 0, g, 128 * (g // 2) + 5, 128, group_aligned=True)
 
 
 @pytest.mark.parametrize("group_aligned", [False, True])

@@ -46,10 +46,20 @@ def local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows):
   return jnp.clip(starts, 0, num_rows), jnp.clip(ends, 0, num_rows)
 
 
-def num_work_items(num_rows: int, num_local_groups: int, block_m: int) -> int:
-  """Static bound on work items: the G_local + 2 row segments (see `work_table`) each add at
-  most one partial piece to the cdiv(M, block_m) row blocks."""
-  return pl.cdiv(num_rows, block_m) + num_local_groups + 2
+def num_work_items(num_rows: int, num_local_groups: int, block_m: int,
+                   window_align: int | None = None) -> int:
+  """Static bound on work items of `work_table`, over its S = G_local + 2 row segments.
+
+  Cuts at multiples of block_m: the segments' pieces are the row blocks plus at most one per
+  segment boundary inside a block, <= cdiv(M, block_m) + S. Cuts from each segment's first
+  row aligned down by r < block_m rows: a segment of L rows has cdiv(L + r, block_m) <=
+  cdiv(L, block_m) + 1 pieces, and sum cdiv(L, block_m) <= cdiv(M, block_m) + S - 1. (For
+  block_m 128 and 8-row alignment the first bound also holds, by a search over residues; the
+  second needs no search, and the unused SKIP items cost a few scalar loads each.)"""
+  segments = num_local_groups + 2
+  if (window_align or block_m) == block_m:
+    return pl.cdiv(num_rows, block_m) + segments
+  return pl.cdiv(num_rows, block_m) + 2 * segments - 1
 
 
 def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m, *,
@@ -83,7 +93,7 @@ def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m,
   cum_end = jnp.cumsum(count)
   cum_start = cum_end - count
 
-  w = jnp.arange(num_work_items(num_rows, num_local_groups, block_m), dtype=jnp.int32)
+  w = jnp.arange(num_work_items(num_rows, num_local_groups, block_m, align), dtype=jnp.int32)
   seg = jnp.clip(jnp.searchsorted(cum_end, w, side="right"), 0, num_segments - 1)
   seg = seg.astype(jnp.int32)
   start = origin[seg] + (w - cum_start[seg]) * block_m
