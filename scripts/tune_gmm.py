@@ -27,7 +27,7 @@ import bench_gmm as bench  # noqa: E402
 import kernel_timeline as timeline  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu  # noqa: E402
-from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
+from MaxText.moe.gmm import mgpu_schedule as sched  # noqa: E402
 from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
 
 # (op, K, N, transpose_rhs): the DeepSeek-V3 products (dlhs = fwd with K, N swapped).
@@ -60,7 +60,7 @@ _GROUP_BUCKETS = ((1024, "full, group < 1024 rows"), (4096, "full, group < 4096"
 def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
   """Median duration (us) and count per piece class, matching each block's tile ranges (one
   compute warpgroup's trace) to the loop steps b, b + num_blocks, ... of `grouped_matmul`."""
-  kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(
+  kind, group, _, _, size = (np.asarray(a) for a in sched.work_table(
       jnp.asarray(sizes_G), 0, len(sizes_G), m, t.block_m, window_align=t.window_align))
   grid_n = n // t.cta_n
   total = kind.shape[0] * grid_n
@@ -70,13 +70,13 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
   durs: dict[str, list[float]] = {}
   mismatched = 0
   for b, seq in timeline.block_sequences(ranges, _FWD_SCOPES, traces_per_block=3).items():
-    steps = [f for f in range(b, total, num_blocks) if kind[item[f]] != mk.SKIP]
+    steps = [f for f in range(b, total, num_blocks) if kind[item[f]] != sched.SKIP]
     if len(steps) != len(seq):
       mismatched += 1
       continue
     for f, r in zip(steps, seq):
       i = item[f]
-      if kind[i] == mk.ZERO:
+      if kind[i] == sched.ZERO:
         label = "zero"
       elif size[i] < t.block_m:
         label = f"partial ({r.name})"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_tiling
+from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_schedule, mgpu_tiling
 
 
 # ------------------------------------------------------------------ tiling table
@@ -49,10 +49,10 @@ def test_validate_rejects_bad_shapes():
 # ------------------------------------------------------------------ work table
 def _check_schedule(sizes, offset, num_local, m, block_m, group_aligned=False):
   kind, group, start, row0, size = (
-      np.asarray(a) for a in mgpu_kernels.work_table(
+      np.asarray(a) for a in mgpu_schedule.work_table(
           jnp.asarray(sizes, jnp.int32), offset, num_local, m, block_m,
           window_align=8 if group_aligned else None))
-  assert kind.shape == (mgpu_kernels.num_work_items(
+  assert kind.shape == (mgpu_schedule.num_work_items(
       m, num_local, block_m, 8 if group_aligned else None),)
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)
@@ -61,7 +61,7 @@ def _check_schedule(sizes, offset, num_local, m, block_m, group_aligned=False):
     owner[min(starts[offset + g], m):min(ends[offset + g], m)] = g
   covered = np.zeros(m, int)
   for kd, g, st, r0, sz in zip(kind, group, start, row0, size):
-    if kd == mgpu_kernels.SKIP:
+    if kd == mgpu_schedule.SKIP:
       assert sz == 0
       continue
     assert sz > 0 and 0 <= r0 and r0 + sz <= block_m  # a piece stays inside its window
@@ -71,10 +71,10 @@ def _check_schedule(sizes, offset, num_local, m, block_m, group_aligned=False):
       assert st % block_m == 0  # windows are row blocks
     rows = np.arange(st + r0, st + r0 + sz)
     covered[rows] += 1
-    expect = g if kd == mgpu_kernels.COMPUTE else -1
+    expect = g if kd == mgpu_schedule.COMPUTE else -1
     assert (owner[rows] == expect).all()
   assert (covered == 1).all()  # every row written exactly once
-  valid = kind != mgpu_kernels.SKIP
+  valid = kind != mgpu_schedule.SKIP
   assert (np.diff(valid.astype(int)) <= 0).all()  # SKIP items only at the tail
 
 
@@ -113,9 +113,9 @@ def test_group_aligned_windows_that_start_before_their_group():
 
 @pytest.mark.parametrize("group_aligned", [False, True])
 def test_aligned_groups_cost_no_extra_tiles(group_aligned):
-  kind, *_ = mgpu_kernels.work_table(jnp.full((4,), 256, jnp.int32), 0, 4, 1024, 128,
+  kind, *_ = mgpu_schedule.work_table(jnp.full((4,), 256, jnp.int32), 0, 4, 1024, 128,
                                      window_align=8 if group_aligned else None)
-  assert int((np.asarray(kind) == mgpu_kernels.COMPUTE).sum()) == 8
+  assert int((np.asarray(kind) == mgpu_schedule.COMPUTE).sum()) == 8
 
 
 def test_group_aligned_cuts_cost_one_partial_tile_per_group():
@@ -124,13 +124,13 @@ def test_group_aligned_cuts_cost_one_partial_tile_per_group():
   # (aligned down to 8: windows at 96 and 296) give 1 + 2 + 1.
   sizes = jnp.asarray([100, 200, 100], jnp.int32)
   for align, pieces in ((None, 6), (8, 4)):
-    kind, *_ = mgpu_kernels.work_table(sizes, 0, 3, 400, 128, window_align=align)
-    assert int((np.asarray(kind) == mgpu_kernels.COMPUTE).sum()) == pieces
+    kind, *_ = mgpu_schedule.work_table(sizes, 0, 3, 400, 128, window_align=align)
+    assert int((np.asarray(kind) == mgpu_schedule.COMPUTE).sum()) == pieces
 
 
 @pytest.mark.parametrize("num_sms,total", [(4, 8), (4, 10), (132, 28672), (5, 3)])
 def test_boustrophedon_is_a_permutation(num_sms, total):
-  perm = np.asarray(mgpu_kernels.boustrophedon(jnp.arange(total), num_sms, total))
+  perm = np.asarray(mgpu_schedule.boustrophedon(jnp.arange(total), num_sms, total))
   assert sorted(perm.tolist()) == list(range(total))
   assert perm[:num_sms].tolist() == list(range(min(num_sms, total)))  # round 0 as is
 
@@ -149,7 +149,7 @@ def test_largest_first_rounds_even_out_the_sms():
     return per_sm.max() / per_sm.mean() - 1
 
   n = 32 * 896
-  snake = np.asarray(mgpu_kernels.boustrophedon(jnp.arange(n), 132, n))
+  snake = np.asarray(mgpu_schedule.boustrophedon(jnp.arange(n), 132, n))
   assert spread(np.sort(sizes)[::-1], snake) < 0.01 < 0.02 < spread(sizes, np.arange(n))
 
 

@@ -73,7 +73,7 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   from conftest import REPO
   sys.path.insert(0, str(REPO / "scripts"))
   tune = load_script("tune_gmm", "scripts/tune_gmm.py")
-  mk, mt = tune.mk, tune.mt
+  mk, mt = tune.sched, tune.mt
   sizes, m, n, num_blocks = [300, 0, 2000, 5000], 7400, 512, 4
   t = mt.FwdTiling()
   kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(jnp.asarray(sizes), 0, 4, m, 128))

@@ -80,7 +80,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   rows of non-local groups and rows past sum(group_sizes) are zeros. tiling: a FwdTiling to
   use instead of the table's (the tuner's and benchmarks' override). profile_dir: write the
   kernel's on-device trace there (`mgpu_kernels._compiler_params`)."""
-  from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
+  from MaxText.moe.gmm import mgpu_kernels, mgpu_schedule, mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
@@ -90,7 +90,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 
   def kernel(lhs_PK, rhs):  # P >= M rows, K and N padded to the tiling
     # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
-    table = mgpu_kernels.work_table(
+    table = mgpu_schedule.work_table(
         group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
         window_align=tiling.window_align)
     return mgpu_kernels.grouped_matmul(
@@ -105,7 +105,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
          tiling=None, profile_dir=None):
   """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros.
   tiling, profile_dir: as for `gmm`."""
-  from MaxText.moe.gmm import mgpu_kernels, mgpu_tiling
+  from MaxText.moe.gmm import mgpu_kernels, mgpu_schedule, mgpu_tiling
 
   if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
     raise ValueError(f"expected lhs [M, K] and dout [M, N], got {lhs_MK.shape}, {dout_MN.shape}")
@@ -118,7 +118,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   n = dout_MN.shape[1]
   tiling = tiling or mgpu_tiling.lookup("tgmm", k, n)
   # Bounds clipped to the original M: padded rows are in no group.
-  starts, ends = mgpu_kernels.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
+  starts, ends = mgpu_schedule.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
 
   def kernel(lhs_PK, dout_PN):
     return mgpu_kernels.transposed_grouped_matmul(

@@ -6,7 +6,7 @@ hopper_matmul_mgpu}.py` (jax 0.11.2), with what the MoE layer needs and they lac
 * `grouped_matmul`: out_MN = lhs_MK @ rhs[g] per row group. Warp-specialized like
   hopper_matmul_mgpu (one TMA-issuing memory warpgroup, two wgmma warpgroups sharing the lhs
   tile, block_m x 2*block_n per block), on a persistent grid whose tiles come from a work
-  table built outside the kernel (`work_table`), so that
+  table built outside the kernel (`mgpu_schedule.work_table`), so that
     - only local groups (group_offset .. group_offset+G_local) are computed,
     - rows of non-local groups and rows past sum(group_sizes) are written as zeros,
     - empty groups and tile-aligned boundaries cost no tile (JAX's kernel spends a full
@@ -29,85 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from MaxText.moe.gmm import mgpu_schedule
+from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
 from MaxText.moe.gmm.mgpu_tiling import FwdTiling, TgmmTiling
-
-# Work-table item kinds (see `work_table`).
-SKIP, ZERO, COMPUTE = -1, 0, 1
-
-
-def local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows):
-  """[start, end) rows of each local group (clipped to num_rows), int32 [G_local] each."""
-  sizes = group_sizes_G.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  offset = jnp.asarray(group_offset, jnp.int32)
-  starts = lax.dynamic_slice_in_dim(starts, offset, num_local_groups)
-  ends = lax.dynamic_slice_in_dim(ends, offset, num_local_groups)
-  return jnp.clip(starts, 0, num_rows), jnp.clip(ends, 0, num_rows)
-
-
-def num_work_items(num_rows: int, num_local_groups: int, block_m: int,
-                   window_align: int | None = None) -> int:
-  """Static bound on work items of `work_table`, over its S = G_local + 2 row segments.
-
-  Cuts at multiples of block_m: the segments' pieces are the row blocks plus at most one per
-  segment boundary inside a block, <= cdiv(M, block_m) + S. Cuts from each segment's first
-  row aligned down by r < block_m rows: a segment of L rows has cdiv(L + r, block_m) <=
-  cdiv(L, block_m) + 1 pieces, and sum cdiv(L, block_m) <= cdiv(M, block_m) + S - 1. (For
-  block_m 128 and 8-row alignment the first bound also holds, by a search over residues; the
-  second needs no search, and the unused SKIP items cost a few scalar loads each.)"""
-  segments = num_local_groups + 2
-  if (window_align or block_m) == block_m:
-    return pl.cdiv(num_rows, block_m) + segments
-  return pl.cdiv(num_rows, block_m) + 2 * segments - 1
-
-
-def work_table(group_sizes_G, group_offset, num_local_groups, num_rows, block_m, *,
-               window_align: int | None = None):
-  """Row-tile schedule of the forward kernel, as int32 arrays of length `num_work_items`.
-
-  Rows [0, M) are cut into segments: [0, local_start) zero, one per local group, and
-  [local_end, M) zero. Each segment is cut into pieces of at most block_m rows; a piece is
-  one work item:
-    kind:  COMPUTE (rows of a local group), ZERO (rows to be written as zeros), SKIP (unused
-           tail of the table),
-    group: local group id (COMPUTE only),
-    start: first row of the block_m-row window the kernel loads and multiplies (a multiple
-           of window_align),
-    row0:  first row of the piece within the window, size: number of rows of the piece.
-  A segment's cuts start at its first row aligned down to window_align and follow every
-  block_m rows. window_align = block_m (the default) is JAX's scheme: a group boundary inside
-  a block costs that block once per side, up to G-1 extra blocks. A small window_align (8,
-  the least Mosaic GPU's swizzled TMA loads accept) leaves only a segment's last piece
-  partial: about half the wasted rows for random group sizes.
-  """
-  align = window_align or block_m
-  starts, ends = local_group_bounds(group_sizes_G, group_offset, num_local_groups, num_rows)
-  zero = jnp.zeros((1,), jnp.int32)
-  seg_lo = jnp.concatenate([zero, starts, ends[-1:]])
-  seg_hi = jnp.concatenate([starts[:1], ends, zero + num_rows])
-  num_segments = num_local_groups + 2
-  nonempty = seg_hi > seg_lo
-  origin = seg_lo // align * align  # first cut of a segment
-  count = jnp.where(nonempty, pl.cdiv(seg_hi - origin, block_m), 0)
-  cum_end = jnp.cumsum(count)
-  cum_start = cum_end - count
-
-  w = jnp.arange(num_work_items(num_rows, num_local_groups, block_m, align), dtype=jnp.int32)
-  seg = jnp.clip(jnp.searchsorted(cum_end, w, side="right"), 0, num_segments - 1)
-  seg = seg.astype(jnp.int32)
-  start = origin[seg] + (w - cum_start[seg]) * block_m
-  lo = jnp.maximum(seg_lo[seg], start)
-  hi = jnp.minimum(seg_hi[seg], start + block_m)
-  valid = w < cum_end[-1]
-  is_group = (seg > 0) & (seg < num_segments - 1)
-  kind = jnp.where(valid, jnp.where(is_group, COMPUTE, ZERO), SKIP).astype(jnp.int32)
-  group = jnp.clip(seg - 1, 0, num_local_groups - 1)
-  start = jnp.where(valid, start, 0)
-  row0 = jnp.where(valid, lo - start, 0)
-  size = jnp.where(valid, hi - lo, 0)
-  return kind, group, start, row0, size
-
 
 # Trace events per warpgroup when profiling (two per named scope entered; ~220 dW tiles per
 # SM at the DeepSeek-V3 shapes). Past it, events are dropped (bounds-checked), not corrupted.
@@ -142,7 +66,8 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
                    profile_dir: str | None = None):
   """out_MN[rows of group g] = lhs_MK[rows] @ rhs[g]; ZERO rows are written as zeros.
 
-  rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs. table: `work_table(...)`.
+  rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs.
+  table: `mgpu_schedule.work_table(...)`.
   """
   m, k = lhs_MK.shape
   if transpose_rhs:
@@ -269,32 +194,6 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   return kernel(*table, lhs_MK, rhs)
 
 
-def _dw_schedule(starts_G, ends_G, t: TgmmTiling):
-  """Per-group row windows of the dW kernels, int32 [G] each: (starts, ends, steps, first,
-  order). A group's contraction runs over rows first .. first + steps*block_k, first being
-  its start aligned down to block_k (JAX's scheme) or, with t.exact_start, only to the 8
-  rows TMA needs, so that the first step holds < 8 rows of the previous group, not < 64.
-  `order` lists the groups to visit: largest first with t.largest_first (see `_dw_tile`)."""
-  starts = starts_G.astype(jnp.int32)
-  ends = ends_G.astype(jnp.int32)
-  first = starts // t.window_align * t.window_align
-  steps = jnp.where(ends > starts, pl.cdiv(ends - first, t.block_k), 0)
-  if t.largest_first:
-    order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)
-  else:
-    order = jnp.arange(starts.shape[0], dtype=jnp.int32)
-  return starts, ends, steps, first, order
-
-
-def boustrophedon(flat, num_sms, total: int):
-  """Index permutation of [0, total): rounds of num_sms consecutive indices, every odd
-  round reversed (the last, possibly short, round within its own length)."""
-  rnd = flat // num_sms
-  lane = flat - rnd * num_sms
-  round_len = jnp.minimum(num_sms, total - rnd * num_sms)
-  return rnd * num_sms + jnp.where(rnd % 2 == 1, round_len - 1 - lane, lane)
-
-
 def _dw_tile(flat, order_g, num_tiles: int, t: TgmmTiling, grid_mn):
   """(group, mi, ni) of the persistent loop's flat index `flat` (over G x num_tiles tiles).
 
@@ -304,7 +203,7 @@ def _dw_tile(flat, order_g, num_tiles: int, t: TgmmTiling, grid_mn):
   reversed (boustrophedon), so an SM that drew a large tile in one round draws a small one
   in the next; the SMs' totals then differ by about one small tile, not one large one."""
   if t.largest_first:
-    flat = boustrophedon(flat, lax.axis_size("sm"), order_g.shape[0] * num_tiles)
+    flat = mgpu_schedule.boustrophedon(flat, lax.axis_size("sm"), order_g.shape[0] * num_tiles)
   gi = order_g[flat // num_tiles]
   mi, ni = plgpu.planar_snake(flat % num_tiles, grid_mn, 1, t.grid_block_n)
   return gi, mi, ni
@@ -313,9 +212,9 @@ def _dw_tile(flat, order_g, num_tiles: int, t: TgmmTiling, grid_mn):
 def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi, first,
                          t: TgmmTiling):
   """dW kernels, per pipeline step si of group gi's row window (which starts at row `first`,
-  see `_dw_schedule`): zero the rows of this (block_k, cols) SMEM block that belong to a
-  neighbouring group, those before the group's start at its first step and those from its
-  end at its last; a step with no such rows (an aligned boundary) costs no pass. A select,
+  see `mgpu_schedule.dw_windows`): zero the rows of this (block_k, cols) SMEM block that
+  belong to a neighbouring group, those before the group's start at its first step and
+  those from its end at its last; a step with no such rows (an aligned boundary) costs no pass. A select,
   not a multiply by the mask: rows outside the group may hold NaN or inf (other shards'
   rows, padding), and NaN * 0 would still reach dW."""
   block_k = t.block_k
@@ -355,7 +254,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   if t.warp_specialized:
     return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype, profile_dir)
   g = starts_G.shape[0]
-  starts, ends, num_steps, first_rows, order = _dw_schedule(starts_G, ends_G, t)
+  starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -434,7 +333,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
   rows, k = lhs_MK.shape
   n = dout_MN.shape[1]
   g = starts_G.shape[0]
-  starts, ends, num_steps, first_rows, order = _dw_schedule(starts_G, ends_G, t)
+  starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),

@@ -47,7 +47,7 @@ class FwdTiling:
              moving down M (weights of one group stay in L2 across its row tiles).
   group_aligned: cut each group's rows into tiles from its first row (aligned down to 8),
              so only its last tile is partial, instead of at multiples of block_m (a boundary
-             inside a block costs the block twice). `mgpu_kernels.work_table`.
+             inside a block costs the block twice). `mgpu_schedule.work_table`.
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
   """
