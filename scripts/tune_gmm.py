@@ -39,9 +39,11 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
+# grid_block_n sets how many column tiles of one weight are live in L2 per row piece; with
+# Zipf sizes the concurrent tiles span several small groups' weights (run 4: down 3.07 ms
+# at 8 vs 3.19 at 16, one sample), hence the sweep. (epi_n=128 gained nothing in run 4.)
 FWD_VARIANTS = [{}, dict(group_aligned=True, half_tiles=True),  # cuts from each group's start
-                dict(epi_n=128, stages=3),  # one epilogue store per warpgroup
-                dict(grid_block_n=8)]
+                dict(grid_block_n=4), dict(grid_block_n=8), dict(grid_block_n=32)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
