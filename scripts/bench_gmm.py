@@ -62,21 +62,28 @@ def group_sizes(dist: str, m: int, g: int, rng: np.random.Generator) -> np.ndarr
 
 
 # ------------------------------------------------------------------ backends
+# Jitted once per backend and reused by every case: group sizes are traced values, so cases
+# of one shape share the compiled kernels (a fresh jit per case recompiled every Mosaic-GPU
+# kernel, ~25 s each, and made each case cost 70-140 s on the H200).
 def _vjp_pair(gmm_fn, tgmm_fn):
-  """fwd and bwd (dlhs, dW) from a backend's gmm/tgmm primitives."""
+  """Jitted fwd and bwd (dlhs, dW) from a backend's gmm/tgmm primitives."""
   def fwd(x, w, gs):
     return gmm_fn(x, w, gs, transpose_rhs=False)
 
   def bwd(x, w, gs, dout):
     return gmm_fn(dout, w, gs, transpose_rhs=True), tgmm_fn(x, dout, gs, w.shape[0])
-  return fwd, bwd
+  return jax.jit(fwd), jax.jit(bwd)
 
 
 def _autodiff_pair(ragged):
   def bwd(x, w, gs, dout):
     _, vjp = jax.vjp(lambda a, b: ragged(a, b, gs), x, w)
     return vjp(dout)
-  return ragged, bwd
+  return jax.jit(ragged), jax.jit(bwd)
+
+
+_DENSE = {"fwd": jax.jit(lambda a, b: a @ b),
+          "bwd": jax.jit(lambda a, b, d: (d @ b.T, a.T @ d))}
 
 
 def backends(names):
@@ -205,13 +212,10 @@ def run_gemm_case(shape, m, g, dist, bks, passes, seed, rows, check=True):
     refs["dlhs"] = ref_fwd(dout, w, sizes, transpose=True)
     refs["dw"] = ref_tgmm(x, dout, sizes)
   flops = 2.0 * m * k * n
-  dense = {
-      "fwd": (jax.jit(lambda a, b: a @ b), (x, w_dense)),
-      "bwd": (jax.jit(lambda a, b, d: (d @ b.T, a.T @ d)), (x, w_dense, dout)),
-  }
+  dense_args = {"fwd": (x, w_dense), "bwd": (x, w_dense, dout)}
   dense_ms = {}
   for p in passes:
-    dense_ms[p], _ = time_ms(*dense[p])
+    dense_ms[p], _ = time_ms(_DENSE[p], dense_args[p])
     mult = 1 if p == "fwd" else 2
     rows.append(dict(case=label, backend="dense", pass_=p, ms=dense_ms[p],
                      tflops=mult * flops / dense_ms[p] / 1e9, ratio=1.0, err=""))
@@ -221,7 +225,7 @@ def run_gemm_case(shape, m, g, dist, bks, passes, seed, rows, check=True):
         continue
       if name == "xla" and m * g * k > 2**36:
         continue  # ragged_dot's dense expansion would not fit / takes minutes
-      fn = jax.jit(fwd) if p == "fwd" else jax.jit(bwd)
+      fn = fwd if p == "fwd" else bwd
       args = (x, w, gs) if p == "fwd" else (x, w, gs, dout)
       row = dict(case=label, backend=name, pass_=p)
       try:
