@@ -43,13 +43,16 @@ class FwdTiling:
   stages:    pipeline depth (shared-memory buffers in flight).
   epi_n:     columns per epilogue store (the epilogue buffer is unswizzled so that any row
              range can be stored; a narrow one keeps shared memory for the pipeline).
-  grid_block_n: width, in tiles, of the band the persistent loop sweeps along N before
-             moving down M (weights of one group stay in L2 across its row tiles).
+  grid_block_n: column tiles per band: the persistent loop walks down all row pieces
+             within a band of this many column tiles, then the next band back up
+             (`plgpu.planar_snake`). A band as wide as N reads each row piece once; a
+             narrower one keeps fewer of a group's weight columns live in L2.
   group_aligned: cut each group's rows into tiles from its first row (aligned down to 8),
              so only its last tile is partial, instead of at multiples of block_m (a boundary
              inside a block costs the block twice). `mgpu_schedule.work_table`.
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
+  Both off by default: on the H200 they did not measurably speed up Zipf-1.2 (TABLE note).
   """
 
   block_m: int = 128
@@ -161,7 +164,8 @@ DEFAULTS = {
 #   dW exact_start + largest_first (the TgmmTiling defaults): up 3.412 -> 3.116, down
 #     3.357 -> 3.158.
 #   fwd group_aligned + half_tiles (off by default): up 3.052 -> 3.035 (noise), down 2.975 ->
-#     3.186 (7% slower, not understood: the work table has 527 instead of 542 row pieces).
+#     3.186; but in bench_gmm.py runs, down Zipf 0.84 of dense without them and 0.86 with:
+#     inside the drift of back-to-back timings (BENCHMARKS.md, grouped GEMM run 4).
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
 TABLE: dict[tuple[str, int, int], object] = {
