@@ -92,13 +92,11 @@ def backends(names):
     if name == "xla":
       out[name] = _autodiff_pair(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs))
     elif name == "xla_vjp":  # ragged_dot composed through the gmm/tgmm VJP (CPU smoke test)
-      dims = jax.lax.RaggedDotDimensionNumbers(
-          dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-          rhs_group_dimensions=[])
+      from MaxText.moe.gmm import xla
       out[name] = _vjp_pair(
           lambda a, w, gs, transpose_rhs: jax.lax.ragged_dot(
               a, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, gs),
-          lambda x, d, gs, nl: jax.lax.ragged_dot_general(x, d, gs, dims))
+          lambda x, d, gs, nl: jax.lax.ragged_dot_general(x, d, gs, xla.TGMM_DIMS))
     elif name == "tokamax":
       try:
         import tokamax

@@ -27,6 +27,7 @@ import bench_gmm as bench  # noqa: E402
 import kernel_timeline as timeline  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu  # noqa: E402
+from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
 from MaxText.moe.gmm import mgpu_schedule as sched  # noqa: E402
 from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
 
@@ -71,7 +72,8 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
   rows_of_group = np.asarray(sizes_G)
   durs: dict[str, list[float]] = {}
   mismatched = 0
-  for b, seq in timeline.block_sequences(ranges, _FWD_SCOPES, traces_per_block=3).items():
+  by_block = timeline.block_sequences(ranges, _FWD_SCOPES, traces_per_block=mk.NUM_WARPGROUPS)
+  for b, seq in by_block.items():
     steps = [f for f in range(b, total, num_blocks) if kind[item[f]] != sched.SKIP]
     if len(steps) != len(seq):
       mismatched += 1
@@ -124,23 +126,27 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
     d = jax.random.normal(kw, (m, n), jnp.bfloat16)
     ref = bench.ref_tgmm(x, d, sizes)
     variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in TGMM_VARIANTS]
-  ready = []  # (record, jitted fn, args, tiling) of the variants that compiled and passed the check
+  args = (x, w, gs) if op == "fwd" else (x, d, gs)
+
+  def variant_fn(t, profile_dir=None):
+    if op == "fwd":
+      return lambda x, w, gs: mgpu.gmm(x, w, gs, transpose_rhs=transpose, tiling=t,
+                                       profile_dir=profile_dir)
+    return lambda x, d, gs: mgpu.tgmm(x, d, gs, num_local_groups=g, tiling=t,
+                                      profile_dir=profile_dir)
+
+  ready = []  # (record, jitted fn, tiling) of the variants that compiled and passed the check
   for i, t in enumerate(variants):
     if time.monotonic() > deadline:
       print(f"# deadline: {name} variants {i}.. not run", flush=True)
       break
-    if op == "fwd":
-      fn = jax.jit(lambda x, w, gs, t=t: mgpu.gmm(x, w, gs, transpose_rhs=transpose, tiling=t))
-      args = (x, w, gs)
-    else:
-      fn = jax.jit(lambda x, d, gs, t=t: mgpu.tgmm(x, d, gs, num_local_groups=g, tiling=t))
-      args = (x, d, gs)
+    fn = jax.jit(variant_fn(t))
     rec = dict(problem=name, op=op, k=k, n=n, tiling=dataclasses.asdict(t),
                change=VARIANTS_BY_OP[op][i], err=None, ms=None, tflops=0.0, rounds_ms=[])
     try:
       rec["err"] = bench.rel_err(fn(*args), ref)
       if rec["err"] < bench.TOL:
-        ready.append((rec, fn, args, t))
+        ready.append((rec, fn, t))
     except Exception as e:
       rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
       traceback.print_exc(limit=2)
@@ -152,25 +158,20 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
     if r and time.monotonic() > deadline:
       print(f"# deadline: {name} timed in {r} of {rounds} rounds", flush=True)
       break
-    for rec, fn, args, _ in ready:
+    for rec, fn, _ in ready:
       rec["rounds_ms"].append(bench.time_ms(fn, args, reps=3, target_s=0.03)[0])
-  for rec, _, _, _ in ready:
+  for rec, _, _ in ready:
     rec["ms"] = float(np.median(rec["rounds_ms"]))
     rec["tflops"] = 2.0 * m * k * n / rec["ms"] / 1e9
   if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
-    for i, (rec, _, args, t) in enumerate(ready):
+    for i, (rec, _, t) in enumerate(ready):
       classify = None
       if op == "fwd":
-        make = lambda d, t=t: (lambda x, w, gs: mgpu.gmm(
-            x, w, gs, transpose_rhs=transpose, tiling=t, profile_dir=d))
         classify = lambda ranges, t=t: fwd_tile_classes(
             ranges, sizes, m, t, n, jax.devices()[0].core_count)
-      else:
-        make = lambda d, t=t: (lambda x, dd, gs: mgpu.tgmm(
-            x, dd, gs, num_local_groups=g, tiling=t, profile_dir=d))
       print(f"# profile {name} {rec['change'] or 'table'}", flush=True)
-      print(profile_variant(make, args, os.path.join(profile_dir, f"{name}_{i}"), classify),
-            flush=True)
+      print(profile_variant(lambda d, t=t: variant_fn(t, d), args,
+                            os.path.join(profile_dir, f"{name}_{i}"), classify), flush=True)
   for rec in results:
     print(json.dumps(rec), flush=True)
   return results
@@ -192,6 +193,11 @@ def main():
   ap.add_argument("--deadline-s", type=float, default=1e9,
                   help="start no variant after this many seconds (the summary still prints)")
   args = ap.parse_args()
+  if args.rounds < 1:
+    ap.error(f"--rounds must be >= 1, got {args.rounds}")
+  unknown = [p for p in args.problems.split(",") if p not in PROBLEMS]
+  if unknown:
+    ap.error(f"unknown --problems {unknown}; valid: {', '.join(PROBLEMS)}")
   deadline = time.monotonic() + args.deadline_s
   allres = []
   for i, name in enumerate(args.problems.split(",")):

@@ -33,6 +33,10 @@ from MaxText.moe.gmm import mgpu_schedule
 from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
 from MaxText.moe.gmm.mgpu_tiling import FwdTiling, TgmmTiling
 
+# Warpgroups per block of the warp-specialized kernels: one TMA (memory) + two wgmma. A
+# profile has one trace per warpgroup, so scripts/tune_gmm.py reads it in threes.
+NUM_WARPGROUPS = 3
+
 # Trace events per warpgroup when profiling (two per named scope entered; ~220 dW tiles per
 # SM at the DeepSeek-V3 shapes). Past it, events are dropped (bounds-checked), not corrupted.
 _PROFILE_EVENTS = 4096
@@ -187,21 +191,23 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
       grid_names=("sm",),
-      num_threads=3,
+      num_threads=NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=_compiler_params(profile_dir),
   )
   return kernel(*table, lhs_MK, rhs)
 
 
-def _dw_tile(flat, order_g, num_tiles: int, t: TgmmTiling, grid_mn):
-  """(group, mi, ni) of the persistent loop's flat index `flat` (over G x num_tiles tiles).
+def _dw_tile(flat, order_g, t: TgmmTiling, grid_mn: tuple[int, int]):
+  """(group, mi, ni) of the persistent loop's flat index `flat` (over G x grid_m x grid_n
+  output tiles).
 
   nd_loop hands SM s the flat indices s, s+S, s+2S...: tile costs follow group sizes, so
   with a few large groups some SMs get one more large tile than others. With
   t.largest_first the groups come largest first and every other round of S indices is
   reversed (boustrophedon), so an SM that drew a large tile in one round draws a small one
   in the next; the SMs' totals then differ by about one small tile, not one large one."""
+  num_tiles = grid_mn[0] * grid_mn[1]
   if t.largest_first:
     flat = mgpu_schedule.boustrophedon(flat, lax.axis_size("sm"), order_g.shape[0] * num_tiles)
   gi = order_g[flat // num_tiles]
@@ -214,9 +220,9 @@ def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi,
   """dW kernels, per pipeline step si of group gi's row window (which starts at row `first`,
   see `mgpu_schedule.dw_windows`): zero the rows of this (block_k, cols) SMEM block that
   belong to a neighbouring group, those before the group's start at its first step and
-  those from its end at its last; a step with no such rows (an aligned boundary) costs no pass. A select,
-  not a multiply by the mask: rows outside the group may hold NaN or inf (other shards'
-  rows, padding), and NaN * 0 would still reach dW."""
+  those from its end at its last; a step with no such rows (an aligned boundary) costs no
+  pass. A select, not a multiply by the mask: rows outside the group may hold NaN or inf
+  (other shards' rows, padding), and NaN * 0 would still reach dW."""
   block_k = t.block_k
 
   def zero_rows(keep):
@@ -270,7 +276,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
     @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
     @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
     def _tiles(loop_info):
-      gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
+      gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
       first = pl.multiple_of(first_g[gi], t.window_align)
       steps = steps_g[gi]
       # The slice may run past the end of the arrays; the pipeline never reads that part.
@@ -376,7 +382,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
       @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
       def _tiles(loop_info):
-        gi, mi, ni = _dw_tile(loop_info.index[0], order_g, grid_m * grid_n, t, (grid_m, grid_n))
+        gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
         first = pl.multiple_of(first_g[gi], t.window_align)
         steps = steps_g[gi]
         window = pl.ds(first, rows)  # may run past the arrays' end; never read there
@@ -425,7 +431,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
       grid_names=("sm",),
-      num_threads=3,
+      num_threads=NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=_compiler_params(profile_dir),
   )
