@@ -209,6 +209,8 @@ def _subclass(upstream_cls, settings: dict):
 
 def settings_from(fork) -> dict:
   """What the subclass needs from our config (captured, never global)."""
+  from patches import te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
+
   gmm = "xla" if fork.moe_gmm_backend == "upstream" else fork.moe_gmm_backend
   return {
       "block": fork.moe_block,
@@ -219,8 +221,7 @@ def settings_from(fork) -> dict:
       "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
-      "te_ncclep_options": {"recv_capacity_per_rank": fork.moe_te_ncclep_recv_capacity_per_rank,
-                            "alignment": fork.moe_te_ncclep_alignment},
+      "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
   }
 
 

@@ -102,9 +102,15 @@ def plan(config, mesh_shape: dict[str, int], *, recv_capacity_per_rank: int | No
               recv_capacity_per_rank=recv_capacity_per_rank, alignment=alignment)
 
 
+def options_from(fork) -> dict:
+  """Our te_ncclep config keys as `plan`'s keyword arguments: the one mapping, used here for
+  the bootstrap and by patches/routed_moe.py for every dispatch, so the two cannot drift."""
+  return {"recv_capacity_per_rank": fork.moe_te_ncclep_recv_capacity_per_rank,
+          "alignment": fork.moe_te_ncclep_alignment}
+
+
 def plan_for(fork, config, mesh_shape: dict[str, int]) -> Plan:
-  return plan(config, mesh_shape, recv_capacity_per_rank=fork.moe_te_ncclep_recv_capacity_per_rank,
-              alignment=fork.moe_te_ncclep_alignment)
+  return plan(config, mesh_shape, **options_from(fork))
 
 
 def _check_mesh_resource() -> None:
