@@ -122,18 +122,19 @@ def run_case(gmm_lib, backend: str, case: Case, seed: int) -> dict[str, float]:
   del poison
   out, dlhs, drhs = (np.asarray(x.astype(jnp.float32)) for x in jax.block_until_ready(fn(lhs, rhs, dout)))
 
-  # float32 reference, one dense GEMM per local group (bf16-rounded inputs).
-  hi = jax.lax.Precision.HIGHEST
-  lhs32, rhs32, dout32 = (x.astype(jnp.float32) for x in (lhs, rhs, dout))
+  # float32 reference, one dense GEMM per local group (bf16-rounded inputs), on the host:
+  # on the device every group's row count is a new shape to compile and autotune (the first
+  # DeepSeek-V3 case took 389 s on the H200 that way).
+  lhs32, rhs32, dout32 = (np.asarray(x.astype(jnp.float32)) for x in (lhs, rhs, dout))
   want_out = np.zeros(out.shape, np.float32)
   want_dlhs = np.zeros(dlhs.shape, np.float32)
   want_drhs = np.zeros(drhs.shape, np.float32)
   for i, g in enumerate(local_groups):
     s, e = int(starts[g]), int(ends[g])
     if e > s:
-      want_out[s:e] = np.asarray(jnp.matmul(lhs32[s:e], rhs32[i], precision=hi))
-      want_dlhs[s:e] = np.asarray(jnp.matmul(dout32[s:e], rhs32[i].T, precision=hi))
-      want_drhs[i] = np.asarray(jnp.matmul(lhs32[s:e].T, dout32[s:e], precision=hi))
+      want_out[s:e] = lhs32[s:e] @ rhs32[i]
+      want_dlhs[s:e] = dout32[s:e] @ rhs32[i].T
+      want_drhs[i] = lhs32[s:e].T @ dout32[s:e]
 
   for name, got in (("out", out), ("dlhs", dlhs)):
     outside = got[~local_M]
@@ -152,6 +153,24 @@ def _rel_err(got, want) -> float:
   return err / scale if scale > 0 else err  # all-zero reference: any value is an absolute error
 
 
+def _override_fwd_tilings(spec: str) -> None:
+  """Apply 'field=int,...' to every forward tiling mgpu looks up (table and default)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import mgpu_tiling  # pylint: disable=import-outside-toplevel
+
+  fields = {f.name for f in dataclasses.fields(mgpu_tiling.FwdTiling)}
+  changes = {}
+  for item in spec.split(","):
+    key, _, value = item.partition("=")
+    if key not in fields or not value.lstrip("-").isdigit():
+      raise SystemExit(f"--fwd-tiling: {item!r} is not field=integer; fields: {sorted(fields)}")
+    changes[key] = int(value)
+  fwd = lambda t: dataclasses.replace(t, **changes) if isinstance(t, mgpu_tiling.FwdTiling) else t
+  mgpu_tiling.TABLE.update({key: fwd(t) for key, t in mgpu_tiling.TABLE.items()})
+  mgpu_tiling.DEFAULTS["fwd"] = fwd(mgpu_tiling.DEFAULTS["fwd"])
+  print(f"forward tilings with {changes}")
+
+
 def main(argv=None) -> int:
   # Lines reach a redirected log even when a time limit kills the run.
   sys.stdout.reconfigure(line_buffering=True)
@@ -163,6 +182,9 @@ def main(argv=None) -> int:
   parser.add_argument("--deadline-s", type=float, default=None,
                       help="start no case after this many seconds (cases not run print 'not run'); a case at "
                            "DeepSeek-V3 size costs ~40-80 s on a fresh machine, mostly compilation")
+  parser.add_argument("--fwd-tiling", default=None,
+                      help="mgpu: replace the table's forward tilings' fields, e.g. 'chain=1,stages=4', "
+                           "to check a tiling on the GPU before it becomes the table's")
   parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000, help="inputs' seed (default: fresh)")
   args = parser.parse_args(argv)
   started = time.monotonic()
@@ -172,6 +194,8 @@ def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
 
+  if args.fwd_tiling:
+    _override_fwd_tilings(args.fwd_tiling)
   backends = ["xla"] if args.cpu_smoke else [b.strip() for b in args.backends.split(",") if b.strip()]
   cases = small_cases() + ([] if args.cpu_smoke or args.skip_large else deepseek_v3_cases())
   if args.cases:

@@ -40,11 +40,13 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
-# grid_block_n sets how many column tiles of one weight are live in L2 per row piece; with
-# Zipf sizes the concurrent tiles span several small groups' weights (run 4: down 3.07 ms
-# at 8 vs 3.19 at 16, one sample), hence the sweep. (epi_n=128 gained nothing in run 4.)
-FWD_VARIANTS = [{}, dict(group_aligned=True, half_tiles=True),  # cuts from each group's start
-                dict(grid_block_n=4), dict(grid_block_n=8), dict(grid_block_n=32)]
+# chain: an SM's tiles as one pipeline (the next tile's loads overlap this one's epilogue);
+# its stage count must divide the K steps (32 or 112 here), hence 4. grid_block_n sets how
+# many column tiles of one weight are live in L2 per row piece (run 4: down 3.07 ms at 8 vs
+# 3.19 at 16, one sample). Measured without gain and left out: group_aligned + half_tiles,
+# grid_block_n 4 and 32, epi_n=128 (BENCHMARKS run 4).
+FWD_VARIANTS = [{}, dict(chain=True, stages=4), dict(chain=True, stages=4, grid_block_n=8),
+                dict(grid_block_n=8)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
@@ -94,6 +96,19 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
   return "\n".join(lines)
 
 
+def profile_tiling(t, tiles_per_sm: int):
+  """The tiling to profile in place of t: a forward tiling's trace (one range per tile per
+  warpgroup) must fit in the shared memory the tiling leaves, so its epilogue is narrowed,
+  then its stages cut, until it does (printed with the profile)."""
+  need = tiles_per_sm + 1
+  fits = lambda t: mk.profile_ranges(t.smem_bytes(), mk.NUM_WARPGROUPS) >= max(need, 64)
+  while not fits(t) and t.epi_n > 32:
+    t = dataclasses.replace(t, epi_n=t.epi_n // 2)
+  while not fits(t) and t.stages > 2:
+    t = dataclasses.replace(t, stages=t.stages - 1, chain=False)
+  return t
+
+
 def profile_variant(make_fn, args, out_dir, classify=None):
   """One run of the variant's kernel with Mosaic GPU's on-device profiler: its summary (per
   tile kind, idle SMs at the end) from scripts/kernel_timeline.py, and classify(ranges)."""
@@ -110,7 +125,18 @@ def profile_variant(make_fn, args, out_dir, classify=None):
   return text + ("\n" + classify(ranges) if classify else "")
 
 
-def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
+def print_table(results):
+  print(f"{'problem':10} {'ms':>7} {'spread':>6} {'TF/s':>6} {'err':>8}  change")
+  for r in results:
+    err = "-" if r["err"] is None else f"{r['err']:.1e}"
+    ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
+    rs = r["rounds_ms"]
+    spread = f"{(max(rs) - min(rs)) / r['ms']:.1%}" if len(rs) > 1 else "-"
+    print(f"{r['problem']:10} {ms:>7} {spread:>6} {r['tflops']:6.0f} {err:>8}  {r['change'] or 'table'}"
+          + (f"  {r['error'][:60]}" if r.get("error") else ""), flush=True)
+
+
+def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, profile_variants=()):
   op, k, n, transpose = PROBLEMS[name]
   sizes = bench.group_sizes(dist, m, g, np.random.default_rng(seed))
   gs = jnp.asarray(sizes)
@@ -163,17 +189,27 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None):
   for rec, _, _ in ready:
     rec["ms"] = float(np.median(rec["rounds_ms"]))
     rec["tflops"] = 2.0 * m * k * n / rec["ms"] / 1e9
-  if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
-    for i, (rec, _, t) in enumerate(ready):
-      classify = None
-      if op == "fwd":
-        classify = lambda ranges, t=t: fwd_tile_classes(
-            ranges, sizes, m, t, n, jax.devices()[0].core_count)
-      print(f"# profile {name} {rec['change'] or 'table'}", flush=True)
-      print(profile_variant(lambda d, t=t: variant_fn(t, d), args,
-                            os.path.join(profile_dir, f"{name}_{i}"), classify), flush=True)
+  print_table(results)  # before profiling: a profile that fails must not lose the timings
   for rec in results:
     print(json.dumps(rec), flush=True)
+  if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
+    for i, (rec, _, t) in enumerate(ready):
+      if VARIANTS_BY_OP[op].index(rec["change"]) not in profile_variants:
+        continue
+      if time.monotonic() > deadline:
+        print(f"# deadline: {name} profiles not run", flush=True)
+        break
+      classify = None
+      if op == "fwd":
+        items = sched.num_work_items(m, g, t.block_m, t.window_align)
+        t = profile_tiling(t, -(-items * (n // t.cta_n) // mk.num_sms()))
+        classify = lambda ranges, t=t: fwd_tile_classes(ranges, sizes, m, t, n, mk.num_sms())
+      print(f"# profile {name} {rec['change'] or 'table'}, profiled as {t}", flush=True)
+      try:
+        print(profile_variant(lambda d, t=t: variant_fn(t, d), args,
+                              os.path.join(profile_dir, f"{name}_{i}"), classify), flush=True)
+      except Exception:  # pylint: disable=broad-except
+        traceback.print_exc(limit=3)
   return results
 
 
@@ -190,6 +226,9 @@ def main():
   ap.add_argument("--profile-dir", default=None,
                   help="also run each variant once under Mosaic GPU's on-device profiler, "
                        "write its trace here and print scripts/kernel_timeline.py's summary")
+  ap.add_argument("--profile-variants", default="0,1",
+                  help="indices into the op's variant list to profile (default: the table's "
+                       "entry and the first change)")
   ap.add_argument("--deadline-s", type=float, default=1e9,
                   help="start no variant after this many seconds (the summary still prints)")
   args = ap.parse_args()
@@ -198,21 +237,15 @@ def main():
   unknown = [p for p in args.problems.split(",") if p not in PROBLEMS]
   if unknown:
     ap.error(f"unknown --problems {unknown}; valid: {', '.join(PROBLEMS)}")
+  profile_variants = {int(v) for v in args.profile_variants.split(",") if v}
   deadline = time.monotonic() + args.deadline_s
   allres = []
   for i, name in enumerate(args.problems.split(",")):
     allres += run_problem(name, args.m, args.g, args.dist, 100 + i, deadline, args.rounds,
-                          args.profile_dir)
+                          args.profile_dir, profile_variants)
   print(f"# {args.dist} M={args.m} G={args.g}; change = fields changed from the table's entry")
   print("# ms = median over interleaved rounds; spread = (max - min) / median of the rounds")
-  print(f"{'problem':10} {'ms':>7} {'spread':>6} {'TF/s':>6} {'err':>8}  change")
-  for r in allres:
-    err = "-" if r["err"] is None else f"{r['err']:.1e}"
-    ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
-    rs = r["rounds_ms"]
-    spread = f"{(max(rs) - min(rs)) / r['ms']:.1%}" if len(rs) > 1 else "-"
-    print(f"{r['problem']:10} {ms:>7} {spread:>6} {r['tflops']:6.0f} {err:>8}  {r['change'] or 'table'}"
-          + (f"  {r['error'][:60]}" if r.get("error") else ""))
+  print_table(allres)
   best = {}
   for r in allres:
     if r["ms"] is None or not (r["err"] is not None and r["err"] < bench.TOL):

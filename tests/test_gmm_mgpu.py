@@ -36,6 +36,19 @@ def test_fit_output_drops_stages_for_f32_epilogue():
   assert t.fit_output(2) == t
 
 
+def test_fit_output_keeps_a_chain_s_stages_and_narrows_its_epilogue():
+  t = mgpu_tiling.FwdTiling(stages=4, chain=True)
+  f32 = t.fit_output(4)
+  assert (f32.stages, f32.epi_n) == (4, 32) and f32.smem_bytes(4) <= mgpu_tiling.SMEM_LIMIT_BYTES
+
+
+def test_validate_rejects_unchainable_tilings():
+  with pytest.raises(ValueError, match="K/block_k=5 .* multiple of stages=4"):
+    mgpu_tiling.FwdTiling(stages=4, chain=True).validate(320, 256)
+  with pytest.raises(ValueError, match="chain and half_tiles"):
+    mgpu_tiling.FwdTiling(stages=2, chain=True, half_tiles=True).validate(256, 256)
+
+
 def test_validate_rejects_bad_shapes():
   t = mgpu_tiling.FwdTiling()
   with pytest.raises(ValueError, match="block_k"):
@@ -153,6 +166,24 @@ def test_largest_first_rounds_even_out_the_sms():
   assert spread(np.sort(sizes)[::-1], snake) < 0.01 < 0.02 < spread(sizes, np.arange(n))
 
 
+@pytest.mark.parametrize("num_sms,grid_n,gbn", [(3, 2, 1), (7, 2, 1), (132, 28, 16), (5, 8, 4)])
+def test_chain_states_start_and_stop_each_sm_s_compute_tiles(num_sms, grid_n, gbn):
+  # Per SM (flat indices s, s+S, ...): its compute tiles read ALONE, or START STEADY* STOP.
+  rng = np.random.default_rng(num_sms)
+  kind = jnp.asarray(rng.choice([mgpu_schedule.COMPUTE, mgpu_schedule.ZERO, mgpu_schedule.SKIP],
+                                size=40, p=[0.6, 0.2, 0.2]), jnp.int32)
+  states = np.asarray(mgpu_schedule.chain_states(kind, grid_n, gbn, num_sms))
+  item = np.asarray(mgpu_schedule.tile_items(jnp.arange(states.size), 40, grid_n, gbn))
+  compute = np.asarray(kind)[item] == mgpu_schedule.COMPUTE
+  S = mgpu_schedule
+  for sm in range(num_sms):
+    seq = states[sm::num_sms][compute[sm::num_sms]].tolist()
+    if len(seq) == 1:
+      assert seq == [S.ALONE]
+    elif seq:
+      assert seq == [S.START] + [S.STEADY] * (len(seq) - 2) + [S.STOP]
+
+
 # ------------------------------------------------------------------ validation / availability
 def test_unavailable_on_cpu_says_why():
   reason = mgpu.unavailable_reason()
@@ -203,11 +234,16 @@ def test_gmm_lowers_to_mosaic_gpu(transpose, offset, num_local, out_dtype):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("transpose", [False, True])
-def test_gmm_lowers_at_deepseek_shapes(transpose):
-  # Group-aligned windows and the half-height MMA branch, at the up-proj (and its dlhs) shape.
+_CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
+
+
+@pytest.mark.parametrize("transpose,tiling", [(False, _SKEW_FWD), (True, _SKEW_FWD),
+                                              (False, _CHAIN_FWD), (True, _CHAIN_FWD)])
+def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
+  # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
+  # (and its dlhs) shape.
   w = (32, 2048, 7168) if transpose else (32, 7168, 2048)
-  text = _lower(lambda x, w, gs: mgpu.gmm(x, w, gs, transpose_rhs=transpose, tiling=_SKEW_FWD),
+  text = _lower(lambda x, w, gs: mgpu.gmm(x, w, gs, transpose_rhs=transpose, tiling=tiling),
                 ((4096, 7168), jnp.bfloat16), (w, jnp.bfloat16), ((32,), jnp.int32))
   assert "mosaic_gpu" in text
 
@@ -218,6 +254,17 @@ def test_profile_dir_turns_on_the_device_profiler():
   on, off = mgpu_kernels._compiler_params("/runs/r1/prof"), mgpu_kernels._compiler_params(None)
   assert (on.profile_dir, on.profile_space > 0, on.profile_bounds_check) == ("/runs/r1/prof", True, True)
   assert (off.profile_dir, off.profile_space) == ("", 0)
+
+
+def test_profile_trace_is_sized_to_the_shared_memory_the_tiling_leaves():
+  # On the H200, 4096 ranges per warpgroup (48 KiB per trace of 3) beside a 4-stage forward
+  # tiling asked for 426048 B of shared memory (limit 232448) and the kernel did not build.
+  t3, t4 = mgpu_tiling.FwdTiling(stages=3), mgpu_tiling.FwdTiling(stages=4)
+  wgs = mgpu_kernels.NUM_WARPGROUPS
+  ranges = mgpu_kernels.profile_ranges(t3.smem_bytes(), wgs)
+  assert 1000 < ranges and t3.smem_bytes() + 16 * wgs * ranges <= mgpu_tiling.SMEM_LIMIT_BYTES
+  with pytest.raises(ValueError, match="too little for a trace"):
+    mgpu_kernels._compiler_params("/tmp/p", t4.smem_bytes(), wgs)
 
 
 def test_tgmm_lowers_to_mosaic_gpu():
@@ -283,6 +330,46 @@ def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling)
     outside[s:e] = False
   assert (out[outside] == 0).all()
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (7, 2, True), (5, 4, False)])
+def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
+  # Few simulated SMs, so that each runs a chain of several tiles (2 SMs: START, STEADY...,
+  # STOP), or one tile alone (7 SMs), between ZERO and SKIP items; the race detector watches
+  # the memory warpgroup loading the next tile while the compute ones store this one.
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
+  m, k, n = 301, 256, 512
+  sizes = [70, 0, 130, 1, 0, 90]
+  kx, kw = jax.random.split(jax.random.key(3))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (5, k, n)) / 16).astype(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  tiling = mgpu_tiling.FwdTiling(stages=stages, chain=True, grid_block_n=1)
+  interp.reset_gpu_interpret_mode_state()
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    out = mgpu.gmm(x, jnp.swapaxes(w, 1, 2) if transpose else w, gs, group_offset=1,
+                   transpose_rhs=transpose, tiling=tiling)
+    out = np.asarray(jax.block_until_ready(out), np.float32)
+  assert not interp.get_races().races_found
+  ends = np.cumsum(sizes)[1:]
+  starts = ends - np.asarray(sizes[1:])
+  np.testing.assert_allclose(out, _ref_rows(x, w, starts, ends, m), rtol=2e-2, atol=2e-2)
+  assert (out[:70] == 0).all() and (out[291:] == 0).all()
+
+
+def test_table_chain_falls_back_unchained_where_k_steps_do_not_divide(monkeypatch):
+  # K=320 is 5 steps of 64: no 4-stage chain; a table (not explicit) tiling runs unchained.
+  monkeypatch.setattr(mgpu_tiling, "DEFAULTS",
+                      {**mgpu_tiling.DEFAULTS, "fwd": mgpu_tiling.FwdTiling(stages=4, chain=True)})
+  text = _lower(lambda x, w, gs: mgpu.gmm(x, w, gs), ((256, 320), jnp.bfloat16),
+                ((2, 320, 256), jnp.bfloat16), ((2,), jnp.int32))
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="multiple of stages"):
+    _lower(lambda x, w, gs: mgpu.gmm(x, w, gs, tiling=mgpu_tiling.FwdTiling(stages=4, chain=True)),
+           ((256, 320), jnp.bfloat16), ((2, 320, 256), jnp.bfloat16), ((2,), jnp.int32))
 
 
 @pytest.mark.parametrize("warp_specialized,block_aligned", [(False, False), (True, False),

@@ -15,6 +15,8 @@ Requires a Hopper GPU (compute capability 9.x) and jax >= 0.11 with the CUDA plu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -86,16 +88,26 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   k = lhs_MK.shape[1]
   n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+  explicit = tiling is not None
   tiling = (tiling or mgpu_tiling.lookup("fwd", k, n)).fit_output(out_dtype.itemsize)
 
   def kernel(lhs_PK, rhs):  # P >= M rows, K and N padded to the tiling
+    t = tiling
+    k_steps = lhs_PK.shape[1] // t.block_k
+    if t.chain and k_steps % t.stages and not explicit:
+      t = dataclasses.replace(t, chain=False)  # a fallback shape (toys, tests): unchained
     # Padded rows fall past sum(group_sizes) (or past the clipped local range) -> ZERO items.
     table = mgpu_schedule.work_table(
-        group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
-        window_align=tiling.window_align)
+        group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], t.block_m,
+        window_align=t.window_align)
+    states = None
+    if t.chain:
+      n_padded = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+      states = mgpu_schedule.chain_states(table[0], n_padded // t.cta_n, t.grid_block_n,
+                                          mgpu_kernels.num_sms())
     return mgpu_kernels.grouped_matmul(
-        lhs_PK, rhs, table, tiling=tiling, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-        profile_dir=profile_dir)
+        lhs_PK, rhs, table, tiling=t, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+        chain_states=states, profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))

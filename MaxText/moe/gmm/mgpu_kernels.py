@@ -31,23 +31,49 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from MaxText.moe.gmm import mgpu_schedule
 from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
-from MaxText.moe.gmm.mgpu_tiling import FwdTiling, TgmmTiling
+from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES, FwdTiling, TgmmTiling
 
 # Warpgroups per block of the warp-specialized kernels: one TMA (memory) + two wgmma. A
 # profile has one trace per warpgroup, so scripts/tune_gmm.py reads it in threes.
 NUM_WARPGROUPS = 3
 
-# Trace events per warpgroup when profiling (two per named scope entered; ~220 dW tiles per
-# SM at the DeepSeek-V3 shapes). Past it, events are dropped (bounds-checked), not corrupted.
-_PROFILE_EVENTS = 4096
+# Profiler ranges (named scopes entered) recorded per warpgroup at most. Each costs 16 B of
+# the block's shared memory per warpgroup, so the kernels get what their tiling leaves free.
+_PROFILE_RANGES_MAX = 4096
+# Fewer than this many tiles per SM tell little: such a tiling should be profiled with a
+# narrower epilogue or fewer stages (scripts/tune_gmm.py does).
+_PROFILE_RANGES_MIN = 64
+# Shared memory Mosaic GPU adds past our buffers (barriers, alignment of the trace buffer).
+_SMEM_OVERHEAD_BYTES = 1024
 
 
-def _compiler_params(profile_dir: str | None):
+def num_sms() -> int:
+  """Blocks of the persistent kernels: one per SM (132 on an H100/H200 SXM; the interpreter
+  on CPU simulates as many). The forward's chain schedule is built for the same count."""
+  device = jax.devices()[0]
+  return device.core_count if device.platform == "gpu" else 132
+
+
+def profile_ranges(kernel_smem_bytes: int, num_warpgroups: int) -> int:
+  """Profiler ranges per warpgroup that fit beside a kernel's own shared memory."""
+  free = SMEM_LIMIT_BYTES - kernel_smem_bytes - _SMEM_OVERHEAD_BYTES
+  return max(0, min(_PROFILE_RANGES_MAX, free // (16 * num_warpgroups)))
+
+
+def _compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_warpgroups: int = 1):
   """Mosaic GPU parameters; with profile_dir, its on-device profiler writes a Chrome-trace
   JSON there per kernel run: one begin/end pair per `jax.named_scope` entered, per SM and
-  warpgroup (scripts/kernel_timeline.py summarizes it). For diagnostics: it slows the kernel."""
-  profile = dict(profile_space=_PROFILE_EVENTS, profile_dir=profile_dir,
-                 profile_bounds_check=True) if profile_dir else {}
+  warpgroup (scripts/kernel_timeline.py summarizes it), as many as fit in the shared memory
+  the tiling leaves (`profile_ranges`; later ones are dropped). For diagnostics: it slows
+  the kernel."""
+  profile = {}
+  if profile_dir:
+    ranges = profile_ranges(kernel_smem_bytes, num_warpgroups)
+    if ranges < _PROFILE_RANGES_MIN:
+      raise ValueError(f"profile_dir: the tiling leaves {SMEM_LIMIT_BYTES - kernel_smem_bytes} B "
+                       f"of shared memory, too little for a trace; profile it with fewer stages "
+                       f"or a narrower epilogue")
+    profile = dict(profile_space=ranges, profile_dir=profile_dir, profile_bounds_check=True)
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
 
 
@@ -67,11 +93,13 @@ def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
-                   profile_dir: str | None = None):
+                   chain_states=None, profile_dir: str | None = None):
   """out_MN[rows of group g] = lhs_MK[rows] @ rhs[g]; ZERO rows are written as zeros.
 
   rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs.
   table: `mgpu_schedule.work_table(...)`.
+  chain_states: with tiling.chain, `mgpu_schedule.chain_states(table[0], N/cta_n,
+    grid_block_n, num_sms())`: how each compute tile's pipeline joins its SM's chain.
   """
   m, k = lhs_MK.shape
   if transpose_rhs:
@@ -84,6 +112,11 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   t.validate(k, n, jnp.dtype(out_dtype).itemsize)
   num_items = table[0].shape[0]
   grid_n = n // t.cta_n
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  if t.chain != (chain_states is not None):
+    raise ValueError(f"chain_states must be given exactly when tiling.chain ({t.chain})")
+  if t.chain and chain_states.shape != (num_items * grid_n,):
+    raise ValueError(f"chain_states {chain_states.shape} != ({num_items * grid_n},) loop steps")
   k_steps = k // t.block_k
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
@@ -92,7 +125,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   rhs_block = (t.cta_n, t.block_k) if transpose_rhs else (t.block_k, t.cta_n)
   rhs_index = (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0))
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
@@ -105,9 +138,12 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         num_compute_wgs=2,
         max_concurrent_steps=t.stages,
         compute_context=compute_context,
+        pipeline_state=state,
     )
 
-  def body(kind_g, group_g, start_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
+  def body(kind_g, group_g, start_g, row0_g, size_g, *refs):
+    state_f = refs[0] if t.chain else None
+    lhs_gmem, rhs_gmem, out_gmem = refs[-3:]
     ignore = lambda *_, **__: None
 
     @functools.partial(
@@ -136,8 +172,9 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
             _store_rows(out_smem.at[wg], out_gmem.at[rows, pl.ds(col, t.epi_n)],
                         row0, size, tile_rows)
 
-        def compute(tile_rows: int):
-          """The MMA over the window's first tile_rows rows (block_m, or half of it)."""
+        def compute(tile_rows: int, state=None):
+          """The MMA over the window's first tile_rows rows (block_m, or half of it); state:
+          this tile's place in the SM's pipeline chain (None: a pipeline of its own)."""
           def compute_context(run_pipeline):
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_rows, t.block_n), jnp.float32))
             def _acc(acc_ref):
@@ -158,7 +195,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
           cols = pl.ds(ni * t.cta_n, t.cta_n)
           rhs_g = rhs_gmem.at[group_g[mi]]
           rhs_tile = rhs_g.at[cols, :] if transpose_rhs else rhs_g.at[:, cols]
-          pipeline(mma, compute_context)(lhs_gmem.at[rows, :], rhs_tile, allocations=allocs)
+          pipeline(mma, compute_context, state)(lhs_gmem.at[rows, :], rhs_tile, allocations=allocs)
 
         # A piece inside the window's first half (a group's short tail) issues half the MMAs:
         # 64 rows is one wgmma's native height. The loads stay block_m rows (one pipeline).
@@ -166,10 +203,27 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         small = (row0 + size <= half) if t.half_tiles else False
 
         # Named scopes: the tile kinds in a profile (see _compiler_params).
-        @pl.when((kind == COMPUTE) & jnp.logical_not(small))
-        def _full():
-          with jax.named_scope("full_tile"):
-            compute(t.block_m)
+        if t.chain:
+          # A chained tile's memory warpgroup starts loading the SM's next tile as soon as
+          # this one's last stages are consumed, overlapping the epilogue (FwdTiling.chain).
+          # An SM's only compute tile both fills and drains: an unchained pipeline.
+          state = state_f[loop_info.index[0]]
+          alone = state == mgpu_schedule.ALONE
+
+          @pl.when((kind == COMPUTE) & jnp.logical_not(alone))
+          def _chained():
+            with jax.named_scope("full_tile"):
+              compute(t.block_m, state)
+
+          @pl.when((kind == COMPUTE) & alone)
+          def _alone():
+            with jax.named_scope("full_tile"):
+              compute(t.block_m)
+        else:
+          @pl.when((kind == COMPUTE) & jnp.logical_not(small))
+          def _full():
+            with jax.named_scope("full_tile"):
+              compute(t.block_m)
 
         if t.half_tiles:
           @pl.when((kind == COMPUTE) & small)
@@ -189,13 +243,13 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid=(num_sms(),),
       grid_names=("sm",),
       num_threads=NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=_compiler_params(profile_dir),
+      compiler_params=_compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
   )
-  return kernel(*table, lhs_MK, rhs)
+  return kernel(*table, *([chain_states] if t.chain else []), lhs_MK, rhs)
 
 
 def _dw_tile(flat, order_g, t: TgmmTiling, grid_mn: tuple[int, int]):
@@ -322,9 +376,9 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid=(num_sms(),),
       grid_names=("sm",),
-      compiler_params=_compiler_params(profile_dir),
+      compiler_params=_compiler_params(profile_dir, t.smem_bytes(out_itemsize), 1),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
 
@@ -429,10 +483,10 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132,),
+      grid=(num_sms(),),
       grid_names=("sm",),
       num_threads=NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=_compiler_params(profile_dir),
+      compiler_params=_compiler_params(profile_dir, t.smem_bytes(jnp.dtype(out_dtype).itemsize), NUM_WARPGROUPS),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)

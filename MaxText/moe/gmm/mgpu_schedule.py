@@ -5,12 +5,15 @@ kernel runs. Pure jnp, so that they are tested exactly on CPU.
 * `work_table`: the forward kernel's row pieces (local groups, zero rows, cuts).
 * `dw_windows`: the dW kernels' per-group row windows and group order.
 * `boustrophedon`: the dW loop's alternating-round order over the SMs.
+* `chain_states`: where each SM's chain of forward tile pipelines starts and stops.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from MaxText.moe.gmm.mgpu_tiling import TgmmTiling
 
@@ -122,3 +125,37 @@ def boustrophedon(flat, num_sms, total: int):
   lane = flat - rnd * num_sms
   round_len = jnp.minimum(num_sms, total - rnd * num_sms)
   return rnd * num_sms + jnp.where(rnd % 2 == 1, round_len - 1 - lane, lane)
+
+
+# Chain states of the forward kernel's compute tiles (FwdTiling.chain). The first three are
+# plgpu.PipelinePipeline's START / STEADY / STOP; ALONE (an SM's only compute tile) runs an
+# unchained pipeline, which both fills and drains.
+START, STEADY, STOP = (int(s) for s in (plgpu.PipelinePipeline.START,
+                                         plgpu.PipelinePipeline.STEADY,
+                                         plgpu.PipelinePipeline.STOP))
+ALONE = 3
+
+
+def tile_items(flat, num_items: int, grid_n: int, grid_block_n: int):
+  """Work item (row piece) of each flat loop index of the forward kernel."""
+  snake = lambda f: plgpu.planar_snake(f, (num_items, grid_n), 1, grid_block_n)[0]
+  return jax.vmap(snake)(flat)
+
+
+def chain_states(kind, grid_n: int, grid_block_n: int, num_sms: int):
+  """int32 [len(kind) * grid_n]: per flat loop index of the forward kernel (whose tile is
+  `plgpu.planar_snake(flat, (len(kind), grid_n), 1, grid_block_n)`), the pipeline state of
+  its tile if it is COMPUTE (else STEADY, unused). SM s runs flat indices s, s+S, s+2S...
+  (`plgpu.nd_loop`); its first compute tile STARTs the chain, its last STOPs it."""
+  num_items = kind.shape[0]
+  total = num_items * grid_n
+  rounds = _cdiv(total, num_sms)
+  flat = jnp.arange(rounds * num_sms, dtype=jnp.int32)
+  mi = tile_items(jnp.minimum(flat, total - 1), num_items, grid_n, grid_block_n)
+  compute_RS = ((kind[mi] == COMPUTE) & (flat < total)).reshape(rounds, num_sms).astype(jnp.int32)
+  upto_RS = jnp.cumsum(compute_RS, axis=0)  # compute tiles of this SM up to and incl. this one
+  first = upto_RS == 1
+  last = upto_RS == upto_RS[-1:]
+  state = jnp.where(first & last, ALONE, jnp.where(first, START, jnp.where(last, STOP, STEADY)))
+  state = jnp.where(compute_RS == 1, state, STEADY)
+  return state.reshape(-1)[:total].astype(jnp.int32)

@@ -53,6 +53,11 @@ class FwdTiling:
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
   Both off by default: on the H200 they did not measurably speed up Zipf-1.2 (TABLE note).
+  chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
+             emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
+             first stages while the compute warpgroups finish this tile and store it, instead
+             of every tile starting from an empty pipeline. Needs K/block_k to be a multiple
+             of stages (the chained pipelines must reuse the same slots).
   """
 
   block_m: int = 128
@@ -63,6 +68,7 @@ class FwdTiling:
   grid_block_n: int = 4
   group_aligned: bool = False
   half_tiles: bool = False
+  chain: bool = False
 
   @property
   def cta_n(self) -> int:
@@ -79,8 +85,12 @@ class FwdTiling:
     return self.stages * stage + epilogue
 
   def fit_output(self, out_itemsize: int) -> "FwdTiling":
-    """This tiling with fewer stages if a wider output dtype's epilogue needs the room."""
+    """This tiling with room for a wider output dtype's epilogue: fewer stages, or for a
+    chained one (whose stage count must divide the K steps) a narrower epilogue first."""
     tiling = self
+    while (tiling.chain and tiling.epi_n > 16
+           and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES):
+      tiling = dataclasses.replace(tiling, epi_n=tiling.epi_n // 2)
     while tiling.stages > 2 and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
       tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
     return tiling
@@ -94,6 +104,12 @@ class FwdTiling:
       raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
     if self.half_tiles and self.block_m % 128:
       raise ValueError(f"half_tiles needs block_m a multiple of 128 (wgmma is 64 rows), got {self.block_m}")
+    if self.chain and (k // self.block_k) % self.stages:
+      raise ValueError(f"chain needs K/block_k={k // self.block_k} (K={k}) to be a multiple of "
+                       f"stages={self.stages}")
+    if self.chain and self.half_tiles:
+      raise ValueError("chain and half_tiles together are not supported (a half tile's "
+                       "pipeline would join the chain with another accumulator shape)")
     _check_smem(self, out_itemsize)
 
 
