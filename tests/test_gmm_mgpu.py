@@ -208,10 +208,11 @@ def test_argument_validation():
 
 
 # ------------------------------------------------------------------ lowering for CUDA
-# The options for skewed group sizes: dW's (exact_start, largest_first) are on by default and
-# the tests also run them off (JAX's block-aligned windows); the forward's (group_aligned,
-# half_tiles) measured no faster on the H200 and are off by default, tested on.
+# The options for skewed group sizes: dW's (exact_start, largest_first) and the forward's
+# group_aligned are on by default and the tests also run them off (JAX's block-aligned
+# windows); half_tiles measured no faster on the H200, is off by default, and tested on.
 _SKEW_FWD = mgpu_tiling.FwdTiling(group_aligned=True, half_tiles=True)
+_BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
 
@@ -302,11 +303,12 @@ def _ref_rows(x, w, starts, ends, m):
 
 
 @pytest.mark.parametrize("transpose,offset,num_local,out_dtype,tiling", [
-    (False, 2, 3, jnp.bfloat16, None),   # ring EP: groups 2..4 local, the rest and padding zero
-    (True, 0, 6, jnp.float32, None),     # dlhs form, f32 output
-    # Group-aligned windows (group 2 from row 64: its first row 70 aligned down to 8) and
-    # 64-row MMAs for the 2- and 1-row tails.
-    (False, 2, 3, jnp.bfloat16, _SKEW_FWD),
+    # Ring EP: groups 2..4 local, the rest and padding zero; group-aligned windows (the
+    # default: group 2 from row 64, its first row 70 aligned down to 8), then block-aligned.
+    (False, 2, 3, jnp.bfloat16, None),
+    (False, 2, 3, jnp.bfloat16, _BLOCK_FWD),
+    # dlhs form, f32 output; block-aligned, then with 64-row MMAs for the 2- and 1-row tails.
+    (True, 0, 6, jnp.float32, _BLOCK_FWD),
     (True, 0, 6, jnp.float32, _SKEW_FWD),
 ])
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):

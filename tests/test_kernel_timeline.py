@@ -76,7 +76,8 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   mk, mt = tune.sched, tune.mt
   sizes, m, n, num_blocks = [300, 0, 2000, 5000], 7400, 512, 4
   t = mt.FwdTiling()
-  kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(jnp.asarray(sizes), 0, 4, m, 128))
+  kind, group, _, _, size = (np.asarray(a) for a in mk.work_table(
+      jnp.asarray(sizes), 0, 4, m, 128, window_align=t.window_align))
   grid_n = n // t.cta_n
   total = kind.shape[0] * grid_n
   expect = {"zero": 0.5, "partial (full_tile)": 1.0, "full, group < 1024 rows": 2.0,

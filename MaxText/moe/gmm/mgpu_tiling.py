@@ -52,12 +52,13 @@ class FwdTiling:
              inside a block costs the block twice). `mgpu_schedule.work_table`.
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
-  Both off by default: on the H200 they did not measurably speed up Zipf-1.2 (TABLE note).
+  group_aligned is on by default, half_tiles off (measured, TABLE note).
   chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
              emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
              first stages while the compute warpgroups finish this tile and store it, instead
              of every tile starting from an empty pipeline. Needs K/block_k to be a multiple
-             of stages (the chained pipelines must reuse the same slots).
+             of stages (the chained pipelines must reuse the same slots). Off: no measured
+             gain (TABLE note), so the pipeline fill is not what a tile waits on.
   """
 
   block_m: int = 128
@@ -66,7 +67,7 @@ class FwdTiling:
   stages: int = 4
   epi_n: int = 64
   grid_block_n: int = 4
-  group_aligned: bool = False
+  group_aligned: bool = True
   half_tiles: bool = False
   chain: bool = False
 
@@ -179,9 +180,14 @@ DEFAULTS = {
 # commit a8585d2, ms, the same inputs within each problem):
 #   dW exact_start + largest_first (the TgmmTiling defaults): up 3.412 -> 3.116, down
 #     3.357 -> 3.158.
-#   fwd group_aligned + half_tiles (off by default): up 3.052 -> 3.035 (noise), down 2.975 ->
-#     3.186; but in bench_gmm.py runs, down Zipf 0.84 of dense without them and 0.86 with:
-#     inside the drift of back-to-back timings (BENCHMARKS.md, grouped GEMM run 4).
+#   fwd group_aligned + half_tiles: up 3.052 -> 3.035, down 2.975 -> 3.186, single samples
+#     inside the drift of back-to-back timings (BENCHMARKS.md, grouped GEMM run 4). Re-timed
+#     in 7 interleaved rounds at commit 1aa745a (median ms, table -> group_aligned -> both
+#     -> chain): down 3.273 -> 3.200 -> 3.203 -> 3.278; dlhs of up (K=2048, N=7168
+#     transposed) 3.077 -> 3.000 -> 3.030 -> 3.100; round spreads 1.6-6.1%. The profile
+#     (run 5) says why: every tile costs ~36 us whatever its group, so time follows the
+#     tile count, 543 -> 528 row pieces (x28 column tiles) with group-aligned cuts (-2.8%).
+#     Hence group_aligned on; half tiles and chain gained nothing and stay off.
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
 TABLE: dict[tuple[str, int, int], object] = {
