@@ -40,13 +40,15 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
-# chain: an SM's tiles as one pipeline (the next tile's loads overlap this one's epilogue);
-# its stage count must divide the K steps (32 or 112 here), hence 4. group_aligned (and
-# half_tiles): fewer and cheaper partial tiles at group boundaries; their earlier A/Bs were
-# single samples inside the drift, so they are timed again here. Measured without gain and
-# left out: grid_block_n 4, 8 and 32 (run 5: within 1% of 16 on down), epi_n=128.
-FWD_VARIANTS = [{}, dict(chain=True, stages=4), dict(group_aligned=True),
-                dict(group_aligned=True, half_tiles=True)]
+# Run 5 found a forward tile's time = ~2.5 us + its K loop at cuBLAS's per-step rate, the
+# fixed part being the epilogue: epi_n=128 stores each warpgroup's result at once, without
+# waiting for a first chunk's store to leave shared memory (3 stages leave it the room).
+# group_aligned=False: JAX's block-aligned cuts, the default before run 5 (-2.2 to -2.5% for
+# group-aligned on Zipf). chain: an SM's tiles as one pipeline; no gain in run 5, re-timed
+# as the epilogue changes (its stage count must divide the K steps, 32 or 112 here).
+# Measured without gain and left out: half_tiles, grid_block_n 4, 8 and 32.
+FWD_VARIANTS = [{}, dict(epi_n=128, stages=3), dict(group_aligned=False),
+                dict(chain=True, stages=4)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
