@@ -25,7 +25,6 @@ import numpy as np  # noqa: E402
 
 import bench_gmm as bench  # noqa: E402
 import kernel_timeline as timeline  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu  # noqa: E402
 from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
 from MaxText.moe.gmm import mgpu_schedule as sched  # noqa: E402
@@ -71,8 +70,7 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
       jnp.asarray(sizes_G), 0, len(sizes_G), m, t.block_m, window_align=t.window_align))
   grid_n = n // t.cta_n
   total = kind.shape[0] * grid_n
-  item = np.asarray(jax.vmap(lambda f: plgpu.planar_snake(
-      f, (kind.shape[0], grid_n), 1, t.grid_block_n)[0])(jnp.arange(total)))
+  item = np.asarray(sched.tile_items(jnp.arange(total), kind.shape[0], grid_n, t.grid_block_n))
   rows_of_group = np.asarray(sizes_G)
   durs: dict[str, list[float]] = {}
   mismatched = 0

@@ -36,10 +36,11 @@ def test_fit_output_drops_stages_for_f32_epilogue():
   assert t.fit_output(2) == t
 
 
-def test_fit_output_keeps_a_chain_s_stages_and_narrows_its_epilogue():
+def test_fit_output_unchains_when_it_drops_stages():
   t = mgpu_tiling.FwdTiling(stages=4, chain=True)
   f32 = t.fit_output(4)
-  assert (f32.stages, f32.epi_n) == (4, 32) and f32.smem_bytes(4) <= mgpu_tiling.SMEM_LIMIT_BYTES
+  assert (f32.stages, f32.chain) == (3, False) and f32.smem_bytes(4) <= mgpu_tiling.SMEM_LIMIT_BYTES
+  assert t.fit_output(2) == t
 
 
 def test_validate_rejects_unchainable_tilings():

@@ -40,8 +40,8 @@ NUM_WARPGROUPS = 3
 # Profiler ranges (named scopes entered) recorded per warpgroup at most. Each costs 16 B of
 # the block's shared memory per warpgroup, so the kernels get what their tiling leaves free.
 _PROFILE_RANGES_MAX = 4096
-# Fewer than this many tiles per SM tell little: such a tiling should be profiled with a
-# narrower epilogue or fewer stages (scripts/tune_gmm.py does).
+# Fewer than this many tiles per SM tell little: such a tiling should be profiled with fewer
+# stages (scripts/tune_gmm.py does).
 _PROFILE_RANGES_MIN = 64
 # Shared memory Mosaic GPU adds past our buffers (barriers, alignment of the trace buffer).
 _SMEM_OVERHEAD_BYTES = 1024
@@ -71,8 +71,7 @@ def _compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_wa
     ranges = profile_ranges(kernel_smem_bytes, num_warpgroups)
     if ranges < _PROFILE_RANGES_MIN:
       raise ValueError(f"profile_dir: the tiling leaves {SMEM_LIMIT_BYTES - kernel_smem_bytes} B "
-                       f"of shared memory, too little for a trace; profile it with fewer stages "
-                       f"or a narrower epilogue")
+                       f"of shared memory, too little for a trace; profile it with fewer stages")
     profile = dict(profile_space=ranges, profile_dir=profile_dir, profile_bounds_check=True)
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
 

@@ -86,12 +86,11 @@ class FwdTiling:
     return self.stages * stage + epilogue
 
   def fit_output(self, out_itemsize: int) -> "FwdTiling":
-    """This tiling with room for a wider output dtype's epilogue: fewer stages, or for a
-    chained one (whose stage count must divide the K steps) a narrower epilogue first."""
+    """This tiling with fewer stages if a wider output dtype's epilogue needs the room (and
+    then unchained: a chain's stage count must divide the K steps)."""
     tiling = self
-    while (tiling.chain and tiling.epi_n > 16
-           and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES):
-      tiling = dataclasses.replace(tiling, epi_n=tiling.epi_n // 2)
+    if tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      tiling = dataclasses.replace(tiling, chain=False)
     while tiling.stages > 2 and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
       tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
     return tiling
