@@ -97,10 +97,10 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
 
 
 def profile_tiling(t, tiles_per_sm: int):
-  """The tiling to profile in place of t: a forward tiling's trace (one range per tile per
+  """The tiling to profile in place of t: a forward tiling's trace (two ranges per tile per
   warpgroup) must fit in the shared memory the tiling leaves, so its stages are cut until it
   does (printed with the profile)."""
-  need = tiles_per_sm + 1
+  need = 2 * tiles_per_sm + 1  # a tile's range and its epilogue's
   fits = lambda t: mk.profile_ranges(t.smem_bytes(), mk.NUM_WARPGROUPS) >= max(need, 64)
   # Stages, not the epilogue: the one profile run with epi_n=32 (bf16, 64-byte rows) ended
   # in "misaligned address" on the H200 (cause not isolated). A chain keeps its stage count
