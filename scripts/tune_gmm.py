@@ -100,8 +100,8 @@ def profile_tiling(t, tiles_per_sm: int):
   """The tiling to profile in place of t: a forward tiling's trace (two ranges per tile per
   warpgroup) must fit in the shared memory the tiling leaves, so its stages are cut until it
   does (printed with the profile)."""
-  need = 2 * tiles_per_sm + 1  # a tile's range and its epilogue's
-  fits = lambda t: mk.profile_ranges(t.smem_bytes(), mk.NUM_WARPGROUPS) >= max(need, 64)
+  need = max(2 * tiles_per_sm + 1, mk.PROFILE_RANGES_MIN)  # a tile's range and its epilogue's
+  fits = lambda t: mk.profile_ranges(t.smem_bytes(), mk.NUM_WARPGROUPS) >= need
   # Stages, not the epilogue: the one profile run with epi_n=32 (bf16, 64-byte rows) ended
   # in "misaligned address" on the H200 (cause not isolated). A chain keeps its stage count
   # a divisor of the K steps by halving it.
@@ -163,7 +163,7 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
     return lambda x, d, gs: mgpu.tgmm(x, d, gs, num_local_groups=g, tiling=t,
                                       profile_dir=profile_dir)
 
-  ready = []  # (record, jitted fn, tiling) of the variants that compiled and passed the check
+  ready = []  # (variant index, record, jitted fn, tiling): compiled and passed the check
   for i, t in enumerate(variants):
     if time.monotonic() > deadline:
       print(f"# deadline: {name} variants {i}.. not run", flush=True)
@@ -174,7 +174,7 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
     try:
       rec["err"] = bench.rel_err(fn(*args), ref)
       if rec["err"] < bench.TOL:
-        ready.append((rec, fn, t))
+        ready.append((i, rec, fn, t))
     except Exception as e:
       rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
       traceback.print_exc(limit=2)
@@ -186,17 +186,17 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
     if r and time.monotonic() > deadline:
       print(f"# deadline: {name} timed in {r} of {rounds} rounds", flush=True)
       break
-    for rec, fn, _ in ready:
+    for _, rec, fn, _ in ready:
       rec["rounds_ms"].append(bench.time_ms(fn, args, reps=5, target_s=0.1)[0])
-  for rec, _, _ in ready:
+  for _, rec, _, _ in ready:
     rec["ms"] = float(np.median(rec["rounds_ms"]))
     rec["tflops"] = 2.0 * m * k * n / rec["ms"] / 1e9
   print_table(results)  # before profiling: a profile that fails must not lose the timings
   for rec in results:
     print(json.dumps(rec), flush=True)
   if profile_dir:  # after the timing: a profiled kernel is slower and compiles separately
-    for i, (rec, _, t) in enumerate(ready):
-      if VARIANTS_BY_OP[op].index(rec["change"]) not in profile_variants:
+    for i, rec, _, t in ready:
+      if i not in profile_variants:
         continue
       if time.monotonic() > deadline:
         print(f"# deadline: {name} profiles not run", flush=True)
@@ -239,7 +239,11 @@ def main():
   unknown = [p for p in args.problems.split(",") if p not in PROBLEMS]
   if unknown:
     ap.error(f"unknown --problems {unknown}; valid: {', '.join(PROBLEMS)}")
-  profile_variants = {int(v) for v in args.profile_variants.split(",") if v}
+  profile_variants = set()
+  for v in filter(None, args.profile_variants.split(",")):
+    if not v.isdigit():
+      ap.error(f"--profile-variants: {v!r} is not a variant index (0, 1, ...)")
+    profile_variants.add(int(v))
   deadline = time.monotonic() + args.deadline_s
   allres = []
   for i, name in enumerate(args.problems.split(",")):

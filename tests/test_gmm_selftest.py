@@ -47,3 +47,19 @@ def test_selftest_picks_cases_and_an_unrun_case_is_not_a_pass(capsys):
   with pytest.raises(SystemExit):
     selftest.main(["--cpu-smoke", "--cases", "no_such_case"])
   assert "valid: balanced" in capsys.readouterr().err
+
+
+def test_fwd_tiling_override_applies_to_every_forward_tiling_and_names_a_bad_field(monkeypatch):
+  from MaxText.moe.gmm import mgpu_tiling  # pylint: disable=import-outside-toplevel
+
+  selftest = _selftest()
+  monkeypatch.setattr(mgpu_tiling, "TABLE", dict(mgpu_tiling.TABLE))
+  monkeypatch.setattr(mgpu_tiling, "DEFAULTS", dict(mgpu_tiling.DEFAULTS))
+  selftest._override_fwd_tilings("chain=1,stages=4")  # pylint: disable=protected-access
+  fwd = [t for t in mgpu_tiling.TABLE.values() if isinstance(t, mgpu_tiling.FwdTiling)]
+  assert fwd and all(t.chain and t.stages == 4 for t in fwd + [mgpu_tiling.DEFAULTS["fwd"]])
+  assert not mgpu_tiling.DEFAULTS["tgmm"].warp_specialized  # other ops untouched
+  with pytest.raises(SystemExit, match="'chan=1' is not field=integer"):
+    selftest._override_fwd_tilings("chan=1")  # pylint: disable=protected-access
+  with pytest.raises(SystemExit, match="'stages=four'"):
+    selftest._override_fwd_tilings("stages=four")  # pylint: disable=protected-access

@@ -101,3 +101,17 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   text = tune.fwd_tile_classes(timeline.load_ranges(_trace(ranges)), sizes, m, t, n, num_blocks)
   got = {line[:26].strip(): float(line.split()[-1]) for line in text.splitlines()[1:]}
   assert got == expect, text
+
+
+@pytest.mark.parametrize("argv,named", [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                                        (["--problems", "down,dwn"], "'dwn'"),
+                                        (["--profile-variants", "0,x"], "'x' is not a variant index")])
+def test_tune_gmm_names_a_bad_argument(monkeypatch, capsys, argv, named):
+  import sys
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / "scripts"))
+  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  monkeypatch.setattr(sys, "argv", ["tune_gmm.py", *argv])
+  with pytest.raises(SystemExit) as exit_info:
+    tune.main()
+  assert exit_info.value.code == 2 and named in capsys.readouterr().err

@@ -100,14 +100,9 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
     table = mgpu_schedule.work_table(
         group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], t.block_m,
         window_align=t.window_align)
-    states = None
-    if t.chain:
-      n_padded = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-      states = mgpu_schedule.chain_states(table[0], n_padded // t.cta_n, t.grid_block_n,
-                                          mgpu_kernels.num_sms())
     return mgpu_kernels.grouped_matmul(
         lhs_PK, rhs, table, tiling=t, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-        chain_states=states, profile_dir=profile_dir)
+        profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))

@@ -42,7 +42,7 @@ NUM_WARPGROUPS = 3
 _PROFILE_RANGES_MAX = 4096
 # Fewer than this many tiles per SM tell little: such a tiling should be profiled with fewer
 # stages (scripts/tune_gmm.py does).
-_PROFILE_RANGES_MIN = 64
+PROFILE_RANGES_MIN = 64
 # Shared memory Mosaic GPU adds past our buffers (barriers, alignment of the trace buffer).
 _SMEM_OVERHEAD_BYTES = 1024
 
@@ -69,7 +69,7 @@ def _compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_wa
   profile = {}
   if profile_dir:
     ranges = profile_ranges(kernel_smem_bytes, num_warpgroups)
-    if ranges < _PROFILE_RANGES_MIN:
+    if ranges < PROFILE_RANGES_MIN:
       raise ValueError(f"profile_dir: the tiling leaves {SMEM_LIMIT_BYTES - kernel_smem_bytes} B "
                        f"of shared memory, too little for a trace; profile it with fewer stages")
     profile = dict(profile_space=ranges, profile_dir=profile_dir, profile_bounds_check=True)
@@ -92,13 +92,11 @@ def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
-                   chain_states=None, profile_dir: str | None = None):
+                   profile_dir: str | None = None):
   """out_MN[rows of group g] = lhs_MK[rows] @ rhs[g]; ZERO rows are written as zeros.
 
   rhs: [G_local, K, N], or [G_local, N, K] with transpose_rhs.
   table: `mgpu_schedule.work_table(...)`.
-  chain_states: with tiling.chain, `mgpu_schedule.chain_states(table[0], N/cta_n,
-    grid_block_n, num_sms())`: how each compute tile's pipeline joins its SM's chain.
   """
   m, k = lhs_MK.shape
   if transpose_rhs:
@@ -112,10 +110,11 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   num_items = table[0].shape[0]
   grid_n = n // t.cta_n
   out_itemsize = jnp.dtype(out_dtype).itemsize
-  if t.chain != (chain_states is not None):
-    raise ValueError(f"chain_states must be given exactly when tiling.chain ({t.chain})")
-  if t.chain and chain_states.shape != (num_items * grid_n,):
-    raise ValueError(f"chain_states {chain_states.shape} != ({num_items * grid_n},) loop steps")
+  # With t.chain: how each compute tile's pipeline joins its SM's chain, for this kernel's
+  # loop order (planar_snake over the table's items x grid_n) on its num_sms() blocks.
+  chain = []
+  if t.chain:
+    chain = [mgpu_schedule.chain_states(table[0], grid_n, t.grid_block_n, num_sms())]
   k_steps = k // t.block_k
   dtype = lhs_MK.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
@@ -250,7 +249,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       thread_name="wg",
       compiler_params=_compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
   )
-  return kernel(*table, *([chain_states] if t.chain else []), lhs_MK, rhs)
+  return kernel(*table, *chain, lhs_MK, rhs)
 
 
 def _dw_tile(flat, order_g, t: TgmmTiling, grid_mn: tuple[int, int]):
