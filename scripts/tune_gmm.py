@@ -35,19 +35,21 @@ PROBLEMS = {
     "up": ("fwd", 7168, 2048, False),
     "down": ("fwd", 2048, 7168, False),
     "dlhs_down": ("fwd", 7168, 2048, True),  # dout[M,7168] @ w_down[g]^T (w_down [G,2048,7168])
+    "dlhs_up": ("fwd", 2048, 7168, True),  # dout[M,2048] @ w_up[g]^T (w_up [G,7168,2048])
     "dw_up": ("tgmm", 7168, 2048, False),
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # Run 5 found a forward tile's time = ~2.5 us + its K loop at cuBLAS's per-step rate, the
-# fixed part being the epilogue: epi_n=128 stores each warpgroup's result at once, without
-# waiting for a first chunk's store to leave shared memory (3 stages leave it the room).
-# group_aligned=False: JAX's block-aligned cuts, the default before run 5 (-2.2 to -2.5% for
-# group-aligned on Zipf). chain: an SM's tiles as one pipeline; no gain in run 5, re-timed
-# as the epilogue changes (its stage count must divide the K steps, 32 or 112 here).
-# Measured without gain and left out: half_tiles, grid_block_n 4, 8 and 32.
-FWD_VARIANTS = [{}, dict(epi_n=128, stages=3), dict(group_aligned=False),
-                dict(chain=True, stages=4)]
+# fixed part outside the K loop. epi_swizzle: the epilogue's register-to-shared stores
+# without 8-way bank conflicts (FwdTiling doc). epi_n=128: each warpgroup's result stored
+# at once, without waiting for a first chunk's store to leave shared memory (3 stages leave
+# it the room). chain: an SM's tiles as one pipeline (no gain in run 5 with the slow
+# epilogue; its stage count must divide the K steps, 32 or 112 here).
+# Measured without gain and left out: half_tiles, grid_block_n 4, 8 and 32; group_aligned
+# False (-2.2 to -2.5% for group-aligned on Zipf in run 5, now the default).
+FWD_VARIANTS = [{}, dict(epi_swizzle=True), dict(epi_n=128, stages=3),
+                dict(epi_swizzle=True, chain=True, stages=4)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]

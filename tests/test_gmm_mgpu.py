@@ -50,6 +50,14 @@ def test_validate_rejects_unchainable_tilings():
     mgpu_tiling.FwdTiling(stages=2, chain=True, half_tiles=True).validate(256, 256)
 
 
+def test_swizzled_epilogue_rows_are_128_bytes():
+  t = mgpu_tiling.FwdTiling(epi_swizzle=True)
+  assert t.fit_output(2) == t and t.fit_output(4).epi_n == 32
+  assert t.fit_output(4).smem_bytes(4) == t.smem_bytes(2)  # f32 keeps the bf16 stages
+  with pytest.raises(ValueError, match="epi_swizzle needs 128-byte epilogue rows: epi_n=64 .* got epi_n=128"):
+    dataclasses.replace(t, epi_n=128).validate(256, 256)
+
+
 def test_validate_rejects_bad_shapes():
   t = mgpu_tiling.FwdTiling()
   with pytest.raises(ValueError, match="block_k"):
@@ -214,6 +222,7 @@ def test_argument_validation():
 # windows); half_tiles measured no faster on the H200, is off by default, and tested on.
 _SKEW_FWD = mgpu_tiling.FwdTiling(group_aligned=True, half_tiles=True)
 _BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
+_SWIZZLED_EPI = mgpu_tiling.FwdTiling(epi_swizzle=True)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
 
@@ -240,7 +249,8 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
 
 
 @pytest.mark.parametrize("transpose,tiling", [(False, _SKEW_FWD), (True, _SKEW_FWD),
-                                              (False, _CHAIN_FWD), (True, _CHAIN_FWD)])
+                                              (False, _CHAIN_FWD), (True, _CHAIN_FWD),
+                                              (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.
@@ -311,6 +321,9 @@ def _ref_rows(x, w, starts, ends, m):
     # dlhs form, f32 output; block-aligned, then with 64-row MMAs for the 2- and 1-row tails.
     (True, 0, 6, jnp.float32, _BLOCK_FWD),
     (True, 0, 6, jnp.float32, _SKEW_FWD),
+    # The swizzled epilogue buffer, bf16 (64-column rows) and f32 (fit_output: 32 columns).
+    (False, 2, 3, jnp.bfloat16, _SWIZZLED_EPI),
+    (True, 0, 6, jnp.float32, _SWIZZLED_EPI),
 ])
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256

@@ -31,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from MaxText.moe.gmm import mgpu_schedule
 from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
-from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES, FwdTiling, TgmmTiling
+from MaxText.moe.gmm.mgpu_tiling import EPI_SWIZZLE_BYTES, SMEM_LIMIT_BYTES, FwdTiling, TgmmTiling
 
 # Warpgroups per block of the warp-specialized kernels: one TMA (memory) + two wgmma. A
 # profile has one trace per warpgroup, so scripts/tune_gmm.py reads it in threes.
@@ -123,6 +123,10 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   rhs_block = (t.cta_n, t.block_k) if transpose_rhs else (t.block_k, t.cta_n)
   rhs_index = (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0))
 
+  # No (8, x) tiling on the epilogue buffer, swizzled or not: a tile's rows are stored from
+  # any row (_store_rows). Swizzled rows are exactly 128 B (FwdTiling.validate).
+  epi_transforms = (plgpu.SwizzleTransform(EPI_SWIZZLE_BYTES),) if t.epi_swizzle else ()
+
   def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
@@ -147,7 +151,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype),
+        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype, transforms=epi_transforms),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):

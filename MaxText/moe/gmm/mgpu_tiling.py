@@ -25,6 +25,8 @@ BF16_BYTES = 2
 # Mosaic GPU lowers a TMA load into swizzled, (8, 64)-tiled SMEM only from a row provably a
 # multiple of 8 (layout inference rejects other dynamic row indices).
 TMA_ROW_ALIGN = 8
+# The widest TMA swizzle: 16-byte chunks permuted within each 128-byte row, by row mod 8.
+EPI_SWIZZLE_BYTES = 128
 
 
 def _check_smem(tiling, out_itemsize: int) -> None:
@@ -52,6 +54,11 @@ class FwdTiling:
              inside a block costs the block twice). `mgpu_schedule.work_table`.
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
+  epi_swizzle: store the epilogue buffer 128-byte swizzled (its rows must then be exactly
+             128 bytes: epi_n = 128 / itemsize, see fit_output). Unswizzled, the 128-byte
+             rows of the buffer all start in the same four banks, so each 8x8 stmatrix of the
+             accumulator's layout takes 8 shared-memory wavefronts instead of 1. The TMA
+             store reads the swizzled rows back from any row (it unswizzles by address).
   group_aligned is on by default, half_tiles off (measured, TABLE note).
   chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
              emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
@@ -70,6 +77,7 @@ class FwdTiling:
   group_aligned: bool = True
   half_tiles: bool = False
   chain: bool = False
+  epi_swizzle: bool = False
 
   @property
   def cta_n(self) -> int:
@@ -86,9 +94,12 @@ class FwdTiling:
     return self.stages * stage + epilogue
 
   def fit_output(self, out_itemsize: int) -> "FwdTiling":
-    """This tiling with fewer stages if a wider output dtype's epilogue needs the room (and
-    then unchained: a chain's stage count must divide the K steps)."""
+    """This tiling for an output dtype: a swizzled epilogue takes 128-byte rows (epi_n 32
+    for f32); then fewer stages if the epilogue still needs the room (and then unchained:
+    a chain's stage count must divide the K steps)."""
     tiling = self
+    if tiling.epi_swizzle and tiling.epi_n * out_itemsize != EPI_SWIZZLE_BYTES:
+      tiling = dataclasses.replace(tiling, epi_n=EPI_SWIZZLE_BYTES // out_itemsize)
     if tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
       tiling = dataclasses.replace(tiling, chain=False)
     while tiling.stages > 2 and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
@@ -102,6 +113,10 @@ class FwdTiling:
       raise ValueError(f"N={n} must be a multiple of 2*block_n={self.cta_n}")
     if self.block_n % self.epi_n:
       raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
+    if self.epi_swizzle and self.epi_n * out_itemsize != EPI_SWIZZLE_BYTES:
+      raise ValueError(f"epi_swizzle needs {EPI_SWIZZLE_BYTES}-byte epilogue rows: epi_n="
+                       f"{EPI_SWIZZLE_BYTES // out_itemsize} for {out_itemsize}-byte outputs, "
+                       f"got epi_n={self.epi_n}")
     if self.half_tiles and self.block_m % 128:
       raise ValueError(f"half_tiles needs block_m a multiple of 128 (wgmma is 64 rows), got {self.block_m}")
     if self.chain and (k // self.block_k) % self.stages:
