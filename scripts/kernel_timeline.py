@@ -3,9 +3,14 @@ kind, and how long SMs sit idle at the end waiting for the last one.
 
 The profile is the Chrome-trace JSON that Mosaic GPU's profiler writes when a kernel is built
 with `profile_dir` (`mgpu_kernels._compiler_params`; `tune_gmm.py --profile-dir`): one
-begin ("B") / end ("E") event pair per `jax.named_scope` range entered, `ts` in microseconds,
-`pid` = 1 + SM id, `tid` = one trace per warpgroup of each block (jax 0.11.2,
-`jax/experimental/mosaic/gpu/profiler.py`).
+begin ("B") / end ("E") event pair per `jax.named_scope` range entered, `pid` = 1 + SM id,
+`tid` = one trace per warpgroup of each block (jax 0.11.2,
+`jax/experimental/mosaic/gpu/profiler.py`). Its `ts` is not in microseconds, although the
+Chrome format says so: it is (the trace's global-timer start in ns + SM clock cycles since
+the trace's first event) / 1000. Durations are therefore thousands of SM cycles ("kc"
+below). A kernel's clock follows its power draw: the H200 ran the grouped GEMM at about
+1.3 GHz (a profiled span in kc over the timed ms, BENCHMARKS run 6), so 1 kc ~ 0.78 us
+there, and 1 kc per 128x256x64 step is the tensor cores' peak (4096 bf16 FLOP/cycle/SM).
 
   python scripts/kernel_timeline.py TRACE.json [...]
 """
@@ -24,12 +29,12 @@ class Range:
   name: str
   sm: int
   trace: int
-  begin_us: float
-  end_us: float
+  begin_kc: float
+  end_kc: float
 
   @property
-  def dur_us(self) -> float:
-    return self.end_us - self.begin_us
+  def dur_kc(self) -> float:
+    return self.end_kc - self.begin_kc
 
 
 def load_ranges(trace: dict) -> list[Range]:
@@ -56,20 +61,20 @@ def summarize(ranges: list[Range]) -> dict:
   the SMs' time spent waiting for the slowest one (0 = perfectly balanced)."""
   if not ranges:
     raise ValueError("no ranges: was the kernel built with profile_dir, and are its tiles in named scopes?")
-  t0 = min(r.begin_us for r in ranges)
-  t1 = max(r.end_us for r in ranges)
+  t0 = min(r.begin_kc for r in ranges)
+  t1 = max(r.end_kc for r in ranges)
   span = t1 - t0
   scopes = {}
   for name in sorted({r.name for r in ranges}):
-    durs = sorted(r.dur_us for r in ranges if r.name == name)
+    durs = sorted(r.dur_kc for r in ranges if r.name == name)
     q = lambda f: durs[min(len(durs) - 1, int(f * len(durs)))]
-    scopes[name] = dict(count=len(durs), median_us=statistics.median(durs), p10_us=q(0.1),
-                        p90_us=q(0.9), max_us=durs[-1], total_us=sum(durs))
+    scopes[name] = dict(count=len(durs), median_kc=statistics.median(durs), p10_kc=q(0.1),
+                        p90_kc=q(0.9), max_kc=durs[-1], total_kc=sum(durs))
   last_end = {}
   for r in ranges:
-    last_end[r.sm] = max(last_end.get(r.sm, r.end_us), r.end_us)
+    last_end[r.sm] = max(last_end.get(r.sm, r.end_kc), r.end_kc)
   idle = [(t1 - e) / span for e in last_end.values()] if span > 0 else [0.0]
-  return dict(span_us=span, sms=len(last_end), scopes=scopes,
+  return dict(span_kc=span, sms=len(last_end), scopes=scopes,
               tail_idle=statistics.mean(idle), tail_idle_max=max(idle))
 
 
@@ -84,17 +89,17 @@ def block_sequences(ranges: list[Range], names: set[str], traces_per_block: int,
     if r.name in names and wg == trace_in_block:
       by_block.setdefault(block, []).append(r)
   for seq in by_block.values():
-    seq.sort(key=lambda r: r.begin_us)
+    seq.sort(key=lambda r: r.begin_kc)
   return by_block
 
 
 def format_summary(label: str, s: dict) -> str:
-  lines = [f"# {label}: span {s['span_us']:.1f} us on {s['sms']} SMs; idle at the end "
+  lines = [f"# {label}: span {s['span_kc']:.1f} kc on {s['sms']} SMs; idle at the end "
            f"{s['tail_idle']:.1%} of SM time (worst SM {s['tail_idle_max']:.1%})",
-           f"{'scope':14} {'count':>7} {'median us':>10} {'p10':>8} {'p90':>8} {'max':>8}"]
+           f"{'scope':14} {'count':>7} {'median kc':>10} {'p10':>8} {'p90':>8} {'max':>8}"]
   for name, st in s["scopes"].items():
-    lines.append(f"{name:14} {st['count']:7d} {st['median_us']:10.2f} {st['p10_us']:8.2f} "
-                 f"{st['p90_us']:8.2f} {st['max_us']:8.2f}")
+    lines.append(f"{name:14} {st['count']:7d} {st['median_kc']:10.2f} {st['p10_kc']:8.2f} "
+                 f"{st['p90_kc']:8.2f} {st['max_kc']:8.2f}")
   return "\n".join(lines)
 
 

@@ -40,14 +40,13 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
-# Run 5 found a forward tile's time = ~2.5 us + its K loop at cuBLAS's per-step rate, the
-# fixed part outside the K loop. epi_swizzle: the epilogue's register-to-shared stores
-# without 8-way bank conflicts (FwdTiling doc). epi_n=128: each warpgroup's result stored
-# at once, without waiting for a first chunk's store to leave shared memory (3 stages leave
-# it the room). chain: an SM's tiles as one pipeline (no gain in run 5 with the slow
-# epilogue; its stage count must divide the K steps, 32 or 112 here).
-# Measured without gain and left out: half_tiles, grid_block_n 4, 8 and 32; group_aligned
-# False (-2.2 to -2.5% for group-aligned on Zipf in run 5, now the default).
+# Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
+# cycles) per tile outside it, ~1.9 kc of which is the epilogue; the swizzled epilogue
+# buffer, one store per warpgroup (epi_n=128) and the chain did not shorten it at M=65536.
+# These variants are for skewed small groups (M=16384, G=64: 1.28x the balanced tile count):
+# half_tiles (64-row MMAs for short tails; no gain there either in run 6), with and without
+# the swizzled epilogue. Measured without gain and left out: grid_block_n 4, 8 and 32;
+# group_aligned False (-2.2 to -2.5% for group-aligned on Zipf in run 5, now the default).
 FWD_VARIANTS = [{}, dict(half_tiles=True), dict(epi_swizzle=True),
                 dict(epi_swizzle=True, half_tiles=True)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
@@ -66,7 +65,7 @@ _GROUP_BUCKETS = ((1024, "full, group < 1024 rows"), (4096, "full, group < 4096"
 
 
 def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
-  """Median duration (us) and count per piece class, matching each block's tile ranges (one
+  """Median duration (kc: thousands of SM cycles) and count per piece class, matching each block's tile ranges (one
   compute warpgroup's trace) to the loop steps b, b + num_blocks, ... of `grouped_matmul`."""
   kind, group, _, _, size = (np.asarray(a) for a in sched.work_table(
       jnp.asarray(sizes_G), 0, len(sizes_G), m, t.block_m, window_align=t.window_align))
@@ -90,8 +89,8 @@ def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
         label = f"partial ({r.name})"
       else:
         label = next(l for lim, l in _GROUP_BUCKETS if rows_of_group[group[i]] < lim)
-      durs.setdefault(label, []).append(r.dur_us)
-  lines = [f"{'piece':26} {'count':>6} {'median us':>10}"]
+      durs.setdefault(label, []).append(r.dur_kc)
+  lines = [f"{'piece':26} {'count':>6} {'median kc':>10}"]
   lines += [f"{k:26} {len(v):6d} {np.median(v):10.2f}" for k, v in sorted(durs.items())]
   if mismatched:
     lines.append(f"# {mismatched} blocks' ranges did not match their loop steps (left out)")

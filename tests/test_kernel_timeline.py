@@ -1,5 +1,5 @@
 """scripts/kernel_timeline.py on a synthetic trace in the format of jax 0.11.2's Mosaic GPU
-profiler (B/E pairs, ts in us, pid = 1 + SM, one tid per warpgroup trace)."""
+profiler (B/E pairs, ts in SM kilocycles, pid = 1 + SM, one tid per warpgroup trace)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ def _trace(ranges):
 
 
 def test_summary_of_two_sms_one_finishing_early(tmp_path, capsys):
-  # SM 0: tiles of 10 us at 0-10, 10-20, 20-30; SM 1: 10-us tiles at 0-10, 10-20, then idle.
+  # SM 0: tiles of 10 kc at 0-10, 10-20, 20-30; SM 1: 10-kc tiles at 0-10, 10-20, then idle.
   # A nested scope inside SM 0's first tile must pair with its own end.
   ranges = [("full_tile", 0, 1, 0.0, 10.0), ("mma", 0, 1, 1.0, 9.0),
             ("full_tile", 0, 1, 10.0, 20.0), ("full_tile", 0, 1, 20.0, 30.0),
             ("full_tile", 1, 4, 0.0, 10.0), ("zero_tile", 1, 4, 10.0, 20.0)]
   s = timeline.summarize(timeline.load_ranges(_trace(ranges)))
-  assert s["span_us"] == 30.0 and s["sms"] == 2
-  assert s["scopes"]["full_tile"]["count"] == 4 and s["scopes"]["full_tile"]["median_us"] == 10.0
-  assert s["scopes"]["mma"]["total_us"] == 8.0 and s["scopes"]["zero_tile"]["count"] == 1
+  assert s["span_kc"] == 30.0 and s["sms"] == 2
+  assert s["scopes"]["full_tile"]["count"] == 4 and s["scopes"]["full_tile"]["median_kc"] == 10.0
+  assert s["scopes"]["mma"]["total_kc"] == 8.0 and s["scopes"]["zero_tile"]["count"] == 1
   # SM 1 ends at 20 of 30: idle 1/3 of its time, SM 0 none -> mean 1/6.
   assert s["tail_idle"] == pytest.approx(1 / 6) and s["tail_idle_max"] == pytest.approx(1 / 3)
 
@@ -60,7 +60,7 @@ def test_block_sequences_follow_one_warpgroup_per_block():
       ("zero_tile", 7, 4, 0.0, 3.0), ("full_tile", 5, 2, 0.0, 10.0), ("mma", 5, 1, 1.0, 2.0)]))
   seqs = timeline.block_sequences(ranges, {"full_tile", "zero_tile"}, traces_per_block=3)
   assert sorted(seqs) == [0, 1]
-  assert [r.begin_us for r in seqs[0]] == [0.0, 10.0] and seqs[1][0].name == "zero_tile"
+  assert [r.begin_kc for r in seqs[0]] == [0.0, 10.0] and seqs[1][0].name == "zero_tile"
 
 
 def test_tune_gmm_attributes_forward_tiles_to_their_pieces():

@@ -59,6 +59,7 @@ class FwdTiling:
              rows of the buffer all start in the same four banks, so each 8x8 stmatrix of the
              accumulator's layout takes 8 shared-memory wavefronts instead of 1. The TMA
              store reads the swizzled rows back from any row (it unswizzles by address).
+             Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
   group_aligned is on by default, half_tiles off (measured, TABLE note).
   chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
              emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
@@ -202,6 +203,11 @@ DEFAULTS = {
 #     (run 5) says why: every tile costs ~36 us whatever its group, so time follows the
 #     tile count, 543 -> 528 row pieces (x28 column tiles) with group-aligned cuts (-2.8%).
 #     Hence group_aligned on; half tiles and chain gained nothing and stay off.
+#   fwd epi_swizzle / epi_n=128 with 3 stages / epi_swizzle + chain, 5 interleaved rounds at
+#     1056e03 (down, dlhs of up (K=2048, N=7168 transposed), up; ms): table 3.206, 3.206,
+#     3.046 -> 3.201, 3.183, 3.026 / 3.254, 3.237, 3.072 / 3.233, 3.258, 3.083; spreads
+#     1.8-5.0%. None is a gain (run 6: the K loop is at the tensor cores' peak; the loss is
+#     the ~3 kc per tile outside it). At M=16384 G=64: half_tiles 1.118 vs 1.104 ms.
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.
 TABLE: dict[tuple[str, int, int], object] = {
