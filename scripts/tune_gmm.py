@@ -42,13 +42,16 @@ PROBLEMS = {
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
 # cycles) per tile outside it, ~1.9 kc of which is the epilogue; the swizzled epilogue
-# buffer, one store per warpgroup (epi_n=128) and the chain did not shorten it at M=65536.
-# These variants are for skewed small groups (M=16384, G=64: 1.28x the balanced tile count):
-# half_tiles (64-row MMAs for short tails; no gain there either in run 6), with and without
-# the swizzled epilogue. Measured without gain and left out: grid_block_n 4, 8 and 32;
-# group_aligned False (-2.2 to -2.5% for group-aligned on Zipf in run 5, now the default).
-FWD_VARIANTS = [{}, dict(half_tiles=True), dict(epi_swizzle=True),
-                dict(epi_swizzle=True, half_tiles=True)]
+# buffer, one store per warpgroup (epi_n=128), the chain and half tiles did not shorten it.
+# pingpong (`mgpu_pingpong.py`): each compute warpgroup on its own 128x128 tiles in turn, one's
+# epilogue under the other's MMAs, at 1.33x the operand bytes per FLOP; grid_block_n counts
+# 128-column tiles there, so 32 is the table's band of 16 x 256 columns. epi_n=128 is
+# profiled (--profile-variants 0,3) to see whether one store per warpgroup shortens the
+# epilogue scope apart from the stage it costs. Measured without gain and left out:
+# epi_swizzle, chain, half_tiles, group_aligned False, and for the shared-tile kernel
+# grid_block_n 4, 8 and 32.
+FWD_VARIANTS = [{}, dict(pingpong=True, stages=3, grid_block_n=32),
+                dict(pingpong=True, stages=3), dict(epi_n=128, stages=3)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]
@@ -206,7 +209,8 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
       if op == "fwd":
         items = sched.num_work_items(m, g, t.block_m, t.window_align)
         t = profile_tiling(t, -(-items * (n // t.cta_n) // mk.num_sms()))
-        classify = lambda ranges, t=t: fwd_tile_classes(ranges, sizes, m, t, n, mk.num_sms())
+        if not t.pingpong:  # its warpgroups take alternate tiles: no one trace holds them all
+          classify = lambda ranges, t=t: fwd_tile_classes(ranges, sizes, m, t, n, mk.num_sms())
       print(f"# profile {name} {rec['change'] or 'table'}, profiled as {t}", flush=True)
       try:
         print(profile_variant(lambda d, t=t: variant_fn(t, d), args,

@@ -223,6 +223,7 @@ def test_argument_validation():
 _SKEW_FWD = mgpu_tiling.FwdTiling(group_aligned=True, half_tiles=True)
 _BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
 _SWIZZLED_EPI = mgpu_tiling.FwdTiling(epi_swizzle=True)
+_PINGPONG = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
 
@@ -250,7 +251,8 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
 
 @pytest.mark.parametrize("transpose,tiling", [(False, _SKEW_FWD), (True, _SKEW_FWD),
                                               (False, _CHAIN_FWD), (True, _CHAIN_FWD),
-                                              (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI)])
+                                              (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
+                                              (False, _PINGPONG), (True, _PINGPONG)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.
@@ -324,6 +326,9 @@ def _ref_rows(x, w, starts, ends, m):
     # The swizzled epilogue buffer, bf16 (64-column rows) and f32 (fit_output: 32 columns).
     (False, 2, 3, jnp.bfloat16, _SWIZZLED_EPI),
     (True, 0, 6, jnp.float32, _SWIZZLED_EPI),
+    # Ping-pong tiles (one compute warpgroup each, in turn), bf16; f32 at 2 stages (fit_output).
+    (False, 2, 3, jnp.bfloat16, _PINGPONG),
+    (True, 0, 6, jnp.float32, _PINGPONG),
 ])
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256
@@ -374,6 +379,50 @@ def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose)
   starts = ends - np.asarray(sizes[1:])
   np.testing.assert_allclose(out, _ref_rows(x, w, starts, ends, m), rtol=2e-2, atol=2e-2)
   assert (out[:70] == 0).all() and (out[291:] == 0).all()
+
+
+@pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (3, 3, True), (1, 2, False)])
+def test_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
+  # Few simulated SMs, so that both compute warpgroups take several tiles in turn and their
+  # rings wrap mid-tile (K=320: 5 steps on rings of 2 or 3 slots), with ZERO and SKIP items
+  # between; one SM: a single block runs every tile. The race detector watches the memory
+  # warpgroup refill a slot while the other warpgroup stores its tile.
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
+  m, k, n = 301, 320, 256
+  sizes = [70, 0, 130, 1, 0, 90]
+  kx, kw = jax.random.split(jax.random.key(4))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (5, k, n)) / 16).astype(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  tiling = mgpu_tiling.FwdTiling(pingpong=True, stages=stages, grid_block_n=1)
+  interp.reset_gpu_interpret_mode_state()
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    out = mgpu.gmm(x, jnp.swapaxes(w, 1, 2) if transpose else w, gs, group_offset=1,
+                   transpose_rhs=transpose, tiling=tiling)
+    out = np.asarray(jax.block_until_ready(out), np.float32)
+  assert not interp.get_races().races_found
+  ends = np.cumsum(sizes)[1:]
+  starts = ends - np.asarray(sizes[1:])
+  np.testing.assert_allclose(out, _ref_rows(x, w, starts, ends, m), rtol=2e-2, atol=2e-2)
+  assert (out[:70] == 0).all() and (out[291:] == 0).all()
+
+
+def test_pingpong_tiling_is_one_warpgroup_wide_with_two_rings():
+  t = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
+  assert t.cta_n == t.block_n == 128
+  # Two rings of 3 slots of (128x64 + 64x128) bf16, and the 2 x 128x64 bf16 epilogue buffer.
+  assert t.smem_bytes() == 2 * 3 * 32768 + 32768 <= mgpu_tiling.SMEM_LIMIT_BYTES
+  t.validate(2048, 7168)  # N a multiple of 128 suffices
+  assert t.fit_output(4).stages == 2
+  with pytest.raises(ValueError, match="multiple of block_n=128"):
+    t.validate(2048, 7100)
+  with pytest.raises(ValueError, match="pingpong runs its own pipeline"):
+    dataclasses.replace(t, chain=True).validate(2048, 7168)
+  with pytest.raises(ValueError, match="pingpong needs stages >= 2"):
+    dataclasses.replace(t, stages=1).validate(2048, 7168)
 
 
 def test_table_chain_falls_back_unchained_where_k_steps_do_not_divide(monkeypatch):

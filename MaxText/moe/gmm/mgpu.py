@@ -2,7 +2,9 @@
 `MaxText/moe/gmm/__init__.py`).
 
   gmm  -> `mgpu_kernels.grouped_matmul` (warp-specialized, work-table scheduled, zero-fills
-          rows outside the local groups, rhs optionally transposed for dlhs)
+          rows outside the local groups, rhs optionally transposed for dlhs), or with
+          `FwdTiling.pingpong` -> `mgpu_pingpong.grouped_matmul_pingpong` (the same contract,
+          compute warpgroups on alternate tiles; a tuner variant, not yet timed)
   tgmm -> `mgpu_kernels.transposed_grouped_matmul` (dW over the local groups only)
 
 Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).
@@ -100,9 +102,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
     table = mgpu_schedule.work_table(
         group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], t.block_m,
         window_align=t.window_align)
-    return mgpu_kernels.grouped_matmul(
-        lhs_PK, rhs, table, tiling=t, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-        profile_dir=profile_dir)
+    if t.pingpong:
+      from MaxText.moe.gmm import mgpu_pingpong
+      kernel_fn = mgpu_pingpong.grouped_matmul_pingpong
+    else:
+      kernel_fn = mgpu_kernels.grouped_matmul
+    return kernel_fn(lhs_PK, rhs, table, tiling=t, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs, align=_fwd_align(tiling))

@@ -60,6 +60,9 @@ class FwdTiling:
              accumulator's layout takes 8 shared-memory wavefronts instead of 1. The TMA
              store reads the swizzled rows back from any row (it unswizzles by address).
              Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
+  pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
+             an SM's tiles in turn, so one's epilogue runs under the other's MMAs
+             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: untimed.
   group_aligned is on by default, half_tiles off (measured, TABLE note).
   chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
              emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
@@ -79,10 +82,12 @@ class FwdTiling:
   half_tiles: bool = False
   chain: bool = False
   epi_swizzle: bool = False
+  pingpong: bool = False
 
   @property
   def cta_n(self) -> int:
-    return 2 * self.block_n
+    """Output columns per tile: one compute warpgroup's with pingpong, else both's."""
+    return self.block_n if self.pingpong else 2 * self.block_n
 
   @property
   def window_align(self) -> int:
@@ -91,8 +96,9 @@ class FwdTiling:
 
   def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
     stage = (self.block_m * self.block_k + self.block_k * self.cta_n) * BF16_BYTES
+    rings = 2 if self.pingpong else 1
     epilogue = 2 * self.block_m * self.epi_n * out_itemsize
-    return self.stages * stage + epilogue
+    return rings * self.stages * stage + epilogue
 
   def fit_output(self, out_itemsize: int) -> "FwdTiling":
     """This tiling for an output dtype: a swizzled epilogue takes 128-byte rows (epi_n 32
@@ -111,7 +117,13 @@ class FwdTiling:
     if k % self.block_k:
       raise ValueError(f"K={k} must be a multiple of block_k={self.block_k}")
     if n % self.cta_n:
-      raise ValueError(f"N={n} must be a multiple of 2*block_n={self.cta_n}")
+      per_tile = "block_n" if self.pingpong else "2*block_n"
+      raise ValueError(f"N={n} must be a multiple of {per_tile}={self.cta_n}")
+    if self.pingpong and (self.chain or self.half_tiles):
+      raise ValueError("pingpong runs its own pipeline: chain and half_tiles do not apply to it")
+    if self.pingpong and self.stages < 2:
+      raise ValueError(f"pingpong needs stages >= 2 (a slot is released one MMA late), "
+                       f"got {self.stages}")
     if self.block_n % self.epi_n:
       raise ValueError(f"block_n={self.block_n} must be a multiple of epi_n={self.epi_n}")
     if self.epi_swizzle and self.epi_n * out_itemsize != EPI_SWIZZLE_BYTES:
