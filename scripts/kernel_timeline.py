@@ -2,7 +2,7 @@
 kind, and how long SMs sit idle at the end waiting for the last one.
 
 The profile is the Chrome-trace JSON that Mosaic GPU's profiler writes when a kernel is built
-with `profile_dir` (`mgpu_kernels._compiler_params`; `tune_gmm.py --profile-dir`): one
+with `profile_dir` (`mgpu_kernels.compiler_params`; `tune_gmm.py --profile-dir`): one
 begin ("B") / end ("E") event pair per `jax.named_scope` range entered, `pid` = 1 + SM id,
 `tid` = one trace per warpgroup of each block (jax 0.11.2,
 `jax/experimental/mosaic/gpu/profiler.py`). Its `ts` is not in microseconds, although the

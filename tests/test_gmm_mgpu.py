@@ -265,7 +265,7 @@ def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
 def test_profile_dir_turns_on_the_device_profiler():
   # Lowering a profiled kernel needs a CUDA backend (its trace buffer), and the interpreter
   # ignores profiling: the GPU run is the check. Here: jax accepts the parameters we build.
-  on, off = mgpu_kernels._compiler_params("/runs/r1/prof"), mgpu_kernels._compiler_params(None)
+  on, off = mgpu_kernels.compiler_params("/runs/r1/prof"), mgpu_kernels.compiler_params(None)
   assert (on.profile_dir, on.profile_space > 0, on.profile_bounds_check) == ("/runs/r1/prof", True, True)
   assert (off.profile_dir, off.profile_space) == ("", 0)
 
@@ -278,7 +278,7 @@ def test_profile_trace_is_sized_to_the_shared_memory_the_tiling_leaves():
   ranges = mgpu_kernels.profile_ranges(t3.smem_bytes(), wgs)
   assert 1000 < ranges and t3.smem_bytes() + 16 * wgs * ranges <= mgpu_tiling.SMEM_LIMIT_BYTES
   with pytest.raises(ValueError, match="too little for a trace"):
-    mgpu_kernels._compiler_params("/tmp/p", t4.smem_bytes(), wgs)
+    mgpu_kernels.compiler_params("/tmp/p", t4.smem_bytes(), wgs)
 
 
 def test_tgmm_lowers_to_mosaic_gpu():

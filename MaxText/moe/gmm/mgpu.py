@@ -83,7 +83,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   """out_MN[rows of local group g] = lhs_MK[rows] @ rhs[g] (rhs[g].T with transpose_rhs);
   rows of non-local groups and rows past sum(group_sizes) are zeros. tiling: a FwdTiling to
   use instead of the table's (the tuner's and benchmarks' override). profile_dir: write the
-  kernel's on-device trace there (`mgpu_kernels._compiler_params`)."""
+  kernel's on-device trace there (`mgpu_kernels.compiler_params`)."""
   from MaxText.moe.gmm import mgpu_kernels, mgpu_schedule, mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)

@@ -60,7 +60,7 @@ def profile_ranges(kernel_smem_bytes: int, num_warpgroups: int) -> int:
   return max(0, min(_PROFILE_RANGES_MAX, free // (16 * num_warpgroups)))
 
 
-def _compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_warpgroups: int = 1):
+def compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_warpgroups: int = 1):
   """Mosaic GPU parameters; with profile_dir, its on-device profiler writes a Chrome-trace
   JSON there per kernel run: one begin/end pair per `jax.named_scope` entered, per SM and
   warpgroup (scripts/kernel_timeline.py summarizes it), as many as fit in the shared memory
@@ -76,7 +76,7 @@ def _compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_wa
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
 
 
-def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
+def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
   """TMA-stores rows [row0, row0+size) of src_smem to the same rows of dst_gmem.
 
   TMA boxes are static, so `size` is decomposed in powers of two (one conditional store per
@@ -89,6 +89,17 @@ def _store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
       plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(start, bit)], dst_gmem.at[pl.ds(start, bit)])
     start = start + (size & bit)
     bit //= 2
+
+
+def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, epi_n: int, width: int,
+               tile_rows: int):
+  """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n chunks of
+  chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer out_smem."""
+  for c in range(width // epi_n):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem.at[pl.ds(0, tile_rows)][...] = chunk(c)
+    plgpu.commit_smem()
+    store_rows(out_smem, out_gmem.at[rows, pl.ds(col0 + c * epi_n, epi_n)], row0, size, tile_rows)
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
@@ -124,7 +135,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
   rhs_index = (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0))
 
   # No (8, x) tiling on the epilogue buffer, swizzled or not: a tile's rows are stored from
-  # any row (_store_rows). Swizzled rows are exactly 128 B (FwdTiling.validate).
+  # any row (store_rows). Swizzled rows are exactly 128 B (FwdTiling.validate).
   epi_transforms = (plgpu.SwizzleTransform(EPI_SWIZZLE_BYTES),) if t.epi_swizzle else ()
 
   def pipeline(body, compute_context, state=None):
@@ -166,13 +177,8 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         rows = pl.ds(pl.multiple_of(start_g[mi], t.window_align), t.block_m)
 
         def epilogue(chunk, tile_rows: int):  # chunk(c): [tile_rows, epi_n] values of this wg
-          for c in range(t.block_n // t.epi_n):
-            col = ni * t.cta_n + wg * t.block_n + c * t.epi_n
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem.at[wg, pl.ds(0, tile_rows)][...] = chunk(c)
-            plgpu.commit_smem()
-            _store_rows(out_smem.at[wg], out_gmem.at[rows, pl.ds(col, t.epi_n)],
-                        row0, size, tile_rows)
+          store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.cta_n + wg * t.block_n,
+                     row0, size, epi_n=t.epi_n, width=t.block_n, tile_rows=tile_rows)
 
         def compute(tile_rows: int, state=None):
           """The MMA over the window's first tile_rows rows (block_m, or half of it); state:
@@ -206,7 +212,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
         half = t.block_m // 2
         small = (row0 + size <= half) if t.half_tiles else False
 
-        # Named scopes: the tile kinds in a profile (see _compiler_params).
+        # Named scopes: the tile kinds in a profile (see compiler_params).
         if t.chain:
           # A chained tile's memory warpgroup starts loading the SM's next tile as soon as
           # this one's last stages are consumed, overlapping the epilogue (FwdTiling.chain).
@@ -251,7 +257,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       grid_names=("sm",),
       num_threads=NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=_compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
+      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
   )
   return kernel(*table, *chain, lhs_MK, rhs)
 
@@ -332,7 +338,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
 
   def body(starts_g, ends_g, steps_g, first_g, order_g, lhs_gmem, dout_gmem, o_gmem):
     @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
-    @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
+    @jax.named_scope("dw_tile")  # a profile's unit (see compiler_params)
     def _tiles(loop_info):
       gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
       first = pl.multiple_of(first_g[gi], t.window_align)
@@ -382,7 +388,7 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(num_sms(),),
       grid_names=("sm",),
-      compiler_params=_compiler_params(profile_dir, t.smem_bytes(out_itemsize), 1),
+      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), 1),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
 
@@ -438,7 +444,7 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
-      @jax.named_scope("dw_tile")  # a profile's unit (see _compiler_params)
+      @jax.named_scope("dw_tile")  # a profile's unit (see compiler_params)
       def _tiles(loop_info):
         gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
         first = pl.multiple_of(first_g[gi], t.window_align)
@@ -491,6 +497,6 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       grid_names=("sm",),
       num_threads=NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=_compiler_params(profile_dir, t.smem_bytes(jnp.dtype(out_dtype).itemsize), NUM_WARPGROUPS),
+      compiler_params=compiler_params(profile_dir, t.smem_bytes(jnp.dtype(out_dtype).itemsize), NUM_WARPGROUPS),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)

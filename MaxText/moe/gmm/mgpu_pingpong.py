@@ -126,12 +126,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
           plgpu.barrier_arrive(empty.at[wg * ring + s])
 
         def epilogue(chunk, rows, ni, row0, size):  # chunk(c): [block_m, epi_n] of this tile
-          for ci in range(t.block_n // t.epi_n):
-            cols = pl.ds(ni * t.block_n + ci * t.epi_n, t.epi_n)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem.at[wg][...] = chunk(ci)
-            plgpu.commit_smem()
-            mgpu_kernels._store_rows(out_smem.at[wg], out_gmem.at[rows, cols], row0, size, t.block_m)
+          mgpu_kernels.store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.block_n, row0,
+                                  size, epi_n=t.epi_n, width=t.block_n, tile_rows=t.block_m)
 
         # carry: steps consumed so far from this warpgroup's ring.
         @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm", init_carry=jnp.int32(0))
@@ -189,7 +185,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
       grid_names=("sm",),
       num_threads=mgpu_kernels.NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=mgpu_kernels._compiler_params(
+      compiler_params=mgpu_kernels.compiler_params(
           profile_dir, t.smem_bytes(jnp.dtype(out_dtype).itemsize), mgpu_kernels.NUM_WARPGROUPS),
   )
   return kernel(*table, lhs_MK, rhs)
