@@ -353,22 +353,17 @@ def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling)
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (7, 2, True), (5, 4, False)])
-def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
-  # Few simulated SMs, so that each runs a chain of several tiles (2 SMs: START, STEADY...,
-  # STOP), or one tile alone (7 SMs), between ZERO and SKIP items; the race detector watches
-  # the memory warpgroup loading the next tile while the compute ones store this one.
+def _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k, n, seed):
+  """mgpu.gmm on num_sms simulated SMs under the race detector, against the reference."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
-  m, k, n = 301, 256, 512
-  sizes = [70, 0, 130, 1, 0, 90]
-  kx, kw = jax.random.split(jax.random.key(3))
+  m, sizes = 301, [70, 0, 130, 1, 0, 90]
+  kx, kw = jax.random.split(jax.random.key(seed))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   w = (jax.random.normal(kw, (5, k, n)) / 16).astype(jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  tiling = mgpu_tiling.FwdTiling(stages=stages, chain=True, grid_block_n=1)
   interp.reset_gpu_interpret_mode_state()
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
     out = mgpu.gmm(x, jnp.swapaxes(w, 1, 2) if transpose else w, gs, group_offset=1,
@@ -379,6 +374,15 @@ def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose)
   starts = ends - np.asarray(sizes[1:])
   np.testing.assert_allclose(out, _ref_rows(x, w, starts, ends, m), rtol=2e-2, atol=2e-2)
   assert (out[:70] == 0).all() and (out[291:] == 0).all()
+
+
+@pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (7, 2, True), (5, 4, False)])
+def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
+  # Few simulated SMs, so that each runs a chain of several tiles (2 SMs: START, STEADY...,
+  # STOP), or one tile alone (7 SMs), between ZERO and SKIP items; the race detector watches
+  # the memory warpgroup loading the next tile while the compute ones store this one.
+  tiling = mgpu_tiling.FwdTiling(stages=stages, chain=True, grid_block_n=1)
+  _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=256, n=512, seed=3)
 
 
 @pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (3, 3, True), (1, 2, False)])
@@ -387,27 +391,8 @@ def test_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose
   # rings wrap mid-tile (K=320: 5 steps on rings of 2 or 3 slots), with ZERO and SKIP items
   # between; one SM: a single block runs every tile. The race detector watches the memory
   # warpgroup refill a slot while the other warpgroup stores its tile.
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
-  m, k, n = 301, 320, 256
-  sizes = [70, 0, 130, 1, 0, 90]
-  kx, kw = jax.random.split(jax.random.key(4))
-  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-  w = (jax.random.normal(kw, (5, k, n)) / 16).astype(jnp.bfloat16)
-  gs = jnp.asarray(sizes, jnp.int32)
   tiling = mgpu_tiling.FwdTiling(pingpong=True, stages=stages, grid_block_n=1)
-  interp.reset_gpu_interpret_mode_state()
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-    out = mgpu.gmm(x, jnp.swapaxes(w, 1, 2) if transpose else w, gs, group_offset=1,
-                   transpose_rhs=transpose, tiling=tiling)
-    out = np.asarray(jax.block_until_ready(out), np.float32)
-  assert not interp.get_races().races_found
-  ends = np.cumsum(sizes)[1:]
-  starts = ends - np.asarray(sizes[1:])
-  np.testing.assert_allclose(out, _ref_rows(x, w, starts, ends, m), rtol=2e-2, atol=2e-2)
-  assert (out[:70] == 0).all() and (out[291:] == 0).all()
+  _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=320, n=256, seed=4)
 
 
 def test_pingpong_tiling_is_one_warpgroup_wide_with_two_rings():
