@@ -54,6 +54,12 @@ class FwdTiling:
              inside a block costs the block twice). `mgpu_schedule.work_table`.
   half_tiles: a piece that fits in the first block_m/2 rows of its window (a short group
              tail) runs block_m/2-row MMAs, so a partial tile wastes < 64 rows, not < 128.
+  chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
+             emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
+             first stages while the compute warpgroups finish this tile and store it, instead
+             of every tile starting from an empty pipeline. Needs K/block_k to be a multiple
+             of stages (the chained pipelines must reuse the same slots). Off: no measured
+             gain (TABLE note), so the pipeline fill is not what a tile waits on.
   epi_swizzle: store the epilogue buffer 128-byte swizzled (its rows must then be exactly
              128 bytes: epi_n = 128 / itemsize, see fit_output). Unswizzled, the 128-byte
              rows of the buffer all start in the same four banks, so each 8x8 stmatrix of the
@@ -63,13 +69,8 @@ class FwdTiling:
   pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
              (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: untimed.
-  group_aligned is on by default, half_tiles off (measured, TABLE note).
-  chain:     run an SM's consecutive tiles as one pipeline (`pipeline_state` of
-             emit_pipeline_warp_specialized): the memory warpgroup loads the next tile's
-             first stages while the compute warpgroups finish this tile and store it, instead
-             of every tile starting from an empty pipeline. Needs K/block_k to be a multiple
-             of stages (the chained pipelines must reuse the same slots). Off: no measured
-             gain (TABLE note), so the pipeline fill is not what a tile waits on.
+  group_aligned is on by default; half_tiles, chain, epi_swizzle and pingpong are off
+  (measured, or not yet timed: TABLE note).
   """
 
   block_m: int = 128
@@ -212,7 +213,7 @@ DEFAULTS = {
 #     in 7 interleaved rounds at commit 1aa745a (median ms, table -> group_aligned -> both
 #     -> chain): down 3.273 -> 3.200 -> 3.203 -> 3.278; dlhs of up (K=2048, N=7168
 #     transposed) 3.077 -> 3.000 -> 3.030 -> 3.100; round spreads 1.6-6.1%. The profile
-#     (run 5) says why: every tile costs ~36 us whatever its group, so time follows the
+#     (run 5) says why: every tile costs ~36 kc (SM kilocycles) whatever its group, so time follows the
 #     tile count, 543 -> 528 row pieces (x28 column tiles) with group-aligned cuts (-2.8%).
 #     Hence group_aligned on; half tiles and chain gained nothing and stay off.
 #   fwd epi_swizzle / epi_n=128 with 3 stages / epi_swizzle + chain, 5 interleaved rounds at
