@@ -60,6 +60,12 @@ TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's bloc
 VARIANTS_BY_OP = {"fwd": FWD_VARIANTS, "tgmm": TGMM_VARIANTS}
 
 
+def variants(name):
+  """The problem's tilings to time: its table entry with each of its op's changes."""
+  op, k, n, _ = PROBLEMS[name]
+  return [dataclasses.replace(mt.lookup(op, k, n), **v) for v in VARIANTS_BY_OP[op]]
+
+
 # Forward tiles by the piece they computed: full pieces of small / medium / large groups,
 # partial pieces (a group's boundary), zero pieces.
 _FWD_SCOPES = {"full_tile", "half_tile", "zero_tile"}
@@ -153,11 +159,9 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
     wshape = (g, n, k) if transpose else (g, k, n)
     w = (jax.random.normal(kw, wshape, jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     ref = bench.ref_fwd(x, jnp.swapaxes(w, 1, 2) if transpose else w, sizes)
-    variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in FWD_VARIANTS]
   else:
     d = jax.random.normal(kw, (m, n), jnp.bfloat16)
     ref = bench.ref_tgmm(x, d, sizes)
-    variants = [dataclasses.replace(mt.lookup(op, k, n), **v) for v in TGMM_VARIANTS]
   args = (x, w, gs) if op == "fwd" else (x, d, gs)
 
   def variant_fn(t, profile_dir=None):
@@ -168,7 +172,7 @@ def run_problem(name, m, g, dist, seed, deadline, rounds, profile_dir=None, prof
                                       profile_dir=profile_dir)
 
   ready = []  # (variant index, record, jitted fn, tiling): compiled and passed the check
-  for i, t in enumerate(variants):
+  for i, t in enumerate(variants(name)):
     if time.monotonic() > deadline:
       print(f"# deadline: {name} variants {i}.. not run", flush=True)
       break

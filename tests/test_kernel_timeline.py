@@ -115,3 +115,27 @@ def test_tune_gmm_names_a_bad_argument(monkeypatch, capsys, argv, named):
   with pytest.raises(SystemExit) as exit_info:
     tune.main()
   assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_tune_gmm_variants_build_at_their_shapes():
+  # Every variant the tuner will time lowers for CUDA at its problem's DeepSeek-V3 shape (a
+  # variant that cannot be built would cost a device call to find out).
+  import sys
+  import jax
+  import jax.numpy as jnp
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / "scripts"))
+  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  g, m = 32, 4096
+  for name, (op, k, n, transpose) in tune.PROBLEMS.items():
+    for t in tune.variants(name):
+      if op == "fwd":
+        fn = lambda x, w, gs, t=t, tr=transpose: tune.mgpu.gmm(x, w, gs, transpose_rhs=tr, tiling=t)
+        shapes = [((m, k), jnp.bfloat16), ((g, n, k) if transpose else (g, k, n), jnp.bfloat16),
+                  ((g,), jnp.int32)]
+      else:
+        fn = lambda x, d, gs, t=t: tune.mgpu.tgmm(x, d, gs, num_local_groups=g, tiling=t)
+        shapes = [((m, k), jnp.bfloat16), ((m, n), jnp.bfloat16), ((g,), jnp.int32)]
+      args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text, (name, t)
