@@ -74,8 +74,9 @@ _GROUP_BUCKETS = ((1024, "full, group < 1024 rows"), (4096, "full, group < 4096"
 
 
 def fwd_tile_classes(ranges, sizes_G, m, t, n, num_blocks):
-  """Median duration (kc: thousands of SM cycles) and count per piece class, matching each block's tile ranges (one
-  compute warpgroup's trace) to the loop steps b, b + num_blocks, ... of `grouped_matmul`."""
+  """Median duration (kc: thousands of SM cycles) and count per piece class, matching each
+  block's tile ranges (one compute warpgroup's trace) to the loop steps b, b + num_blocks,
+  ... of `grouped_matmul`."""
   kind, group, _, _, size = (np.asarray(a) for a in sched.work_table(
       jnp.asarray(sizes_G), 0, len(sizes_G), m, t.block_m, window_align=t.window_align))
   grid_n = n // t.cta_n

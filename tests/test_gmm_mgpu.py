@@ -252,7 +252,8 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
 @pytest.mark.parametrize("transpose,tiling", [(False, _SKEW_FWD), (True, _SKEW_FWD),
                                               (False, _CHAIN_FWD), (True, _CHAIN_FWD),
                                               (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
-                                              (False, _PINGPONG), (True, _PINGPONG)])
+                                              (False, _PINGPONG), (True, _PINGPONG),
+                                              (False, dataclasses.replace(_PINGPONG, epi_swizzle=True))])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.

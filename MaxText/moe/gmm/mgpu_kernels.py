@@ -76,6 +76,20 @@ def compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_war
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
 
 
+def swizzled(row_elems: int, dtype):
+  """SMEM transforms for TMA/wgmma tiles whose rows are row_elems of dtype: (8, swizzle)
+  tiles under the widest swizzle that fits the row."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(row_elems * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def epilogue_transforms(t: FwdTiling):
+  """The forward epilogue buffer's transforms. No (8, x) tiling, swizzled or not: a tile's
+  rows are stored from any row (store_rows). Swizzled rows are exactly 128 B (validate)."""
+  return (plgpu.SwizzleTransform(EPI_SWIZZLE_BYTES),) if t.epi_swizzle else ()
+
+
 def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
   """TMA-stores rows [row0, row0+size) of src_smem to the same rows of dst_gmem.
 
@@ -128,15 +142,9 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
     chain = [mgpu_schedule.chain_states(table[0], grid_n, t.grid_block_n, num_sms())]
   k_steps = k // t.block_k
   dtype = lhs_MK.dtype
-  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
-  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  transforms = swizzled(t.block_k, dtype)
   rhs_block = (t.cta_n, t.block_k) if transpose_rhs else (t.block_k, t.cta_n)
   rhs_index = (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0))
-
-  # No (8, x) tiling on the epilogue buffer, swizzled or not: a tile's rows are stored from
-  # any row (store_rows). Swizzled rows are exactly 128 B (FwdTiling.validate).
-  epi_transforms = (plgpu.SwizzleTransform(EPI_SWIZZLE_BYTES),) if t.epi_swizzle else ()
 
   def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -162,7 +170,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype, transforms=epi_transforms),
+        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype, transforms=epilogue_transforms(t)),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -326,13 +334,9 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   g = starts_G.shape[0]
   starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
-  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
-  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  transforms = swizzled(t.block_k, dtype)
   out_itemsize = jnp.dtype(out_dtype).itemsize
-  out_swizzle = plgpu.find_swizzle(t.block_n * out_itemsize * 8)
-  out_transforms = (
-      plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+  out_transforms = swizzled(t.block_n, out_dtype)
   grid_m, grid_n = k // t.block_m, n // t.block_n
   delay = 1 if t.stages > 1 else 0
 
@@ -405,13 +409,9 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
   g = starts_G.shape[0]
   starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
   dtype = lhs_MK.dtype
-  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                plgpu.SwizzleTransform(swizzle))
+  transforms = swizzled(t.block_k, dtype)
   out_itemsize = jnp.dtype(out_dtype).itemsize
-  out_swizzle = plgpu.find_swizzle(t.block_n * out_itemsize * 8)
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)),
-                    plgpu.SwizzleTransform(out_swizzle))
+  out_transforms = swizzled(t.block_n, out_dtype)
   grid_m, grid_n = k // t.block_m, n // t.cta_n
 
   def pipeline(body, compute_context, steps):
@@ -497,6 +497,6 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
       grid_names=("sm",),
       num_threads=NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=compiler_params(profile_dir, t.smem_bytes(jnp.dtype(out_dtype).itemsize), NUM_WARPGROUPS),
+      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
   )
   return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)

@@ -58,9 +58,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
   k_steps = k // t.block_k
   ring = t.stages
   dtype = lhs_MK.dtype
-  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dtype).itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                plgpu.SwizzleTransform(swizzle))
+  transforms = mgpu_kernels.swizzled(t.block_k, dtype)
   rhs_block = (t.block_n, t.block_k) if transpose_rhs else (t.block_k, t.block_n)
 
   def body(kind_g, group_g, start_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
@@ -76,7 +74,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
         pl.run_scoped,
         lhs_smem=plgpu.SMEM((2, ring, t.block_m, t.block_k), dtype, transforms=transforms),
         rhs_smem=plgpu.SMEM((2, ring, *rhs_block), dtype, transforms=transforms),
-        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype),
+        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype,
+                            transforms=mgpu_kernels.epilogue_transforms(t)),
         full_lhs=plgpu.Barrier(num_barriers=2 * ring),
         full_rhs=plgpu.Barrier(num_barriers=2 * ring),
         empty=plgpu.Barrier(num_barriers=2 * ring),
