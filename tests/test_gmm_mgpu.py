@@ -224,6 +224,7 @@ _SKEW_FWD = mgpu_tiling.FwdTiling(group_aligned=True, half_tiles=True)
 _BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
 _SWIZZLED_EPI = mgpu_tiling.FwdTiling(epi_swizzle=True)
 _PINGPONG = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
+_DIRECT_EPI = mgpu_tiling.FwdTiling(epi_direct=True)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
 
@@ -253,7 +254,8 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
                                               (False, _CHAIN_FWD), (True, _CHAIN_FWD),
                                               (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
                                               (False, _PINGPONG), (True, _PINGPONG),
-                                              (False, dataclasses.replace(_PINGPONG, epi_swizzle=True))])
+                                              (False, dataclasses.replace(_PINGPONG, epi_swizzle=True)),
+                                              (False, _DIRECT_EPI), (True, _DIRECT_EPI)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.
@@ -330,6 +332,9 @@ def _ref_rows(x, w, starts, ends, m):
     # Ping-pong tiles (one compute warpgroup each, in turn), bf16; f32 at 2 stages (fit_output).
     (False, 2, 3, jnp.bfloat16, _PINGPONG),
     (True, 0, 6, jnp.float32, _PINGPONG),
+    # Whole tiles stored from registers (group 2's first 128 rows), partial ones through TMA.
+    (False, 2, 3, jnp.bfloat16, _DIRECT_EPI),
+    (True, 0, 6, jnp.float32, _DIRECT_EPI),
 ])
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256

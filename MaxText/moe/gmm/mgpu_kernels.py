@@ -198,7 +198,19 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
               acc = acc_ref[...].astype(out_dtype)
               # Its own scope: run 5 put ~2.5 us per tile outside the K loop (BENCHMARKS).
               with jax.named_scope("epilogue"):
-                epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n], tile_rows)
+                by_chunk = lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n]
+                if not (t.epi_direct and tile_rows == t.block_m):
+                  epilogue(by_chunk, tile_rows)
+                  return
+                whole = size == t.block_m  # then row0 == 0: the window is the group's
+
+                @pl.when(whole)
+                def _direct():
+                  out_gmem.at[rows, pl.ds(ni * t.cta_n + wg * t.block_n, t.block_n)][...] = acc
+
+                @pl.when(jnp.logical_not(whole))
+                def _buffered():
+                  epilogue(by_chunk, tile_rows)
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:

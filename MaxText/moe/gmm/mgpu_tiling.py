@@ -68,7 +68,12 @@ class FwdTiling:
              Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
   pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
-             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: untimed.
+             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 14-26%
+             slower on the H200 (BENCHMARKS run 7): each SM reads 1.33x the operand bytes.
+  epi_direct: a tile whose rows are all its group's stores its accumulator straight from
+             registers to global memory (no shared-memory round trip, nothing to wait on);
+             a partial tile still goes through the buffer and TMA (its other rows belong to
+             another tile, which may be writing them).
   group_aligned is on by default; half_tiles, chain, epi_swizzle and pingpong are off
   (measured, or not yet timed: TABLE note).
   """
@@ -84,6 +89,7 @@ class FwdTiling:
   chain: bool = False
   epi_swizzle: bool = False
   pingpong: bool = False
+  epi_direct: bool = False
 
   @property
   def cta_n(self) -> int:
@@ -122,6 +128,8 @@ class FwdTiling:
       raise ValueError(f"N={n} must be a multiple of {per_tile}={self.cta_n}")
     if self.pingpong and (self.chain or self.half_tiles):
       raise ValueError("pingpong runs its own pipeline: chain and half_tiles do not apply to it")
+    if self.pingpong and self.epi_direct:
+      raise ValueError("epi_direct is the cooperative kernel's epilogue; pingpong has its own")
     if self.pingpong and self.stages < 2:
       raise ValueError(f"pingpong needs stages >= 2 (a slot is released one MMA late), "
                        f"got {self.stages}")
