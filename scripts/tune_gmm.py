@@ -41,13 +41,15 @@ PROBLEMS = {
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
-# cycles) per tile outside it, ~1.9 kc of which is the epilogue. epi_direct stores a whole
-# tile from registers to global memory with no shared-memory round trip and no wait on the
-# TMA (variant 1, profiled with --profile-variants 0,1); epi_n=128 (one store per warpgroup,
-# at one stage fewer) is the buffered comparison. Measured without gain and left out:
-# pingpong (run 7: 14-26% slower, 1.33x the operand bytes per FLOP), epi_swizzle, chain,
-# half_tiles, group_aligned False, and grid_block_n 4, 8 and 32.
-FWD_VARIANTS = [{}, dict(epi_direct=True), dict(epi_n=128, stages=3)]
+# cycles) per tile outside it, ~1.9 kc of which is the epilogue. Run 7: the ping-pong kernel
+# (one warpgroup's epilogue under the other's MMAs) was 12-26% slower, reading 1.33x the
+# operand bytes per FLOP; with multicast, 2-SM clusters share each lhs slot and read the
+# shared-tile kernel's bytes per FLOP (variants 1-2; grid_block_n counts 128-column tiles
+# there, so 32 is the table's band of 16 x 256 columns). Measured without gain and left out:
+# epi_direct (run 7: the epilogue 1.9 -> 6.2 kc), epi_n=128 at 3 stages, epi_swizzle,
+# chain, half_tiles, group_aligned False, and grid_block_n 4, 8 and 32.
+FWD_VARIANTS = [{}, dict(pingpong=True, multicast=True, stages=3, grid_block_n=32),
+                dict(pingpong=True, multicast=True, stages=3)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]

@@ -225,6 +225,7 @@ _BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
 _SWIZZLED_EPI = mgpu_tiling.FwdTiling(epi_swizzle=True)
 _PINGPONG = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
 _DIRECT_EPI = mgpu_tiling.FwdTiling(epi_direct=True)
+_MULTICAST = mgpu_tiling.FwdTiling(pingpong=True, multicast=True, stages=3, grid_block_n=32)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
 
@@ -255,7 +256,8 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
                                               (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
                                               (False, _PINGPONG), (True, _PINGPONG),
                                               (False, dataclasses.replace(_PINGPONG, epi_swizzle=True)),
-                                              (False, _DIRECT_EPI), (True, _DIRECT_EPI)])
+                                              (False, _DIRECT_EPI), (True, _DIRECT_EPI),
+                                              (False, _MULTICAST), (True, _MULTICAST)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.
@@ -401,6 +403,14 @@ def test_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose
   _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=320, n=256, seed=4)
 
 
+@pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (4, 3, True)])
+def test_multicast_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
+  # Clusters of two SMs on neighbouring column tiles, each loading half of every lhs slot
+  # into both; a slot is refilled only once both SMs' warpgroups released it.
+  tiling = mgpu_tiling.FwdTiling(pingpong=True, multicast=True, stages=stages, grid_block_n=2)
+  _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=320, n=512, seed=5)
+
+
 def test_pingpong_tiling_is_one_warpgroup_wide_with_two_rings():
   t = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
   assert t.cta_n == t.block_n == 128
@@ -414,6 +424,16 @@ def test_pingpong_tiling_is_one_warpgroup_wide_with_two_rings():
     dataclasses.replace(t, chain=True).validate(2048, 7168)
   with pytest.raises(ValueError, match="pingpong needs stages >= 2"):
     dataclasses.replace(t, stages=1).validate(2048, 7168)
+  # multicast pairs column tiles (N a multiple of 256), and only the ping-pong kernel has it.
+  mc = dataclasses.replace(t, multicast=True)
+  assert mc.n_multiple == 256 and mc.smem_bytes() == t.smem_bytes()
+  mc.validate(2048, 7168)
+  with pytest.raises(ValueError, match="multiple of 2\\*block_n=256"):
+    mc.validate(2048, 7168 - 128)
+  with pytest.raises(ValueError, match="multicast is an option of the pingpong kernel"):
+    mgpu_tiling.FwdTiling(multicast=True).validate(2048, 7168)
+  with pytest.raises(ValueError, match="epi_direct is the cooperative kernel's"):
+    dataclasses.replace(t, epi_direct=True).validate(2048, 7168)
 
 
 def test_table_chain_falls_back_unchained_where_k_steps_do_not_divide(monkeypatch):

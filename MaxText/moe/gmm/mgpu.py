@@ -33,10 +33,10 @@ _ROW_MULTIPLE = 8
 
 def _fwd_align(tiling) -> _pad.Align:
   """What grouped_matmul needs (FwdTiling.validate): K a multiple of block_k, N of the
-  block's 2*block_n columns; rows of 8 for TMA. The table's shapes need no padding; a small
+  block's 2*block_n columns (FwdTiling.n_multiple); rows of 8 for TMA. The table's shapes need no padding; a small
   or odd shape (K=8, N=6) is padded up to one tile (wasteful but correct; such shapes are
   tests and toys, not training)."""
-  return _pad.Align(m=_ROW_MULTIPLE, k=tiling.block_k, n=tiling.cta_n)
+  return _pad.Align(m=_ROW_MULTIPLE, k=tiling.block_k, n=tiling.n_multiple)
 
 
 def _tgmm_align(tiling) -> _pad.Align:

@@ -19,7 +19,11 @@ release lags one step (wgmma_wait(1)): the tensor cores always have the next MMA
 
 The cost, and why this is a tiling option and not the default: each step loads 32 KiB for a
 128x128x64 MMA, against 48 KiB for 128x256x64 in the shared-tile kernel (1.33x the operand
-bytes per FLOP). Untimed on a GPU so far: `scripts/tune_gmm.py` A/Bs it.
+bytes per FLOP), which the L2 does not deliver: 12-26% slower on the H200 (BENCHMARKS run 7).
+With `multicast`, SMs run in clusters of two that take neighbouring column tiles of the same
+row window in lockstep (the same work-item order); each loads half of every lhs slot and
+multicasts it into both SMs' slot, so an SM reads 8 + 16 KiB per step. A slot is refilled
+only after both SMs' warpgroups released it (`empty` is then a cluster barrier).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
   t.validate(k, n, jnp.dtype(out_dtype).itemsize)
   num_items = table[0].shape[0]
   grid_n = n // t.block_n
+  pair = 2 if t.multicast else 1  # SMs per cluster, each on its own column tile
+  cluster_axes = ("cluster",) if t.multicast else None
   k_steps = k // t.block_k
   ring = t.stages
   dtype = lhs_MK.dtype
@@ -63,10 +69,13 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
 
   def body(kind_g, group_g, start_g, row0_g, size_g, lhs_gmem, rhs_gmem, out_gmem):
     wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster") if t.multicast else 0
 
     def tile_of(loop_info):
       """(work item, column tile, row window) of this loop step."""
-      mi, ni = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n), 1, t.grid_block_n)
+      mi, nj = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n // pair), 1,
+                                  max(1, t.grid_block_n // pair))
+      ni = nj * pair + cta
       rows = pl.ds(pl.multiple_of(start_g[mi], t.window_align), t.block_m)
       return mi, ni, rows
 
@@ -78,7 +87,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
                             transforms=mgpu_kernels.epilogue_transforms(t)),
         full_lhs=plgpu.Barrier(num_barriers=2 * ring),
         full_rhs=plgpu.Barrier(num_barriers=2 * ring),
-        empty=plgpu.Barrier(num_barriers=2 * ring),
+        empty=(plgpu.ClusterBarrier(collective_axes=cluster_axes, num_barriers=2 * ring)
+               if t.multicast else plgpu.Barrier(num_barriers=2 * ring)),
         collective_axes="wg",
     )
     def _scope(lhs_smem, rhs_smem, out_smem, full_lhs, full_rhs, empty):
@@ -88,7 +98,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
         # carry: steps loaded so far into each ring (slot = that count mod ring).
-        @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm",
+        @plgpu.nd_loop((num_items * grid_n // pair,), collective_axes="sm",
                        init_carry=(jnp.int32(0), jnp.int32(0)))
         def _tiles(loop_info, carry):
           mi, ni, rows = tile_of(loop_info)
@@ -106,7 +116,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
               b = c * ring + slot
               plgpu.barrier_wait(empty.at[b])  # compute warpgroups pre-release each slot once
               ks = pl.ds(ki * t.block_k, t.block_k)
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], lhs_smem.at[c, slot], full_lhs.at[b])
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], lhs_smem.at[c, slot], full_lhs.at[b],
+                                      collective_axes=cluster_axes)
               rhs_tile = rhs_g.at[cols, ks] if transpose_rhs else rhs_g.at[ks, cols]
               plgpu.copy_gmem_to_smem(rhs_tile, rhs_smem.at[c, slot], full_rhs.at[b])
 
@@ -129,7 +140,8 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
                                   size, epi_n=t.epi_n, width=t.block_n, tile_rows=t.block_m)
 
         # carry: steps consumed so far from this warpgroup's ring.
-        @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm", init_carry=jnp.int32(0))
+        @plgpu.nd_loop((num_items * grid_n // pair,), collective_axes="sm",
+                       init_carry=jnp.int32(0))
         def _tiles(loop_info, carry):
           consumed = carry
           mi, ni, rows = tile_of(loop_info)
@@ -180,8 +192,9 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(mgpu_kernels.num_sms(),),
+      grid=(mgpu_kernels.num_sms() // pair,),
       grid_names=("sm",),
+      **(dict(cluster=(pair,), cluster_names=("cluster",)) if t.multicast else {}),
       num_threads=mgpu_kernels.NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(

@@ -70,6 +70,9 @@ class FwdTiling:
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
              (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 14-26%
              slower on the H200 (BENCHMARKS run 7): each SM reads 1.33x the operand bytes.
+  multicast: with pingpong, a 2-SM cluster takes neighbouring column tiles of the same row
+             window; each SM TMA-loads half of every lhs slot and multicasts it to both, so
+             an SM reads 24 KiB per 128x128x64 step, the shared-tile kernel's bytes per FLOP.
   epi_direct: a tile whose rows are all its group's stores its accumulator straight from
              registers to global memory (no shared-memory round trip, nothing to wait on);
              a partial tile still goes through the buffer and TMA (its other rows belong to
@@ -90,11 +93,17 @@ class FwdTiling:
   epi_swizzle: bool = False
   pingpong: bool = False
   epi_direct: bool = False
+  multicast: bool = False
 
   @property
   def cta_n(self) -> int:
     """Output columns per tile: one compute warpgroup's with pingpong, else both's."""
     return self.block_n if self.pingpong else 2 * self.block_n
+
+  @property
+  def n_multiple(self) -> int:
+    """N must be a multiple of this: a tile's columns, or a cluster's two tiles'."""
+    return self.cta_n * (2 if self.multicast else 1)
 
   @property
   def window_align(self) -> int:
@@ -123,9 +132,11 @@ class FwdTiling:
   def validate(self, k: int, n: int, out_itemsize: int = BF16_BYTES) -> None:
     if k % self.block_k:
       raise ValueError(f"K={k} must be a multiple of block_k={self.block_k}")
-    if n % self.cta_n:
-      per_tile = "block_n" if self.pingpong else "2*block_n"
-      raise ValueError(f"N={n} must be a multiple of {per_tile}={self.cta_n}")
+    if self.multicast and not self.pingpong:
+      raise ValueError("multicast is an option of the pingpong kernel (set pingpong too)")
+    if n % self.n_multiple:
+      per_tile = "2*block_n" if self.n_multiple == 2 * self.block_n else "block_n"
+      raise ValueError(f"N={n} must be a multiple of {per_tile}={self.n_multiple}")
     if self.pingpong and (self.chain or self.half_tiles):
       raise ValueError("pingpong runs its own pipeline: chain and half_tiles do not apply to it")
     if self.pingpong and self.epi_direct:
