@@ -41,15 +41,14 @@ PROBLEMS = {
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
-# cycles) per tile outside it, ~1.9 kc of which is the epilogue. Run 7: the ping-pong kernel
-# (one warpgroup's epilogue under the other's MMAs) was 12-26% slower, reading 1.33x the
-# operand bytes per FLOP; with multicast, 2-SM clusters share each lhs slot and read the
-# shared-tile kernel's bytes per FLOP (variants 1-2; grid_block_n counts 128-column tiles
-# there, so 32 is the table's band of 16 x 256 columns). Measured without gain and left out:
-# epi_direct (run 7: the epilogue 1.9 -> 6.2 kc), epi_n=128 at 3 stages, epi_swizzle,
-# chain, half_tiles, group_aligned False, and grid_block_n 4, 8 and 32.
-FWD_VARIANTS = [{}, dict(pingpong=True, multicast=True, stages=3, grid_block_n=32),
-                dict(pingpong=True, multicast=True, stages=3)]
+# cycles) per tile outside it, ~1.9 kc of which is the epilogue, ~0.7 kc of that waiting for
+# the first 64-column piece's TMA read before the second is written. epi_m=64 stores the tile
+# in four 64x64 pieces through two slots (the same bytes), so no piece waits on the one
+# before it (variant 1, profiled with --profile-variants 0,1). Measured without gain and
+# left out (BENCHMARKS runs 4-7): pingpong, with or without multicast (12-26% slower: each
+# ring's slots cover too little load latency), epi_direct (5-13% slower), epi_n=128 at 3
+# stages, epi_swizzle, chain, half_tiles, group_aligned False, grid_block_n 4, 8 and 32.
+FWD_VARIANTS = [{}, dict(epi_m=64)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]

@@ -90,6 +90,12 @@ def epilogue_transforms(t: FwdTiling):
   return (plgpu.SwizzleTransform(EPI_SWIZZLE_BYTES),) if t.epi_swizzle else ()
 
 
+def epilogue_buffer(t: FwdTiling, out_dtype):
+  """Both compute warpgroups' epilogue buffers: [wg, slot, epi_m, epi_n] (t.epi_slots)."""
+  return plgpu.SMEM((2, t.epi_slots, t.epi_rows, t.epi_n), out_dtype,
+                    transforms=epilogue_transforms(t))
+
+
 def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
   """TMA-stores rows [row0, row0+size) of src_smem to the same rows of dst_gmem.
 
@@ -105,15 +111,36 @@ def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
     bit //= 2
 
 
-def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, epi_n: int, width: int,
-               tile_rows: int):
-  """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n chunks of
-  chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer out_smem."""
-  for c in range(width // epi_n):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem.at[pl.ds(0, tile_rows)][...] = chunk(c)
-    plgpu.commit_smem()
-    store_rows(out_smem, out_gmem.at[rows, pl.ds(col0 + c * epi_n, epi_n)], row0, size, tile_rows)
+def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, t: FwdTiling,
+               width: int, tile_rows: int):
+  """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n column
+  chunks of chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer
+  out_smem ([epi_slots, epi_rows, epi_n]), epi_rows rows at a time.
+
+  With two slots, a piece waits only until the stores of the piece before it are the last
+  in flight (wait_smem_to_gmem(1): those of the piece before that, in the other slot, are
+  done), so it is written while the previous one is read out. It waits for all when the
+  piece before stored no rows, and at a tile's first piece."""
+  piece_rows = min(t.epi_rows, tile_rows)
+  prev_rows = None  # rows the previous piece stored; None: none before it in this tile
+  for c in range(width // t.epi_n):
+    values = chunk(c)
+    for r0 in range(0, tile_rows, piece_rows):
+      slot = (c * (tile_rows // piece_rows) + r0 // piece_rows) % t.epi_slots
+      buf = out_smem.at[slot, pl.ds(0, piece_rows)]
+      if t.epi_slots == 1 or prev_rows is None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      else:
+        last = prev_rows > 0
+        pl.when(last)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+        pl.when(jnp.logical_not(last))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+      buf[...] = values if piece_rows == tile_rows else values[r0:r0 + piece_rows]
+      plgpu.commit_smem()
+      # This piece's share of the tile's rows [row0, row0 + size).
+      lo = jnp.clip(row0 - r0, 0, piece_rows)
+      prev_rows = jnp.maximum(jnp.clip(row0 + size - r0, 0, piece_rows) - lo, 0)
+      dst = out_gmem.at[rows, pl.ds(col0 + c * t.epi_n, t.epi_n)].at[pl.ds(r0, piece_rows)]
+      store_rows(buf, dst, lo, prev_rows, piece_rows)
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
@@ -170,7 +197,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype, transforms=epilogue_transforms(t)),
+        out_smem=epilogue_buffer(t, out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -186,7 +213,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
 
         def epilogue(chunk, tile_rows: int):  # chunk(c): [tile_rows, epi_n] values of this wg
           store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.cta_n + wg * t.block_n,
-                     row0, size, epi_n=t.epi_n, width=t.block_n, tile_rows=tile_rows)
+                     row0, size, t=t, width=t.block_n, tile_rows=tile_rows)
 
         def compute(tile_rows: int, state=None):
           """The MMA over the window's first tile_rows rows (block_m, or half of it); state:
@@ -198,19 +225,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
               acc = acc_ref[...].astype(out_dtype)
               # Its own scope: run 5 put ~2.5 us per tile outside the K loop (BENCHMARKS).
               with jax.named_scope("epilogue"):
-                by_chunk = lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n]
-                if not (t.epi_direct and tile_rows == t.block_m):
-                  epilogue(by_chunk, tile_rows)
-                  return
-                whole = size == t.block_m  # then row0 == 0: the window is the group's
-
-                @pl.when(whole)
-                def _direct():
-                  out_gmem.at[rows, pl.ds(ni * t.cta_n + wg * t.block_n, t.block_n)][...] = acc
-
-                @pl.when(jnp.logical_not(whole))
-                def _buffered():
-                  epilogue(by_chunk, tile_rows)
+                epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n], tile_rows)
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:

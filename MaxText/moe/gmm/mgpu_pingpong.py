@@ -83,8 +83,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
         pl.run_scoped,
         lhs_smem=plgpu.SMEM((2, ring, t.block_m, t.block_k), dtype, transforms=transforms),
         rhs_smem=plgpu.SMEM((2, ring, *rhs_block), dtype, transforms=transforms),
-        out_smem=plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype,
-                            transforms=mgpu_kernels.epilogue_transforms(t)),
+        out_smem=mgpu_kernels.epilogue_buffer(t, out_dtype),
         full_lhs=plgpu.Barrier(num_barriers=2 * ring),
         full_rhs=plgpu.Barrier(num_barriers=2 * ring),
         empty=(plgpu.ClusterBarrier(collective_axes=cluster_axes, num_barriers=2 * ring)
@@ -137,7 +136,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
 
         def epilogue(chunk, rows, ni, row0, size):  # chunk(c): [block_m, epi_n] of this tile
           mgpu_kernels.store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.block_n, row0,
-                                  size, epi_n=t.epi_n, width=t.block_n, tile_rows=t.block_m)
+                                  size, t=t, width=t.block_n, tile_rows=t.block_m)
 
         # carry: steps consumed so far from this warpgroup's ring.
         @plgpu.nd_loop((num_items * grid_n // pair,), collective_axes="sm",
