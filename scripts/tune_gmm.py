@@ -48,7 +48,7 @@ PROBLEMS = {
 # left out (BENCHMARKS runs 4-7): pingpong, with or without multicast (12-26% slower: each
 # ring's slots cover too little load latency), epi_direct (5-13% slower), epi_n=128 at 3
 # stages, epi_swizzle, chain, half_tiles, group_aligned False, grid_block_n 4, 8 and 32.
-FWD_VARIANTS = [{}, dict(epi_m=64)]
+FWD_VARIANTS = [{}, dict(epi_m=64), dict(epi_n=128, stages=3)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),
                  dict(warp_specialized=True, stages=3, grid_block_n=16)]

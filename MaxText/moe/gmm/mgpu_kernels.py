@@ -128,19 +128,23 @@ def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, t: FwdTilin
     for r0 in range(0, tile_rows, piece_rows):
       slot = (c * (tile_rows // piece_rows) + r0 // piece_rows) % t.epi_slots
       buf = out_smem.at[slot, pl.ds(0, piece_rows)]
-      if t.epi_slots == 1 or prev_rows is None:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      else:
-        last = prev_rows > 0
-        pl.when(last)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
-        pl.when(jnp.logical_not(last))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-      buf[...] = values if piece_rows == tile_rows else values[r0:r0 + piece_rows]
-      plgpu.commit_smem()
-      # This piece's share of the tile's rows [row0, row0 + size).
-      lo = jnp.clip(row0 - r0, 0, piece_rows)
-      prev_rows = jnp.maximum(jnp.clip(row0 + size - r0, 0, piece_rows) - lo, 0)
-      dst = out_gmem.at[rows, pl.ds(col0 + c * t.epi_n, t.epi_n)].at[pl.ds(r0, piece_rows)]
-      store_rows(buf, dst, lo, prev_rows, piece_rows)
+      # Named scopes: where a piece's time goes, in a profile (run 7: ~0.8 kc per piece).
+      with jax.named_scope("epi_wait"):
+        if t.epi_slots == 1 or prev_rows is None:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        else:
+          last = prev_rows > 0
+          pl.when(last)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+          pl.when(jnp.logical_not(last))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+      with jax.named_scope("epi_write"):
+        buf[...] = values if piece_rows == tile_rows else values[r0:r0 + piece_rows]
+        plgpu.commit_smem()
+      with jax.named_scope("epi_tma"):
+        # This piece's share of the tile's rows [row0, row0 + size).
+        lo = jnp.clip(row0 - r0, 0, piece_rows)
+        prev_rows = jnp.maximum(jnp.clip(row0 + size - r0, 0, piece_rows) - lo, 0)
+        dst = out_gmem.at[rows, pl.ds(col0 + c * t.epi_n, t.epi_n)].at[pl.ds(r0, piece_rows)]
+        store_rows(buf, dst, lo, prev_rows, piece_rows)
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
