@@ -50,14 +50,6 @@ def test_validate_rejects_unchainable_tilings():
     mgpu_tiling.FwdTiling(stages=2, chain=True, half_tiles=True).validate(256, 256)
 
 
-def test_two_slot_epilogue_takes_the_one_slot_bytes():
-  one, two = mgpu_tiling.FwdTiling(stages=4), mgpu_tiling.FwdTiling(stages=4, epi_m=64)
-  assert (one.epi_slots, two.epi_slots, two.epi_rows) == (1, 2, 64)
-  assert one.smem_bytes() == two.smem_bytes() <= mgpu_tiling.SMEM_LIMIT_BYTES
-  with pytest.raises(ValueError, match="epi_m=96 must divide block_m=128"):
-    mgpu_tiling.FwdTiling(epi_m=96).validate(2048, 7168)
-
-
 def test_swizzled_epilogue_rows_are_128_bytes():
   t = mgpu_tiling.FwdTiling(epi_swizzle=True)
   assert t.fit_output(2) == t and t.fit_output(4).epi_n == 32
@@ -232,7 +224,6 @@ _SKEW_FWD = mgpu_tiling.FwdTiling(group_aligned=True, half_tiles=True)
 _BLOCK_FWD = mgpu_tiling.FwdTiling(group_aligned=False)
 _SWIZZLED_EPI = mgpu_tiling.FwdTiling(epi_swizzle=True)
 _PINGPONG = mgpu_tiling.FwdTiling(pingpong=True, stages=3)
-_TWO_SLOT_EPI = mgpu_tiling.FwdTiling(epi_m=64)
 _MULTICAST = mgpu_tiling.FwdTiling(pingpong=True, multicast=True, stages=3, grid_block_n=32)
 _BLOCK_TGMM = dict(exact_start=False, largest_first=False)
 
@@ -264,7 +255,6 @@ _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
                                               (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
                                               (False, _PINGPONG), (True, _PINGPONG),
                                               (False, dataclasses.replace(_PINGPONG, epi_swizzle=True)),
-                                              (False, _TWO_SLOT_EPI), (True, _TWO_SLOT_EPI),
                                               (False, _MULTICAST), (True, _MULTICAST)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
@@ -342,10 +332,6 @@ def _ref_rows(x, w, starts, ends, m):
     # Ping-pong tiles (one compute warpgroup each, in turn), bf16; f32 at 2 stages (fit_output).
     (False, 2, 3, jnp.bfloat16, _PINGPONG),
     (True, 0, 6, jnp.float32, _PINGPONG),
-    # The epilogue in 64-row pieces through two slots; a group's rows start and end inside
-    # either piece (70, 200, 201); f32 also with 64-row MMAs for the short tails.
-    (False, 2, 3, jnp.bfloat16, _TWO_SLOT_EPI),
-    (True, 0, 6, jnp.float32, dataclasses.replace(_TWO_SLOT_EPI, half_tiles=True)),
 ])
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256
@@ -400,14 +386,6 @@ def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose)
   # the memory warpgroup loading the next tile while the compute ones store this one.
   tiling = mgpu_tiling.FwdTiling(stages=stages, chain=True, grid_block_n=1)
   _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=256, n=512, seed=3)
-
-
-@pytest.mark.parametrize("num_sms,transpose", [(2, False), (3, True)])
-def test_two_slot_epilogue_interpreted(monkeypatch, num_sms, transpose):
-  # The race detector watches a piece being written into one slot while the TMA reads the
-  # other, after pieces with no rows of the group, and at each tile's first piece.
-  tiling = mgpu_tiling.FwdTiling(epi_m=64, stages=2, grid_block_n=1)
-  _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k=256, n=512, seed=6)
 
 
 @pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (3, 3, True), (1, 2, False)])

@@ -91,9 +91,8 @@ def epilogue_transforms(t: FwdTiling):
 
 
 def epilogue_buffer(t: FwdTiling, out_dtype):
-  """Both compute warpgroups' epilogue buffers: [wg, slot, epi_m, epi_n] (t.epi_slots)."""
-  return plgpu.SMEM((2, t.epi_slots, t.epi_rows, t.epi_n), out_dtype,
-                    transforms=epilogue_transforms(t))
+  """Both compute warpgroups' epilogue buffers: [wg, block_m, epi_n]."""
+  return plgpu.SMEM((2, t.block_m, t.epi_n), out_dtype, transforms=epilogue_transforms(t))
 
 
 def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
@@ -111,40 +110,22 @@ def store_rows(src_smem, dst_gmem, row0, size, max_rows: int):
     bit //= 2
 
 
-def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, t: FwdTiling,
-               width: int, tile_rows: int):
-  """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n column
-  chunks of chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer
-  out_smem ([epi_slots, epi_rows, epi_n]), epi_rows rows at a time.
+def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, epi_n: int, width: int,
+               tile_rows: int):
+  """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n chunks of
+  chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer out_smem.
 
-  With two slots, a piece waits only until the stores of the piece before it are the last
-  in flight (wait_smem_to_gmem(1): those of the piece before that, in the other slot, are
-  done), so it is written while the previous one is read out. It waits for all when the
-  piece before stored no rows, and at a tile's first piece."""
-  piece_rows = min(t.epi_rows, tile_rows)
-  prev_rows = None  # rows the previous piece stored; None: none before it in this tile
-  for c in range(width // t.epi_n):
-    values = chunk(c)
-    for r0 in range(0, tile_rows, piece_rows):
-      slot = (c * (tile_rows // piece_rows) + r0 // piece_rows) % t.epi_slots
-      buf = out_smem.at[slot, pl.ds(0, piece_rows)]
-      # Named scopes: where a piece's time goes, in a profile (run 7: ~0.8 kc per piece).
-      with jax.named_scope("epi_wait"):
-        if t.epi_slots == 1 or prev_rows is None:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        else:
-          last = prev_rows > 0
-          pl.when(last)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
-          pl.when(jnp.logical_not(last))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-      with jax.named_scope("epi_write"):
-        buf[...] = values if piece_rows == tile_rows else values[r0:r0 + piece_rows]
-        plgpu.commit_smem()
-      with jax.named_scope("epi_tma"):
-        # This piece's share of the tile's rows [row0, row0 + size).
-        lo = jnp.clip(row0 - r0, 0, piece_rows)
-        prev_rows = jnp.maximum(jnp.clip(row0 + size - r0, 0, piece_rows) - lo, 0)
-        dst = out_gmem.at[rows, pl.ds(col0 + c * t.epi_n, t.epi_n)].at[pl.ds(r0, piece_rows)]
-        store_rows(buf, dst, lo, prev_rows, piece_rows)
+  The named scopes say where a chunk's time goes, in a profile (BENCHMARKS run 7, down:
+  wait 0.06, write 0.23, TMA issue 0.50 kc per 128x64 chunk)."""
+  for c in range(width // epi_n):
+    with jax.named_scope("epi_wait"):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    with jax.named_scope("epi_write"):
+      out_smem.at[pl.ds(0, tile_rows)][...] = chunk(c)
+      plgpu.commit_smem()
+    with jax.named_scope("epi_tma"):
+      store_rows(out_smem, out_gmem.at[rows, pl.ds(col0 + c * epi_n, epi_n)], row0, size,
+                 tile_rows)
 
 
 def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool, out_dtype,
@@ -217,7 +198,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
 
         def epilogue(chunk, tile_rows: int):  # chunk(c): [tile_rows, epi_n] values of this wg
           store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.cta_n + wg * t.block_n,
-                     row0, size, t=t, width=t.block_n, tile_rows=tile_rows)
+                     row0, size, epi_n=t.epi_n, width=t.block_n, tile_rows=tile_rows)
 
         def compute(tile_rows: int, state=None):
           """The MMA over the window's first tile_rows rows (block_m, or half of it); state:

@@ -19,7 +19,10 @@ release lags one step (wgmma_wait(1)): the tensor cores always have the next MMA
 
 The cost, and why this is a tiling option and not the default: each step loads 32 KiB for a
 128x128x64 MMA, against 48 KiB for 128x256x64 in the shared-tile kernel (1.33x the operand
-bytes per FLOP), which the L2 does not deliver: 12-26% slower on the H200 (BENCHMARKS run 7).
+bytes per FLOP): 12-26% slower on the H200 (BENCHMARKS run 7). Not for the L2's bandwidth
+(multicast, below, halves the reads and is no faster): a warpgroup alone on the tensor cores
+consumes a slot every ~0.5 kc, so a ring of 3 slots runs ~1.5 kc ahead of the loads' latency,
+where the shared-tile kernel's 4 slots run ~4 kc ahead; twice the slots do not fit in 227 KiB.
 With `multicast`, SMs run in clusters of two that take neighbouring column tiles of the same
 row window in lockstep (the same work-item order); each loads half of every lhs slot and
 multicasts it into both SMs' slot, so an SM reads 8 + 16 KiB per step. A slot is refilled
@@ -136,7 +139,7 @@ def grouped_matmul_pingpong(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_
 
         def epilogue(chunk, rows, ni, row0, size):  # chunk(c): [block_m, epi_n] of this tile
           mgpu_kernels.store_tile(chunk, out_smem.at[wg], out_gmem, rows, ni * t.block_n, row0,
-                                  size, t=t, width=t.block_n, tile_rows=t.block_m)
+                                  size, epi_n=t.epi_n, width=t.block_n, tile_rows=t.block_m)
 
         # carry: steps consumed so far from this warpgroup's ring.
         @plgpu.nd_loop((num_items * grid_n // pair,), collective_axes="sm",

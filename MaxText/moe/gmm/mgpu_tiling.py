@@ -68,17 +68,15 @@ class FwdTiling:
              Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
   pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
-             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 14-26%
-             slower on the H200 (BENCHMARKS run 7): each SM reads 1.33x the operand bytes.
+             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 12-26%
+             slower on the H200 (BENCHMARKS run 7): a ring's slots run too little ahead of
+             the load latency.
   multicast: with pingpong, a 2-SM cluster takes neighbouring column tiles of the same row
              window; each SM TMA-loads half of every lhs slot and multicasts it to both, so
              an SM reads 24 KiB per 128x128x64 step, the shared-tile kernel's bytes per FLOP.
-  epi_m:     rows per epilogue piece; 0 = the whole tile. Below block_m the buffer holds two
-             pieces (the same bytes at epi_m = block_m / 2), so a piece is written while the
-             previous one is stored, instead of waiting for its TMA read (run 6: ~0.7 of the
-             epilogue's 1.9 kc is that wait).
-  group_aligned is on by default; half_tiles, chain, epi_swizzle and pingpong are off
-  (measured, or not yet timed: TABLE note).
+             Off: no faster than pingpong alone (run 7), so L2 traffic was not its limit.
+  group_aligned is on by default; half_tiles, chain, epi_swizzle, pingpong and multicast
+  are off (measured: TABLE note and BENCHMARKS).
   """
 
   block_m: int = 128
@@ -92,23 +90,12 @@ class FwdTiling:
   chain: bool = False
   epi_swizzle: bool = False
   pingpong: bool = False
-  epi_m: int = 0
   multicast: bool = False
 
   @property
   def cta_n(self) -> int:
     """Output columns per tile: one compute warpgroup's with pingpong, else both's."""
     return self.block_n if self.pingpong else 2 * self.block_n
-
-  @property
-  def epi_rows(self) -> int:
-    """Rows per epilogue piece (epi_m, 0 = block_m)."""
-    return self.epi_m or self.block_m
-
-  @property
-  def epi_slots(self) -> int:
-    """Pieces the epilogue buffer holds: two when a tile is stored in several."""
-    return 2 if self.epi_rows < self.block_m else 1
 
   @property
   def n_multiple(self) -> int:
@@ -123,7 +110,7 @@ class FwdTiling:
   def smem_bytes(self, out_itemsize: int = BF16_BYTES) -> int:
     stage = (self.block_m * self.block_k + self.block_k * self.cta_n) * BF16_BYTES
     rings = 2 if self.pingpong else 1
-    epilogue = 2 * self.epi_slots * self.epi_rows * self.epi_n * out_itemsize
+    epilogue = 2 * self.block_m * self.epi_n * out_itemsize
     return rings * self.stages * stage + epilogue
 
   def fit_output(self, out_itemsize: int) -> "FwdTiling":
@@ -149,9 +136,6 @@ class FwdTiling:
       raise ValueError(f"N={n} must be a multiple of {per_tile}={self.n_multiple}")
     if self.pingpong and (self.chain or self.half_tiles):
       raise ValueError("pingpong runs its own pipeline: chain and half_tiles do not apply to it")
-    if self.block_m % self.epi_rows or self.epi_rows % 64:
-      raise ValueError(f"epi_m={self.epi_m} must divide block_m={self.block_m} in multiples of 64 "
-                       f"rows (one wgmma's height)")
     if self.pingpong and self.stages < 2:
       raise ValueError(f"pingpong needs stages >= 2 (a slot is released one MMA late), "
                        f"got {self.stages}")
