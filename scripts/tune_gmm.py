@@ -42,13 +42,13 @@ PROBLEMS = {
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
 # cycles) per tile outside it, ~1.9 kc of which is the epilogue; run 7 split a 128x64
-# epilogue chunk into wait 0.06, shared-memory write 0.23 and TMA issue 0.50 kc (the
-# epi_wait/epi_write/epi_tma scopes). Measured without gain and left out (BENCHMARKS runs
-# 4-7): pingpong, with or without multicast (12-30% slower: a ring's slots run too little
-# ahead of the load latency), a direct register-to-global epilogue (5-13% slower), 64-row
-# epilogue pieces through two slots (3% slower), epi_n=128 at 3 stages, epi_swizzle, chain,
-# half_tiles, group_aligned False, and grid_block_n 4, 8 and 32. Variant 1 is the comparison
-# that keeps the profile's epilogue split in view.
+# epilogue chunk into wait 0.06, shared-memory write 0.23 and TMA issue 0.50 kc (named
+# scopes at commit 5e9e2df). Measured without gain and left out (BENCHMARKS runs 4-7):
+# pingpong, with or without multicast (12-30% slower: a ring's slots run too little ahead
+# of the load latency), a direct register-to-global epilogue (5-13% slower), 64-row
+# epilogue pieces through two slots (3% slower), epi_swizzle, chain, half_tiles,
+# group_aligned False, and grid_block_n 4, 8 and 32. Variant 1 (one 128-column chunk per
+# warpgroup, the cheapest epilogue, at the stage it costs) stays as the comparison.
 FWD_VARIANTS = [{}, dict(epi_n=128, stages=3)]
 TGMM_VARIANTS = [{}, dict(exact_start=False, largest_first=False),  # JAX's block-aligned windows
                  dict(warp_specialized=True, stages=3, grid_block_n=4),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_schedule, mgpu_tiling
+from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_schedule, mgpu_tgmm, mgpu_tiling
 
 
 # ------------------------------------------------------------------ tiling table
@@ -250,12 +250,11 @@ def test_gmm_lowers_to_mosaic_gpu(transpose, offset, num_local, out_dtype):
 _CHAIN_FWD = mgpu_tiling.FwdTiling(stages=4, grid_block_n=16, chain=True)
 
 
-@pytest.mark.parametrize("transpose,tiling", [(False, _SKEW_FWD), (True, _SKEW_FWD),
-                                              (False, _CHAIN_FWD), (True, _CHAIN_FWD),
-                                              (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI),
-                                              (False, _PINGPONG), (True, _PINGPONG),
-                                              (False, dataclasses.replace(_PINGPONG, epi_swizzle=True)),
-                                              (False, _MULTICAST), (True, _MULTICAST)])
+@pytest.mark.parametrize("transpose,tiling", [
+    (False, _SKEW_FWD), (True, _SKEW_FWD), (False, _CHAIN_FWD), (True, _CHAIN_FWD),
+    (False, _SWIZZLED_EPI), (True, _SWIZZLED_EPI), (False, _PINGPONG), (True, _PINGPONG),
+    (False, dataclasses.replace(_PINGPONG, epi_swizzle=True)),
+    (False, _MULTICAST), (True, _MULTICAST)])
 def test_gmm_lowers_at_deepseek_shapes(transpose, tiling):
   # Group-aligned windows and the half-height MMA branch, or chained tiles, at the up-proj
   # (and its dlhs) shape.
@@ -295,7 +294,7 @@ def test_warp_specialized_tgmm_lowers_at_deepseek_shape(block_aligned):
   # 3 stages of (64x128 + 64x256) bf16 + a 128x256 output tile fit Hopper's shared memory.
   tiling = mgpu_tiling.TgmmTiling(warp_specialized=True, stages=3,
                                   **(_BLOCK_TGMM if block_aligned else {}))
-  text = _lower(lambda x, d, s, e: mgpu_kernels.transposed_grouped_matmul(
+  text = _lower(lambda x, d, s, e: mgpu_tgmm.transposed_grouped_matmul(
       x, d, s, e, tiling=tiling, out_dtype=jnp.bfloat16),
       ((4096, 7168), jnp.bfloat16), ((4096, 2048), jnp.bfloat16), ((32,), jnp.int32),
       ((32,), jnp.int32))

@@ -21,7 +21,7 @@ import pytest
 from conftest import load_script
 from gmm_reference import Case, dense_gmm, rel_err
 from MaxText.moe import gmm as gmm_lib
-from MaxText.moe.gmm import _pad, mgpu, mgpu_kernels, mgpu_tiling
+from MaxText.moe.gmm import _pad, mgpu, mgpu_kernels, mgpu_tgmm, mgpu_tiling
 from MaxText.moe.gmm import tokamax as tokamax_backend
 
 
@@ -140,7 +140,7 @@ def test_mgpu_aligned_shapes_reach_its_kernels_unpadded(monkeypatch):
     return lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
   monkeypatch.setattr(mgpu_kernels, "grouped_matmul", _recorder(record, fwd_shape))
-  monkeypatch.setattr(mgpu_kernels, "transposed_grouped_matmul",
+  monkeypatch.setattr(mgpu_tgmm, "transposed_grouped_matmul",
                       _recorder(record, lambda x, d, s, e, **_: (s.shape[0], x.shape[1], d.shape[1])))
   _trace_passthrough(mgpu.gmm, mgpu.tgmm, record)
 

@@ -5,7 +5,7 @@
           rows outside the local groups, rhs optionally transposed for dlhs), or with
           `FwdTiling.pingpong` -> `mgpu_pingpong.grouped_matmul_pingpong` (the same contract,
           compute warpgroups on alternate tiles; a tuner variant, not yet timed)
-  tgmm -> `mgpu_kernels.transposed_grouped_matmul` (dW over the local groups only)
+  tgmm -> `mgpu_tgmm.transposed_grouped_matmul` (dW over the local groups only)
 
 Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).
 `jax_ragged_dot` / `jax_transposed_ragged_dot` expose JAX's own kernels with the same
@@ -32,10 +32,10 @@ _ROW_MULTIPLE = 8
 
 
 def _fwd_align(tiling) -> _pad.Align:
-  """What grouped_matmul needs (FwdTiling.validate): K a multiple of block_k, N of the
-  block's 2*block_n columns (FwdTiling.n_multiple); rows of 8 for TMA. The table's shapes need no padding; a small
-  or odd shape (K=8, N=6) is padded up to one tile (wasteful but correct; such shapes are
-  tests and toys, not training)."""
+  """What grouped_matmul needs (FwdTiling.validate): K a multiple of block_k, N of a tile's
+  columns (FwdTiling.n_multiple); rows of 8 for TMA. The table's shapes need no padding; a
+  small or odd shape (K=8, N=6) is padded up to one tile (wasteful but correct; such shapes
+  are tests and toys, not training)."""
   return _pad.Align(m=_ROW_MULTIPLE, k=tiling.block_k, n=tiling.n_multiple)
 
 
@@ -118,7 +118,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
          tiling=None, profile_dir=None):
   """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros.
   tiling, profile_dir: as for `gmm`."""
-  from MaxText.moe.gmm import mgpu_kernels, mgpu_schedule, mgpu_tiling
+  from MaxText.moe.gmm import mgpu_schedule, mgpu_tgmm, mgpu_tiling
 
   if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
     raise ValueError(f"expected lhs [M, K] and dout [M, N], got {lhs_MK.shape}, {dout_MN.shape}")
@@ -134,7 +134,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   starts, ends = mgpu_schedule.local_group_bounds(group_sizes_G, group_offset, num_local_groups, m)
 
   def kernel(lhs_PK, dout_PN):
-    return mgpu_kernels.transposed_grouped_matmul(
+    return mgpu_tgmm.transposed_grouped_matmul(
         lhs_PK, dout_PN, starts, ends, tiling=tiling, out_dtype=out_dtype, profile_dir=profile_dir)
 
   # Aligned shapes (the table's, DeepSeek-V3's) reach the kernel unpadded: no copy.

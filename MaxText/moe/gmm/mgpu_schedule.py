@@ -106,7 +106,7 @@ def dw_windows(starts_G, ends_G, t: TgmmTiling):
   its start aligned down to block_k (JAX's scheme) or, with t.exact_start, only to the 8
   rows TMA needs, so that the first step holds < 8 rows of the previous group, not < 64.
   `order` lists the groups to visit: largest first with t.largest_first (see
-  `mgpu_kernels._dw_tile`)."""
+  `mgpu_tgmm._dw_tile`)."""
   starts = starts_G.astype(jnp.int32)
   ends = ends_G.astype(jnp.int32)
   first = starts // t.window_align * t.window_align
