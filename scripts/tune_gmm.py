@@ -44,7 +44,7 @@ PROBLEMS = {
 # cycles) per tile outside it, ~1.9 kc of which is the epilogue; run 7 split a 128x64
 # epilogue chunk into wait 0.06, shared-memory write 0.23 and TMA issue 0.50 kc (named
 # scopes at commit 5e9e2df). Measured without gain and left out (BENCHMARKS runs 4-7):
-# pingpong, with or without multicast (12-30% slower: a ring's slots run too little ahead
+# pingpong, with or without multicast (13-30% slower: a ring's slots run too little ahead
 # of the load latency), a direct register-to-global epilogue (5-13% slower), 64-row
 # epilogue pieces through two slots (3% slower), epi_swizzle, chain, half_tiles,
 # group_aligned False, and grid_block_n 4, 8 and 32. Variant 1 (one 128-column chunk per

@@ -19,7 +19,7 @@ release lags one step (wgmma_wait(1)): the tensor cores always have the next MMA
 
 The cost, and why this is a tiling option and not the default: each step loads 32 KiB for a
 128x128x64 MMA, against 48 KiB for 128x256x64 in the shared-tile kernel (1.33x the operand
-bytes per FLOP): 12-26% slower on the H200 (BENCHMARKS run 7). Not for the L2's bandwidth
+bytes per FLOP): 13-29% slower on the H200 (BENCHMARKS run 7). Not for the L2's bandwidth
 (multicast, below, halves the reads and is no faster): a warpgroup alone on the tensor cores
 consumes a slot every ~0.5 kc, so a ring of 3 slots runs ~1.5 kc ahead of the loads' latency,
 where the shared-tile kernel's 4 slots run ~4 kc ahead; twice the slots do not fit in 227 KiB.

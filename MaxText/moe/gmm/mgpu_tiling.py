@@ -68,7 +68,7 @@ class FwdTiling:
              Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
   pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
-             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 12-26%
+             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 13-29%
              slower on the H200 (BENCHMARKS run 7): a ring's slots run too little ahead of
              the load latency.
   multicast: with pingpong, a 2-SM cluster takes neighbouring column tiles of the same row
