@@ -4,7 +4,7 @@
   gmm  -> `mgpu_kernels.grouped_matmul` (warp-specialized, work-table scheduled, zero-fills
           rows outside the local groups, rhs optionally transposed for dlhs), or with
           `FwdTiling.pingpong` -> `mgpu_pingpong.grouped_matmul_pingpong` (the same contract,
-          compute warpgroups on alternate tiles; a tuner variant, not yet timed)
+          compute warpgroups on alternate tiles; off: slower on the H200, BENCHMARKS run 7)
   tgmm -> `mgpu_tgmm.transposed_grouped_matmul` (dW over the local groups only)
 
 Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).

@@ -1,8 +1,9 @@
 """Pallas Mosaic-GPU grouped-GEMM kernels for Hopper (sm_90a), used by `mgpu.py`, and what
 they share (profiling parameters, shared-memory transforms, the epilogue's stores).
 
-Two kernels (the second in `mgpu_tgmm.py`), written after JAX's `pallas/ops/gpu/{ragged_dot_mgpu,transposed_ragged_dot_mgpu,
-hopper_matmul_mgpu}.py` (jax 0.11.2), with what the MoE layer needs and they lack:
+Two kernels (the second in `mgpu_tgmm.py`), written after JAX's `pallas/ops/gpu/
+{ragged_dot_mgpu,transposed_ragged_dot_mgpu,hopper_matmul_mgpu}.py` (jax 0.11.2), with what
+the MoE layer needs and they lack:
 
 * `grouped_matmul`: out_MN = lhs_MK @ rhs[g] per row group. Warp-specialized like
   hopper_matmul_mgpu (one TMA-issuing memory warpgroup, two wgmma warpgroups sharing the lhs
@@ -13,8 +14,9 @@ hopper_matmul_mgpu}.py` (jax 0.11.2), with what the MoE layer needs and they lac
     - empty groups and tile-aligned boundaries cost no tile (JAX's kernel spends a full
       tile on each),
   and rhs may be used transposed ([G, N, K], the dlhs product).
-* `mgpu_tgmm.transposed_grouped_matmul`: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g], for the local
-  groups only (start/end per group passed in, so ring EP computes no foreign rows).
+* `mgpu_tgmm.transposed_grouped_matmul`: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g],
+  for the local groups only (start/end per group passed in, so ring EP computes no foreign
+  rows).
 
 Shapes: lhs_MK [M, K] rows sorted by group; rhs_GKN [G_local, K, N] (or [G_local, N, K]).
 """

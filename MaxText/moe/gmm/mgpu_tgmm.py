@@ -38,6 +38,24 @@ def _dw_tile(flat, order_g, t: TgmmTiling, grid_mn: tuple[int, int]):
   return gi, mi, ni
 
 
+def _each_dw_tile(t: TgmmTiling, rows: int, grid_gmn, order_g, first_g, steps_g):
+  """Decorator: runs tile(gi, mi, ni, first, steps, window) on each of this SM's output tiles
+  of the persistent loop (in `_dw_tile`'s order), each in the profile's "dw_tile" scope.
+  window: the group's rows from `first` on; it may run past the arrays' end, where the
+  pipelines never read."""
+  g, grid_m, grid_n = grid_gmn
+
+  def run(tile):
+    @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
+    @jax.named_scope("dw_tile")  # a profile's unit (see compiler_params)
+    def _tiles(loop_info):
+      gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
+      first = pl.multiple_of(first_g[gi], t.window_align)
+      tile(gi, mi, ni, first, steps_g[gi], pl.ds(first, rows))
+
+  return run
+
+
 def _zero_neighbour_rows(block_smem, cols: int, si, steps, starts_g, ends_g, gi, first,
                          t: TgmmTiling):
   """dW kernels, per pipeline step si of group gi's row window (which starts at row `first`,
@@ -79,28 +97,36 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
   if rows != rows2:
     raise ValueError(f"row mismatch: lhs {lhs_MK.shape} dout {dout_MN.shape}")
   t = tiling
-  t.validate(k, n, jnp.dtype(out_dtype).itemsize)
-  if t.warp_specialized:
-    return _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t, out_dtype, profile_dir)
-  g = starts_G.shape[0]
-  starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
-  dtype = lhs_MK.dtype
-  transforms = swizzled(t.block_k, dtype)
   out_itemsize = jnp.dtype(out_dtype).itemsize
-  out_transforms = swizzled(t.block_n, out_dtype)
-  grid_m, grid_n = k // t.block_m, n // t.block_n
+  t.validate(k, n, out_itemsize)
+  # (group, row block, column block) of the output tiles; a warp-specialized block's tile is
+  # both compute warpgroups' columns.
+  grid_gmn = (starts_G.shape[0], k // t.block_m, n // t.cta_n)
+  make_body = _ws_body if t.warp_specialized else _single_wg_body
+  body = make_body(t, rows, grid_gmn, swizzled(t.block_k, lhs_MK.dtype),
+                   swizzled(t.block_n, out_dtype), out_dtype)
+  wgs = NUM_WARPGROUPS if t.warp_specialized else 1
+  threads = dict(num_threads=wgs, thread_name="wg") if t.warp_specialized else {}
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((grid_gmn[0], k, n), out_dtype),
+      grid=(num_sms(),),
+      grid_names=("sm",),
+      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), wgs),
+      **threads,
+  )
+  windows = mgpu_schedule.dw_windows(starts_G, ends_G, t)  # starts, ends, steps, first, order
+  return kernel(*windows, lhs_MK, dout_MN)
+
+
+def _single_wg_body(t: TgmmTiling, rows: int, grid_gmn, transforms, out_transforms, out_dtype):
+  """The kernel body with one warpgroup per block (JAX's structure): it masks the boundary
+  rows of its lhs block itself."""
   delay = 1 if t.stages > 1 else 0
 
   def body(starts_g, ends_g, steps_g, first_g, order_g, lhs_gmem, dout_gmem, o_gmem):
-    @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
-    @jax.named_scope("dw_tile")  # a profile's unit (see compiler_params)
-    def _tiles(loop_info):
-      gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
-      first = pl.multiple_of(first_g[gi], t.window_align)
-      steps = steps_g[gi]
-      # The slice may run past the end of the arrays; the pipeline never reads that part.
-      window = pl.ds(first, rows)
-
+    @_each_dw_tile(t, rows, grid_gmn, order_g, first_g, steps_g)
+    def _tile(gi, mi, ni, first, steps, window):
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, dout_smem):
           (si,) = idx
@@ -138,32 +164,15 @@ def transposed_grouped_matmul(lhs_MK, dout_MN, starts_G, ends_G, *, tiling: Tgmm
             o_gmem.at[gi, pl.ds(mi * t.block_m, t.block_m), pl.ds(ni * t.block_n, t.block_n)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(num_sms(),),
-      grid_names=("sm",),
-      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), 1),
-  )
-  return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
+  return body
 
 
-def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTiling, out_dtype,
-                                  profile_dir):
-  """Warp-specialized dW: a memory warpgroup streams (block_k x block_m) lhs and
+def _ws_body(t: TgmmTiling, rows: int, grid_gmn, transforms, out_transforms, out_dtype):
+  """The warp-specialized kernel body: a memory warpgroup streams (block_k x block_m) lhs and
   (block_k x 2*block_n) dout blocks of one group's rows; two compute warpgroups each own
   block_n output columns. Boundary steps zero the rows of neighbouring groups in each
   warpgroup's own dout slice (lhs is shared by both, so masking it would race); rows outside
   the group then contribute lhs * 0 (inputs are finite activations)."""
-  rows, k = lhs_MK.shape
-  n = dout_MN.shape[1]
-  g = starts_G.shape[0]
-  starts, ends, num_steps, first_rows, order = mgpu_schedule.dw_windows(starts_G, ends_G, t)
-  dtype = lhs_MK.dtype
-  transforms = swizzled(t.block_k, dtype)
-  out_itemsize = jnp.dtype(out_dtype).itemsize
-  out_transforms = swizzled(t.block_n, out_dtype)
-  grid_m, grid_n = k // t.block_m, n // t.cta_n
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -194,13 +203,8 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
-      @jax.named_scope("dw_tile")  # a profile's unit (see compiler_params)
-      def _tiles(loop_info):
-        gi, mi, ni = _dw_tile(loop_info.index[0], order_g, t, (grid_m, grid_n))
-        first = pl.multiple_of(first_g[gi], t.window_align)
-        steps = steps_g[gi]
-        window = pl.ds(first, rows)  # may run past the arrays' end; never read there
+      @_each_dw_tile(t, rows, grid_gmn, order_g, first_g, steps_g)
+      def _tile(gi, mi, ni, first, steps, window):
         wg_cols = pl.ds(wg * t.block_n, t.block_n)
 
         def store(tile):
@@ -241,13 +245,4 @@ def _transposed_grouped_matmul_ws(lhs_MK, dout_MN, starts_G, ends_G, t: TgmmTili
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(num_sms(),),
-      grid_names=("sm",),
-      num_threads=NUM_WARPGROUPS,
-      thread_name="wg",
-      compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
-  )
-  return kernel(starts, ends, num_steps, first_rows, order, lhs_MK, dout_MN)
+  return body
