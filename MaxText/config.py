@@ -46,9 +46,17 @@ class ForkConfig(pydantic.BaseModel):
   progress_every: int = pydantic.Field(default=1, ge=0)
 
   # --- MoE (MaxText/moe) ---
-  # Grouped-GEMM backend (MaxText/moe/gmm) for upstream's sparse_matmul; "upstream" leaves
-  # upstream's MoE path untouched. Others set megablox=true (see moe_gmm_upstream_keys).
-  moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = "upstream"
+  # Grouped-GEMM backend (MaxText/moe/gmm): of our block, or of upstream's sparse_matmul under
+  # moe_block=upstream ("upstream" leaves that path untouched; others set megablox=true, see
+  # moe_gmm_upstream_keys). Unset: "auto" with moe_block=ours (mgpu on Hopper), else "upstream".
+  moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = None  # type: ignore[assignment]
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _gmm_backend_follows_the_block(cls, data: Any) -> Any:
+    if isinstance(data, dict) and data.get("moe_gmm_backend") is None:
+      data = {**data, "moe_gmm_backend": "auto" if data.get("moe_block") == "ours" else "upstream"}
+    return data
 
   # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
   # Routed-MoE block: upstream's, ours (route->dispatch->gmm->combine), or upstream's TE MoEBlock path.
@@ -210,15 +218,34 @@ MOE_GMM_UPSTREAM_KEYS: dict[str, Any] = {
 }
 
 
+def check_moe_keys(fork: ForkConfig, origins: dict[str, str]) -> None:
+  """Our MoE keys that contradict each other: a ConfigError naming both."""
+  def where(key: str) -> str:
+    return origins.get(key, "default")
+
+  def clash(a: str, b: str, why: str) -> ConfigError:
+    return ConfigError(f"config keys '{a}' = {getattr(fork, a)!r} ({where(a)}) and '{b}' = {getattr(fork, b)!r} "
+                       f"({where(b)}) contradict each other: {why}")
+
+  if fork.moe_block == "ours" and fork.moe_gmm_backend == "upstream":
+    raise clash("moe_block", "moe_gmm_backend", "our block runs our grouped GEMM; leave moe_gmm_backend unset "
+                "(auto) or pick one of auto, xla, tokamax, mgpu, te")
+  if fork.moe_block == "te" and fork.moe_gmm_backend != "upstream":
+    raise clash("moe_block", "moe_gmm_backend", "TE's MoE block runs TE's own grouped GEMM")
+  if fork.moe_block != "ours" and "moe_dispatch_backend" in origins:
+    raise clash("moe_block", "moe_dispatch_backend", "only our block (moe_block=ours) dispatches with it")
+
+
 def moe_gmm_upstream_keys(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
-  """Upstream keys with what moe_gmm_backend needs; ConfigError on a conflict.
+  """Upstream keys with what moe_gmm_backend needs under moe_block=upstream; ConfigError on a conflict.
 
   megablox=false set in a config file (as the CPU configs do, to keep upstream's
   Pallas kernel out of interpret mode) becomes true: our patch replaces that
   call, so no Pallas kernel runs. Any conflicting value given on the command
-  line, or any other conflicting key, is an error naming the key.
+  line, or any other conflicting key, is an error naming the key. Our block
+  never reaches upstream's sparse_matmul, so these keys do not matter to it.
   """
-  if fork.moe_gmm_backend == "upstream":
+  if fork.moe_gmm_backend == "upstream" or fork.moe_block != "upstream":
     return upstream
   out = dict(upstream)
   for key, need in MOE_GMM_UPSTREAM_KEYS.items():
@@ -277,6 +304,7 @@ def load(args: list[str]) -> RunConfig:
     fork = ForkConfig(**ours)
   except pydantic.ValidationError as e:
     raise _fork_error(e, origins) from None
+  check_moe_keys(fork, origins)
   return RunConfig(
       config_path=config_path.resolve(),
       fork=fork,

@@ -384,10 +384,30 @@ def compose_for(run: RunConfig, environ: Mapping[str, str]) -> Composed:
 
 
 def with_upstream_defaults(run: RunConfig, composed: Composed) -> RunConfig:
-  """The run with the presets' upstream keys added (the user's own already removed)."""
-  if not composed.upstream_defaults:
-    return run
-  return dataclasses.replace(run, upstream={**run.upstream, **composed.upstream_defaults})
+  """The run with the presets' upstream keys added (the user's own already removed).
+
+  PresetError if host_offload can offload nothing in this run (see _check_offload_acts)."""
+  if composed.upstream_defaults:
+    run = dataclasses.replace(run, upstream={**run.upstream, **composed.upstream_defaults})
+  if "host_offload" in composed.presets:
+    _check_offload_acts(run)
+  return run
+
+
+def _check_offload_acts(run: RunConfig) -> None:
+  """host_offload acts only through upstream's remat_policy=custom on the tensors named
+  moe_mlpwi_0/1, which upstream's block and ours (MaxText/moe/block.py) tag and TE's does not;
+  a user key that wins over the preset's can leave it nothing to do."""
+  up = run.upstream
+  if up.get("remat_policy") != "custom":
+    raise PresetError(f"xla preset host_offload has no effect with remat_policy={up.get('remat_policy')!r}: it "
+                      "offloads through remat_policy=custom (drop your remat_policy or set it to custom)")
+  if not any(up.get(k) == "offload" for k in ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")):
+    raise PresetError("xla preset host_offload has no effect: none of moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo is "
+                      "'offload' (your values win over the preset's)")
+  if run.fork.moe_block == "te":
+    raise PresetError("xla preset host_offload has no effect with moe_block=te: TE's MoE block does not tag "
+                      "moe_mlpwi_0/1 (use moe_block=ours or upstream)")
 
 
 def report(composed: Composed) -> dict[str, Any]:

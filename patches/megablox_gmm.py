@@ -103,7 +103,8 @@ def _make_gmm(choice: str, backend: str):
 
 
 def wanted(fork) -> bool:
-  return fork.moe_gmm_backend != "upstream"
+  # Our block (moe_block=ours) calls MaxText.moe.gmm itself; upstream's sparse_matmul never runs.
+  return fork.moe_block == "upstream" and fork.moe_gmm_backend != "upstream"
 
 
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument

@@ -12,7 +12,7 @@ sharding) is upstream's, so checkpoints stay interchangeable. Only `__call__`
 changes, by `moe_block`:
 
   ours      MaxText/moe/block.py: route -> dispatch -> gmm -> combine, with
-            moe_dispatch_backend and moe_gmm_backend ("upstream" -> "xla").
+            moe_dispatch_backend and moe_gmm_backend (unset: auto; the pick is logged).
             Returns what upstream's returns: (output, load-balance loss or
             None, routing-bias update or None), and sows `moe_has_overflow`.
   te        upstream's own `_te_moe_block` (TE's fused MoEBlock); needs TE and
@@ -144,6 +144,7 @@ def _aux_outputs(layer, r, batch: int):
 def _ours(layer, inputs, settings: dict):
   """Our block on upstream's parameters; returns upstream's (output, lb_loss, bias_updates)."""
   from MaxText.moe import block, dispatch  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import gmm as moe_gmm  # pylint: disable=import-outside-toplevel
 
   cfg = layer.config
   batch, seq, hidden = inputs.shape
@@ -158,7 +159,7 @@ def _ours(layer, inputs, settings: dict):
   block_cfg = block.BlockConfig(
       router=_router_config(layer),
       activation=cfg.mlp_activations[0],
-      gmm_backend=settings["gmm"],
+      gmm_backend=moe_gmm.resolve_backend(settings["gmm"]).NAME,  # "auto" resolved (and logged) once
       dtype=jnp.dtype(cfg.dtype),
       gate_dtype=jnp.float32 if cfg.float32_gate_logits else jnp.dtype(cfg.dtype),
   )
@@ -168,7 +169,7 @@ def _ours(layer, inputs, settings: dict):
   x_TD = inputs.reshape(batch * seq, hidden)
   sharding = _sharding(layer, batch * seq, ep_size)
   _CALLS[backend] += 1
-  _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {settings['gmm']}, EP {ep_size})")
+  _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {block_cfg.gmm_backend}, EP {ep_size})")
   y_TD, r, overflow = block.moe_block(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
@@ -211,11 +212,10 @@ def settings_from(fork) -> dict:
   """What the subclass needs from our config (captured, never global)."""
   from patches import te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
 
-  gmm = "xla" if fork.moe_gmm_backend == "upstream" else fork.moe_gmm_backend
   return {
       "block": fork.moe_block,
       "dispatch": fork.moe_dispatch_backend,
-      "gmm": gmm,
+      "gmm": fork.moe_gmm_backend,
       "a2a_padded_options": {"capacity_factor": fork.moe_a2a_padded_capacity_factor,
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
@@ -246,8 +246,6 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   if fork.moe_block == "ours" and fork.moe_dispatch_backend == "te_ncclep":
     _check_te_ncclep_runs_here()
   settings = settings_from(fork)
-  if fork.moe_block == "ours" and fork.moe_gmm_backend == "upstream":
-    _log("moe_block=ours: moe_gmm_backend=upstream means the xla grouped GEMM inside our block")
   SEAM.apply(lambda upstream_cls: _subclass(upstream_cls, settings))
 
 

@@ -18,7 +18,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
@@ -84,17 +86,57 @@ def float_psums_over(jaxpr, axis) -> list[str]:
   return found
 
 
-def compare(backend, mesh_shape, top_k, bias, **options):
-  """EP backend on a (data, expert) mesh vs `local` on one device: loss and grads."""
+def _on_mesh(backend, mesh_shape, axes, **options):
+  """(dispatcher, Sharding): tokens split over every axis, experts over "expert" if the mesh has it."""
+  mesh = jax.make_mesh(mesh_shape, axes, devices=jax.devices()[: math.prod(mesh_shape)],
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  expert_axis = "expert" if "expert" in axes else None
+  ep_size = mesh.shape["expert"] if expert_axis else 1
+  disp = dispatch.make(backend, num_experts=8, axis_name=expert_axis, ep_size=ep_size, **options)
+  return disp, block.Sharding(mesh=mesh, token_axes=axes, expert_axis=expert_axis)
+
+
+def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), **options):
+  """A dispatch backend on a mesh vs `local` on one device: loss and grads."""
   cfg = _cfg(top_k)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
-  mesh = jax.make_mesh(mesh_shape, ("data", "expert"), devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  disp = dispatch.make(backend, num_experts=8, axis_name="expert", ep_size=mesh_shape[1], **options)
-  sharding = block.Sharding(mesh=mesh, token_axes=("data", "expert"), expert_axis="expert")
-  val, grads, overflow = _loss_and_grads(cfg, disp, sharding, bias)
-  return {"backend": backend, "mesh": list(mesh_shape), "top_k": top_k, "loss_err": abs(float(val - want_val)),
-          "grad_err": _max_err(grads, want_grads), "overflow": bool(overflow)}
+  val, grads, overflow = _loss_and_grads(cfg, *_on_mesh(backend, mesh_shape, axes, **options), bias)
+  return {"backend": backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
+          "loss_err": abs(float(val - want_val)), "grad_err": _max_err(grads, want_grads), "overflow": bool(overflow)}
+
+
+# Meshes of 4 devices our block must train on: (axes, shape, dispatch backends that run on CPU).
+MESHES = (
+    (("fsdp",), (4,), ("local",)),
+    (("data", "fsdp"), (2, 2), ("local",)),
+    (("expert",), (4,), ("ring", "a2a_padded")),
+    (("fsdp", "expert"), (2, 2), ("ring", "a2a_padded")),
+    (("data", "expert"), (2, 2), ("ring", "a2a_padded")),
+)
+
+
+def trace_with_kernel_typing(gmm_backend, backend, mesh_shape, axes):
+  """Traces the block's loss and gradients with a GPU grouped-GEMM backend on CPU: "" or the error.
+
+  Tracing (not running) is enough: JAX checks the varying manual axes of every value, custom-VJP
+  cotangents included, while it traces, and the GPU kernels' outputs are typed then as on the GPU.
+  """
+  from MaxText.moe.gmm import mgpu  # pylint: disable=import-outside-toplevel
+
+  mgpu.unavailable_reason = lambda: None  # its kernels are only traced here, never run
+  cfg = dataclasses.replace(_cfg(2), gmm_backend=gmm_backend, dtype=jnp.bfloat16)
+  disp, sharding = _on_mesh(backend, mesh_shape, axes, **({"capacity_factor": 4.0} if backend == "a2a_padded" else {}))
+  x, router, ex = make_params(jax.random.key(0), tokens=TOKENS)
+
+  def loss(x, kernel, ex):
+    y, _, _ = block.moe_block(x, block.Router(kernel, None), ex, cfg, disp, sharding)
+    return jnp.sum(y.astype(jnp.float32))
+
+  try:
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(x, router.kernel_DE, ex)
+    return ""
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
 
 
 def main(case: str):
@@ -104,6 +146,17 @@ def main(case: str):
       for mesh_shape, top_k, bias in (((1, 4), 2, balanced), ((2, 2), 8, balanced), ((1, 4), 1, skewed)):
         opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
         print(json.dumps(compare(backend, mesh_shape, top_k, bias, **opts)), flush=True)
+  elif case == "meshes":
+    for axes, shape, backends in MESHES:
+      for backend in backends:
+        opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
+        print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, **opts)), flush=True)
+  elif case == "kernel_typing":
+    for axes, shape, backends in MESHES:
+      for backend in (*backends, *(("ragged_a2a",) if "expert" in axes else ())):
+        error = trace_with_kernel_typing("mgpu", backend, shape, axes)
+        print(json.dumps({"gmm": "mgpu", "backend": backend, "mesh": dict(zip(axes, shape)), "error": error}),
+              flush=True)
   elif case == "overflow_flag":
     print(json.dumps(compare("a2a_padded", (1, 4), 1, skewed, capacity_factor=1.0, on_overflow="flag")), flush=True)
   elif case == "overflow_error":

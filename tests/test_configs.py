@@ -149,3 +149,23 @@ def test_nvidia_reference_layout_is_the_128_gpu_recipe():
   assert (fsdp, c["ici_expert_parallelism"]) == (16, 8)  # ICI FSDP 8 x DCN FSDP 2 = 16, x ICI EP 8
   assert (c["max_target_length"], c["per_device_batch_size"], c["remat_policy"]) == (4096, 6, "custom")
   assert c["moe_mlpwi_0"] == c["moe_mlpwi_1"] == "offload"
+
+
+def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():
+  assert fork_config.load(["moe_block=ours"]).fork.moe_gmm_backend == "auto"  # mgpu on Hopper, logged
+  assert fork_config.load([]).fork.moe_gmm_backend == "upstream"  # upstream's block stays untouched
+  # Our block never reaches upstream's sparse_matmul: its grouped-GEMM keys (the recipes' tokamax) don't clash.
+  assert fork_config.load(["moe_block=ours", "use_tokamax_gmm=true"]).fork.moe_gmm_backend == "auto"
+
+
+@pytest.mark.parametrize("args,keys", [
+    (["moe_block=ours", "moe_gmm_backend=upstream"], ("moe_block", "moe_gmm_backend")),
+    (["moe_block=te", "moe_gmm_backend=mgpu"], ("moe_block", "moe_gmm_backend")),
+    (["moe_dispatch_backend=te_ncclep"], ("moe_block", "moe_dispatch_backend")),
+    (["moe_block=te", "moe_dispatch_backend=ring"], ("moe_block", "moe_dispatch_backend")),
+])
+def test_contradicting_moe_keys_are_one_error_naming_both(args, keys):
+  with pytest.raises(fork_config.ConfigError) as err:
+    fork_config.load(args)
+  message = str(err.value)
+  assert "\n" not in message and all(f"'{k}'" in message for k in keys) and "contradict" in message, message

@@ -35,10 +35,13 @@ def _lowered(tmp_path, *args: str) -> str:
 
 
 @pytest.mark.slow
-def test_host_offload_preset_puts_moe_up_projections_in_pinned_host_memory(tmp_path):
-  offloaded = PLACEMENT.findall(_lowered(tmp_path, "xla_presets=[host_offload]"))
+@pytest.mark.parametrize("moe_block", ["upstream", "ours"])
+def test_host_offload_preset_puts_moe_up_projections_in_pinned_host_memory(tmp_path, moe_block):
+  """Our block tags its expert activations with upstream's names (MaxText/moe/block.py), so the
+  preset offloads the same two tensors on either block; before that it was a silent no-op on ours."""
+  offloaded = PLACEMENT.findall(_lowered(tmp_path, f"moe_block={moe_block}", "xla_presets=[host_offload]"))
   assert offloaded == [TINY_MOE_MLPWI, TINY_MOE_MLPWI]  # moe_mlpwi_0 and moe_mlpwi_1
-  assert PLACEMENT.findall(_lowered(tmp_path, "run_name=baseline")) == []
+  assert PLACEMENT.findall(_lowered(tmp_path, f"moe_block={moe_block}", "run_name=baseline")) == []
 
 
 def test_host_offload_preset_carries_its_xla_and_pjrt_settings():

@@ -148,3 +148,19 @@ def test_nothing_before_run_environment_creates_a_jax_backend():
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "devices 3" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["remat_policy=full"], "host_offload has no effect with remat_policy='full'"),
+    (["moe_mlpwi_0=remat", "moe_mlpwi_1=device"], "none of moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo is 'offload'"),
+])
+def test_host_offload_that_can_offload_nothing_is_a_config_error(args, message):
+  run = fork_config.load(["xla_presets=[host_offload]", *args])
+  with pytest.raises(xp.PresetError, match=message):
+    xp.with_upstream_defaults(run, xp.compose_for(run, {}))
+
+
+def test_host_offload_acts_on_both_blocks_that_tag_the_activations():
+  for block in ("upstream", "ours"):
+    run = fork_config.load(["xla_presets=[host_offload]", f"moe_block={block}"])
+    assert xp.with_upstream_defaults(run, xp.compose_for(run, {})).upstream["moe_mlpwi_0"] == "offload"

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxText.moe import routing as routing_lib
@@ -73,26 +74,24 @@ class BlockConfig:
   gate_dtype: jnp.dtype | None = None
 
 
-def _vary_like(w, x):
-  """Inside shard_map: marks w as varying over x's token axes too.
-
-  The grouped GEMM's custom VJP returns dW varying like the rows (each token
-  shard's partial); declaring that up front lets JAX's transpose of this cast
-  psum the partials over the token axes, where plain autodiff would put it.
-  """
-  missing = tuple(sorted(jax.typeof(x).manual_axis_type.varying - jax.typeof(w).manual_axis_type.varying))
-  return jax.lax.pcast(w, missing, to="varying") if missing else w
-
-
 def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig):
   """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo."""
   with jax.named_scope("gmm"):
     kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
-    w0, w1, wo = (_vary_like(w.astype(cfg.dtype), x_MD) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
-    h0_MF = gmm(x_MD, w0, meta.group_sizes_G, **kw)
-    h1_MF = gmm(x_MD, w1, meta.group_sizes_G, **kw)
+    # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
+    # token axes (MaxText/moe/vma.py).
+    w0, w1, wo = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
+    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, **kw), "mlpwi_0")
+    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, **kw), "mlpwi_1")
     h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
-    return gmm(h_MF, wo, meta.group_sizes_G, **kw)
+    return _tag(gmm(h_MF, wo, meta.group_sizes_G, **kw), "mlpwo")
+
+
+def _tag(y, name: str):
+  """Upstream's two checkpoint names for an expert activation ("mlpwi_0" and "moe_mlpwi_0", layers/moe.py),
+  so its remat policies (`minimal` saves the first, `custom` with offload acts on the second) and the
+  host_offload preset treat our block's activations exactly as upstream's."""
+  return checkpoint_name(checkpoint_name(y, name), f"moe_{name}")
 
 
 def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.moe import vma
+
 NAME = "local"
 
 
@@ -82,14 +84,14 @@ def permute_rows(x_TD, order_M, slot_row_TK):
 
 
 def _permute_fwd(x_TD, order_M, slot_row_TK):
-  return permute_rows(x_TD, order_M, slot_row_TK), (order_M, slot_row_TK)
+  return permute_rows(x_TD, order_M, slot_row_TK), (order_M, slot_row_TK, vma.stamp(x_TD))
 
 
 def _permute_bwd(res, g_MD):
-  order_M, slot_row_TK = res
+  order_M, slot_row_TK, x_type = res
   # Each token's K rows, found by the inverse map and summed: a gather, no scatter-add.
   g_TD = g_MD[slot_row_TK].sum(axis=1, dtype=jnp.float32).astype(g_MD.dtype)
-  return g_TD, None, None
+  return vma.like_primal(g_TD, x_type), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
@@ -102,15 +104,15 @@ def unpermute_rows(y_MD, order_M, slot_row_TK):
 
 
 def _unpermute_fwd(y_MD, order_M, slot_row_TK):
-  return unpermute_rows(y_MD, order_M, slot_row_TK), (order_M, slot_row_TK, y_MD.shape[0])
+  return unpermute_rows(y_MD, order_M, slot_row_TK), (order_M, slot_row_TK, y_MD.shape[0], vma.stamp(y_MD))
 
 
 def _unpermute_bwd(res, g_TKD):
-  order_M, slot_row_TK, rows = res
+  order_M, slot_row_TK, rows, y_type = res
   g_MD = g_TKD.reshape(-1, g_TKD.shape[-1])[order_M]  # the forward permutation read the other way
   if rows > g_MD.shape[0]:  # padding rows past the T*K slots
     g_MD = jnp.pad(g_MD, ((0, rows - g_MD.shape[0]), (0, 0)))
-  return g_MD, None, None
+  return vma.like_primal(g_MD, y_type), None, None
 
 
 unpermute_rows.defvjp(_unpermute_fwd, _unpermute_bwd)

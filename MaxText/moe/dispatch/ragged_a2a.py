@@ -50,6 +50,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe import vma
 from MaxText.moe.dispatch import a2a_padded, local
 
 NAME = "ragged_a2a"
@@ -81,9 +82,7 @@ ExchangeImpl = Callable[..., jax.Array]
 
 def _zeros_varying_like(x, rows: int):
   """zeros[rows, ...] typed varying over x's manual axes (see the module note)."""
-  z = jnp.zeros((rows, *x.shape[1:]), x.dtype)
-  vma = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
-  return jax.lax.pcast(z, vma, to="varying") if vma else z
+  return vma.like_operands(jnp.zeros((rows, *x.shape[1:]), x.dtype), x)
 
 
 def _send(impl, axis_name, rows, x, plan: Plan):
@@ -97,12 +96,13 @@ def _exchange(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd):
 
 
 def _exchange_fwd(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd):
-  return _exchange(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd), plan_bwd
+  return _exchange(impl, axis_name, in_rows, out_rows, x, plan_fwd, plan_bwd), (plan_bwd, vma.stamp(x))
 
 
-def _exchange_bwd(impl, axis_name, in_rows, out_rows, plan_bwd, ct):
+def _exchange_bwd(impl, axis_name, in_rows, out_rows, res, ct):
   del out_rows  # cotangent rows outside the received slices belong to the zeros buffer: dropped
-  return _send(impl, axis_name, in_rows, ct, plan_bwd), None, None
+  plan_bwd, x_type = res
+  return vma.like_primal(_send(impl, axis_name, in_rows, ct, plan_bwd), x_type), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.moe import vma
+
 BackendName = Literal[
     "xla",  # jax.lax.ragged_dot_general: portable float32 reference, the CPU path
     "tokamax",  # tokamax 0.0.17's ragged_dot, mosaic implementation (NVIDIA GPU)
@@ -137,6 +139,8 @@ def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, group_offset, static: _Static):
       transpose_rhs=static.transpose_rhs,
       out_dtype=static.out_dtype,
   )
+  # Kernel outputs (Pallas, TE, tokamax) carry no varying manual axes: type them as a lax op would.
+  out_MN = vma.like_operands(out_MN, lhs_MK, rhs_GKN, group_sizes_G, group_offset)
   return out_MN, (lhs_MK, rhs_GKN, group_sizes_G, group_offset)
 
 
@@ -157,6 +161,7 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
         transpose_rhs=not static.transpose_rhs,
         out_dtype=lhs_MK.dtype,
     )
+    dlhs_MK = vma.like_operands(dlhs_MK, dout_MN, rhs_GKN, group_sizes_G, group_offset)
   with jax.named_scope("gmm_drhs"):
     # drhs[g] = lhs_g.T @ dout_g, or dout_g.T @ lhs_g for a [G, N, K] rhs.
     a_MX, b_MY = (dout_MN, lhs_MK) if static.transpose_rhs else (lhs_MK, dout_MN)
@@ -168,8 +173,11 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
         num_local_groups=rhs_GKN.shape[0],
         out_dtype=rhs_GKN.dtype,
     )
-  # group_sizes and group_offset are int32 here (see gmm): no cotangent.
-  return dlhs_MK, drhs_GXY, None, None
+    drhs_GXY = vma.like_operands(drhs_GXY, a_MX, b_MY, group_sizes_G, group_offset)
+  # Each cotangent typed like its primal: dW of weights shared by every row shard is
+  # summed over the shards here (MaxText/moe/vma.py). group_sizes and group_offset are
+  # int32 here (see gmm): no cotangent.
+  return vma.like_primal(dlhs_MK, lhs_MK), vma.like_primal(drhs_GXY, rhs_GKN), None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
