@@ -47,7 +47,11 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "upstream_ragged": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false"], True),
     "upstream_tokamax": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
     "upstream_capacity": (["sparse_matmul=false", "capacity_factor=1.0"], False),
-    "ours": (["moe_block=ours", "moe_dispatch_backend=local", "moe_gmm_backend=auto"], True),
+    # moe_block=ours alone: grouped GEMM auto (mgpu on Hopper), dispatch auto (local without EP).
+    "ours": (["moe_block=ours"], True),
+    # The proxy config pins remat_policy=full, which would win over the preset's custom.
+    "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
+    "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
     "ours_gmm_seam": (["moe_gmm_backend=auto"], True),
     "dense_equivalent": (["first_num_dense_layers=4", "base_mlp_dim=18432"], True),
 }
