@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +10,8 @@ import yaml
 
 from conftest import REPO
 from MaxText import config as fork_config
+from MaxText import analytic_memory as estimate_memory
 from MaxText import launch, train, xla_presets
-
-sys.path.insert(0, str(REPO / "scripts"))
-import estimate_memory  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yml"))
 MODELS = sorted((REPO / "configs/models").glob("*.yml"))
