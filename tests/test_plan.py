@@ -173,12 +173,14 @@ def test_config_upstream_rejects_is_one_line_and_exit_2():
 
 @pytest.mark.slow
 def test_tiny_plan_on_4_simulated_devices(tmp_path):
-  """The tiny DeepSeek-V3 at fsdp=4: FSDP all-gathers inside the layer scan, JSON whole."""
+  """The tiny DeepSeek-V3 on 2 nodes of 2, FSDP in and across nodes (fsdp=4 on one CPU "slice"):
+  FSDP all-gathers inside the layer scan, some crossing nodes; the JSON whole."""
   path = tmp_path / "plan" / "tiny.json"
-  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=4", "ici_fsdp_parallelism=4", "gpus_per_node=2",
-                  "per_device_batch_size=1", "max_target_length=32", "--json", str(path))
+  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=4", "ici_fsdp_parallelism=2", "dcn_fsdp_parallelism=2",
+                  "gpus_per_node=2", "per_device_batch_size=1", "max_target_length=32", "--json", str(path))
   assert out.returncode == 0, out.stderr[-2000:]
   assert "GPU memory needs a GPU compile" in out.stdout
+  assert "CPU stand-in: ici_fsdp_parallelism=4" in out.stdout and "dcn_fsdp_parallelism=1" in out.stdout
   report = json.loads(path.read_text())
   assert not path.with_name("tiny.json.tmp").exists()
   assert report["mesh"]["fsdp"] == 4 and report["platform"] == "cpu" and report["verdict"] is None
