@@ -204,7 +204,11 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
   flat = list(mesh.devices.flat)
   if topology.platform == "gpu" and topology.mock_spec:
-    return [int(getattr(d, "slice_index", 0) or 0) for d in flat]
+    slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
+    if len(set(slices)) == topology.nodes:
+      return slices
+    hosts_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // topology.local_gpus)
+    return [d.process_index // hosts_per_node for d in flat]  # mocked processes fill a node in turn
   # Simulated devices carry no node: consecutive flat positions fill a node in turn.
   return [i // topology.gpus_per_node for i in range(len(flat))]
 

@@ -199,7 +199,7 @@ def print_report(r: dict[str, Any]) -> None:
   print(f"\n== plan: {r['config']}\n{r['num_gpus']} GPUs ({r['gpus_per_node']} per node), mesh {mesh}; "
         f"compiled on {where} in {r['compile_seconds']:.1f} s")
   for k, v in r["cpu_substitutes"].items():
-    print(f"  CPU stand-in: {k}={v}")
+    print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the mock'}: {k}={v}")
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
   m = r["memory"]
   print("\nmemory per device (compiler):" if r["platform"] == "gpu" else
@@ -249,6 +249,9 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
   topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local)
   substitutes = cpu_substitutes(run) if topology.platform == "cpu" else {}
+  if topology.platform == "gpu" and topology.nodes > 1 and "num_slices" not in run.explicit:
+    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
+    substitutes["num_slices"] = topology.nodes
   child_args = [*args, f"recipe_num_gpus={num_gpus}", *(f"{k}={json.dumps(v)}" for k, v in substitutes.items())]
   log(f"compiling for {num_gpus} devices on {topology.platform}" + (f" (mock {topology.mock_spec})" if topology.mock_spec else ""))
   child = compile_in_child(child_args, topology, timeout_s, hlo_path)
