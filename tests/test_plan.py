@@ -191,3 +191,22 @@ def test_tiny_plan_on_4_simulated_devices(tmp_path):
   assert any(r["crosses_nodes"] for r in gathers)  # 4 devices, 2 per node
   assert report["estimate"]["step_s"] > 0 and report["estimate"]["model_tflops_per_device"] > 0
   assert not (REPO / "outputs" / "plan").exists()  # the compile wrote only under a temporary directory
+
+
+def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
+  from MaxText import config as fork_config, plan_search  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/deepseek3-tiny.yml", "recipe_num_gpus=8", "gpus_per_node=4",
+                          "ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=2", "per_device_batch_size=2"])
+  cands = plan_search.candidates(run, 8)
+  assert cands[0] == {}  # the run as given comes first
+  meshes = [c for c in cands if "ici_expert_parallelism" in c]
+  eps = sorted(c["ici_expert_parallelism"] * c["dcn_expert_parallelism"] for c in meshes)
+  assert eps == [1, 2, 4, 8]  # 8 experts: EP 2, 4 (in node), 8 (2 across nodes); EP 1 is the HSDP layout
+  for c in meshes:  # every mesh multiplies to the GPU count, 4 per node
+    ici = c["ici_expert_parallelism"] * c["ici_fsdp_parallelism"] * c["ici_data_parallelism"]
+    assert ici == 4 and ici * c["dcn_expert_parallelism"] * c["dcn_fsdp_parallelism"] * c["dcn_data_parallelism"] == 8
+  assert {"dcn_data_parallelism": 2, "dcn_fsdp_parallelism": 1}.items() <= next(
+      c for c in meshes if c["ici_expert_parallelism"] == 1).items()  # FSDP in node, data across
+  assert plan_search.OFFLOAD in cands
+  assert {"per_device_batch_size": 1.0} in cands and {"per_device_batch_size": 4.0} in cands
