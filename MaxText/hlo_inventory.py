@@ -172,15 +172,18 @@ def _kind(opcode: str) -> str | None:
   return base if base in KINDS else None
 
 
-def _result_bytes(kind: str, instr: Instr) -> float:
-  """The collective's result bytes; async -start ops carry (operands, results, ...) tuples."""
-  leaves = [dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s]
-  total = sum(leaves)
+def _result_bytes(kind: str, instr: Instr, n: int) -> float:
+  """The collective's result bytes. Async -start ops of all-gather and collective-permute
+  return (operands, results[, sync flags]) tuples: in + out = out (n + 1) / n for a
+  gather over n, 2 out for a permute; all-reduce-start returns its results only."""
+  total = sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s)
   if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
     return total
   if kind == "collective-permute":
     return total / 2
-  return total  # all-reduce-start's tuple holds only results
+  if kind == "all-gather":
+    return total * n / (n + 1)
+  return total
 
 
 def _sizes(kind: str, result: float, n: int) -> tuple[float, float]:
@@ -238,7 +241,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
           continue  # a group of one moves nothing
         axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
         crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
-        buffer, wire = _sizes(kind, _result_bytes(kind, instr), n)
+        buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult

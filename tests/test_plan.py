@@ -38,6 +38,10 @@ HLO = textwrap.dedent("""\
       %p = (s32[], f32[16,8]{1,0}) parameter(0)
       %w = f32[2,8]{1,0} constant({...})
       %ag = f32[16,8]{1,0} all-gather(%w), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, use_global_device_ids=true
+      %ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%w), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+      %agd = f32[16,8]{1,0} all-gather-done(%ags)
+      %cps = (f32[2,8]{1,0}, f32[2,8]{1,0}, u32[], u32[]) collective-permute-start(%w), channel_id=6, source_target_pairs={{0,4},{4,0}}
+      %cpd = f32[2,8]{1,0} collective-permute-done(%cps)
       %a2a = bf16[64,4]{1,0} all-to-all(%w), channel_id=2, replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}
       ROOT %t = (s32[], f32[16,8]{1,0}) tuple(%p, %ag)
     }
@@ -80,6 +84,10 @@ def test_inventory_reads_every_replica_group_spelling_and_multiplies_loops():
   assert (ar["count"], ar["bytes"], ar["wire_bytes"]) == (1, 48, pytest.approx(2 * 48 * 7 / 8))
   rs = rows[("reduce-scatter", ("fsdp",))]  # {0,4}: same expert, both fsdp rows
   assert (rs["bytes"], rs["wire_bytes"], rs["crosses_nodes"]) == (2 * 12, 12, True)
+  ags = rows[("all-gather", ("expert",))]  # async: (operand, result) tuple; [2,4]<=[8] is 4 consecutive ids
+  assert (ags["count"], ags["bytes"], ags["crosses_nodes"]) == (5, 5 * 512, False)
+  cp = rows[("collective-permute", ("fsdp",))]
+  assert (cp["count"], cp["bytes"], cp["wire_bytes"], cp["crosses_nodes"]) == (5, 5 * 64, 5 * 64, True)
   assert inv["hlo_dot_flops"] == 2 * 4 * 3 * 8
   assert inv["inventory_notes"] == []
 
