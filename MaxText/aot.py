@@ -141,25 +141,26 @@ class Compiled:
   seconds: float
 
 
-def compile_train_step(run: fork_config.RunConfig) -> Compiled:
-  """Patches, upstream validation, and the AOT compile of upstream's train step.
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """Upstream's train step for a mesh, ready for jax.jit: the function, its abstract
+  arguments and jit's shardings (as upstream's train_compile.py builds them)."""
 
-  Built as upstream's train_compile.py builds it (abstract state, shardings and
-  jit from its own functions), over the devices configure_backend set up.
-  Call after train.prepare_environment (the environment is the run's) and
-  configure_backend.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
+  func: Any
+  args: tuple
+  kwargs: dict
+  in_shardings: Any
+  out_shardings: Any
+  static_argnums: Any
+  donate_argnums: Any
+
+
+def train_step(config: Any, mesh: Any) -> TrainStep:
+  """Abstract state, shardings and the functional train step, from upstream's own functions."""
   from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils, sharding  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train  # pylint: disable=import-outside-toplevel
-
-  _, config = train.apply_patches_and_validate(run)
-  start = time.perf_counter()
-  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
   shaped_args, shaped_kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
   params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
   in_state = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
@@ -167,9 +168,29 @@ def compile_train_step(run: fork_config.RunConfig) -> Compiled:
   func, in_shard, out_shard, static_argnums, donate_argnums = maxtext_utils.get_functional_train_with_signature(
       upstream_train.train_step, data_sharding, in_state, model, config, params_shardings
   )
+  return TrainStep(func, shaped_args, shaped_kwargs, in_shard, out_shard, static_argnums, donate_argnums)
+
+
+def compile_train_step(run: fork_config.RunConfig) -> Compiled:
+  """Patches, upstream validation, and the AOT compile of upstream's train step.
+
+  Call after train.prepare_environment (the environment is the run's) and
+  configure_backend; compiles over all the devices configure_backend set up.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train  # pylint: disable=import-outside-toplevel
+
+  _, config = train.apply_patches_and_validate(run)
+  start = time.perf_counter()
+  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
+  step = train_step(config, mesh)
   compiled = train_compile.jit_and_compile(
-      func, shaped_args, shaped_kwargs, mesh, in_shard, out_shard, static_argnums, donate_argnums, config,
-      axis_rules(config.logical_axis_rules),
+      step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
+      step.donate_argnums, config, axis_rules(config.logical_axis_rules),
   )
   return Compiled(compiled, mesh, config, time.perf_counter() - start)
 

@@ -43,14 +43,18 @@ def candidates(run: fork_config.RunConfig, num_gpus: int) -> list[dict[str, Any]
   experts = int(up.get("num_experts", 1))
   gpn = run.fork.gpus_per_node
   out: list[dict[str, Any]] = [{}]
+  now = {**launch.mesh_axes(up, "ici_"), **launch.mesh_axes(up, "dcn_")}
+
+  def changed(mesh: dict[str, int]) -> dict[str, int]:  # only the keys that differ from the run's
+    return {k: v for k, v in mesh.items() if now.get(k) != v}
   ep_now = launch.mesh_axes(up, "ici_")["ici_expert_parallelism"] * launch.mesh_axes(up, "dcn_")["dcn_expert_parallelism"]
   ep_now = max(ep_now, 1)
   across_now = "data" if launch.mesh_axes(up, "dcn_")["dcn_data_parallelism"] > 1 else "fsdp"
   for ep in (e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if e <= num_gpus and num_gpus % e == 0):
     if experts > 1 and experts % ep == 0 and ep != ep_now and (ep <= gpn or ep % gpn == 0):
-      out.append(_mesh(num_gpus, gpn, ep, across_now))
+      out.append(changed(_mesh(num_gpus, gpn, ep, across_now)))
   if num_gpus > gpn:
-    out.append(_mesh(num_gpus, gpn, min(ep_now, gpn), "data" if across_now == "fsdp" else "fsdp"))
+    out.append(changed(_mesh(num_gpus, gpn, min(ep_now, gpn), "data" if across_now == "fsdp" else "fsdp")))
   if up.get("remat_policy", "full") != "full":
     out.append({"remat_policy": "full"})
   if any(up.get(k) != v for k, v in OFFLOAD.items()):
@@ -79,7 +83,7 @@ def main(args: list[str], timeout_s: float, json_path: str | None) -> int:
       continue
     results.append({"overrides": overrides, "report": report})
   print(f"\n== search: {run.config_path.name}, {num_gpus} GPUs")
-  print(f"  {'layout':60s} {'GiB/GPU':>8s} {'fits':>5s} {'step s':>8s} {'TFLOP/s':>8s}")
+  print(f"  {'layout':60s} {'GiB/GPU':>8s} {'fits':>5s} {'step ms':>9s} {'TFLOP/s':>8s}")
   ranked = []
   for r in results:
     label = " ".join(_args(r["overrides"])) or "(as given)"
@@ -90,7 +94,7 @@ def main(args: list[str], timeout_s: float, json_path: str | None) -> int:
     fits = rep["verdict"]["fits"] if rep["verdict"] else None
     gib = rep["memory"]["device_total"] / plan.GiB if rep["verdict"] else float("nan")
     est = rep["estimate"]
-    print(f"  {label:60s} {gib:8.1f} {str(fits):>5s} {est['step_s']:8.3f} {est['tflops_per_gpu']:8.1f}")
+    print(f"  {label:60s} {gib:8.1f} {str(fits):>5s} {est['step_s'] * 1e3:9.2f} {est['tflops_per_gpu']:8.1f}")
     if fits is not False:
       ranked.append((est["tflops_per_gpu"], label, r["overrides"]))
   ranked.sort(key=lambda t: -t[0])

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from conftest import REPO
-from MaxText import aot, hardware, hlo_inventory, plan
+from MaxText import aot, hardware, hlo_inventory, launch, plan
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
 
@@ -208,7 +208,8 @@ def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
                           "ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=2", "per_device_batch_size=2"])
   cands = plan_search.candidates(run, 8)
   assert cands[0] == {}  # the run as given comes first
-  meshes = [c for c in cands if "ici_expert_parallelism" in c]
+  now = {**launch.mesh_axes(run.upstream, "ici_"), **launch.mesh_axes(run.upstream, "dcn_")}
+  meshes = [{**now, **c} for c in cands if any(k.endswith("_parallelism") for k in c)]  # a candidate names changes only
   eps = sorted(c["ici_expert_parallelism"] * c["dcn_expert_parallelism"] for c in meshes)
   assert eps == [1, 2, 4, 8]  # 8 experts: EP 2, 4 (in node), 8 (2 across nodes); EP 1 is the HSDP layout
   for c in meshes:  # every mesh multiplies to the GPU count, 4 per node
