@@ -171,7 +171,9 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
       "config": str(run.config_path), "num_gpus": num_gpus, "gpus_per_node": run.fork.gpus_per_node,
       "platform": topology.platform, "mock_topology": topology.mock_spec, "cpu_substitutes": substitutes,
       "target_gpu": {"key": gpu_key, "name": gpu.name, "from": gpu_from},
-      "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "memory": memory, "verdict": verdict,
+      "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
+      # A CPU compile's buffers are not the GPU's: kept under another name.
+      ("memory" if topology.platform == "gpu" else "cpu_memory"): memory,
       "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
       "estimate": {
           "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
@@ -201,7 +203,7 @@ def print_report(r: dict[str, Any]) -> None:
   for k, v in r["cpu_substitutes"].items():
     print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the mock'}: {k}={v}")
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
-  m = r["memory"]
+  m = r.get("memory", {})
   print("\nmemory per device (compiler):" if r["platform"] == "gpu" else
         "\nmemory per device: GPU memory needs a GPU compile (a CPU compile reports CPU buffers, not shown)")
   if r["platform"] == "gpu":

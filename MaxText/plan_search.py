@@ -92,7 +92,7 @@ def main(args: list[str], timeout_s: float, json_path: str | None) -> int:
       continue
     rep = r["report"]
     fits = rep["verdict"]["fits"] if rep["verdict"] else None
-    gib = rep["memory"]["device_total"] / plan.GiB if rep["verdict"] else float("nan")
+    gib = rep["memory"]["device_total"] / plan.GiB if rep["verdict"] else float("nan")  # CPU: no GPU figure
     est = rep["estimate"]
     print(f"  {label:60s} {gib:8.1f} {str(fits):>5s} {est['step_s'] * 1e3:9.2f} {est['tflops_per_gpu']:8.1f}")
     if fits is not False:

@@ -219,3 +219,21 @@ def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
       c for c in meshes if c["ici_expert_parallelism"] == 1).items()  # FSDP in node, data across
   assert plan_search.OFFLOAD in cands
   assert {"per_device_batch_size": 1.0} in cands and {"per_device_batch_size": 4.0} in cands
+
+
+def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/recipes/deepseek3-671b-128xh100.yml"])
+  assert plan.num_gpus_of(run) == 128
+  plan.check_layout(run, 128)  # 8 in node x 16 nodes
+  assert plan.cpu_substitutes(run) == {
+      "hardware": "cpu", "attention": "dot_product", "use_tokamax_gmm": False,
+      "ici_fsdp_parallelism": 16, "dcn_fsdp_parallelism": 1,
+  }
+
+
+def test_a_compile_past_its_timeout_names_the_knob():
+  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=1", "--timeout", "1", timeout=120)
+  assert out.returncode == 2, out.stderr[-1000:]
+  assert "ran past --timeout 1 s" in out.stderr and "raise --timeout" in out.stderr
