@@ -7,6 +7,12 @@ MaxText/plan.py turns a compiled step into a verdict and a step time with these:
               node, InfiniBand across), per kind where a kind was measured
   step        compute + collectives, none overlapped (an upper bound; the
               overlapped bound max(compute, collectives) is printed next to it)
+Simplifications, each an upper bound on time: a collective whose group spans
+nodes moves all its wire bytes at InfiniBand rate (NCCL's hierarchical
+algorithms send only part across); FLOPs are the larger of MaxText's model
+count and the HLO's dots, and the HLO's include what XLA expands (its
+ragged_dot becomes dense per-expert dots). Memory-bound kernels (norms,
+softmax, routing, optimizer) are not costed at all, which errs the other way.
 """
 
 from __future__ import annotations
