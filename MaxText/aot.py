@@ -16,6 +16,13 @@ Without a GPU, `jax_num_cpu_devices` simulated CPU devices stand in: the same
 partitioning and collectives, but CPU buffers (no GPU memory figure) and CPU
 kernels.
 
+What differs from the trainer's compile, none of it in the program: the
+planner's child adds skip_jax_distributed_system=true, a temporary output
+directory, num_slices (a multi-node mock) and the autotuning flag above. Only
+the main train step is compiled: with moe_dropless_fallback=step the trainer
+also compiles its dropless retry program, and it compiles the eval step when
+it evaluates.
+
 `python -m MaxText.aot REQUEST.json RESULT.json` is the planner's child process:
 one compile per process (a fresh backend, patches applied once), so that the
 parent can report a host out-of-memory kill or a timeout and name the knob.

@@ -237,3 +237,18 @@ def test_a_compile_past_its_timeout_names_the_knob():
   out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=1", "--timeout", "1", timeout=120)
   assert out.returncode == 2, out.stderr[-1000:]
   assert "ran past --timeout 1 s" in out.stderr and "raise --timeout" in out.stderr
+
+
+def test_cublas_gemm_custom_calls_count_their_flops():
+  """GPU HLO: the GEMM is a custom-call whose dimension numbers sit in its backend config."""
+  hlo = textwrap.dedent("""\
+      HloModule g
+
+      ENTRY %main (a: bf16[3,64,128], b: bf16[3,128,32]) -> bf16[3,64,32] {
+        %a = bf16[3,64,128]{2,1,0} parameter(0)
+        %b = bf16[3,128,32]{2,1,0} parameter(1)
+        %g = (bf16[3,64,32]{2,1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+        ROOT %r = bf16[3,64,32]{2,1,0} get-tuple-element(%g), index=0
+      }
+      """)
+  assert hlo_inventory.inventory(hlo, {"data": 1}, [0])["hlo_dot_flops"] == 2 * 3 * 64 * 32 * 128
