@@ -280,7 +280,7 @@ def child_main(request_path: str, result_path: str) -> int:
     if request.get("hlo_path"):
       Path(request["hlo_path"]).write_text(hlo)
   tmp = Path(result_path + ".tmp")
-  tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
+  tmp.write_text(json.dumps(result, indent=2))  # insertion order: the mesh axes in mesh order
   tmp.rename(result_path)
   return 0
 

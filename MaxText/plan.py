@@ -238,7 +238,7 @@ def write_json(report: dict[str, Any], path: str) -> None:
   target = Path(path)
   target.parent.mkdir(parents=True, exist_ok=True)
   tmp = target.with_name(target.name + ".tmp")
-  tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
+  tmp.write_text(json.dumps(report, indent=2, default=str))
   tmp.rename(target)
 
 
