@@ -260,7 +260,8 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
   if "compile_error" in child:
-    raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}")
+    hint = "; XLA:CPU cannot compile it, plan on a GPU" if "XLA:CPU" in child["compile_error"] else ""
+    raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
   return build_report(run, num_gpus, topology, child, substitutes)
 
 
