@@ -178,6 +178,20 @@ def train_step(config: Any, mesh: Any) -> TrainStep:
   return TrainStep(func, shaped_args, shaped_kwargs, in_shard, out_shard, static_argnums, donate_argnums)
 
 
+def start_upstream(run: fork_config.RunConfig) -> Any:
+  """Our patches, upstream's validation, then upstream's own start of a run (its
+  train.main calls `initialize`): the jax settings that shape the program (the PRNG
+  implementation, hence the RNG keys' shape; shardy; size-one mesh axes). Returns
+  upstream's config. tests/test_plan.py checks the result compiles to the trainer's HLO."""
+  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train  # pylint: disable=import-outside-toplevel
+
+  train.apply_patches_and_validate(run)
+  config, _ = upstream_train.initialize(run.upstream_argv())
+  return config
+
+
 def compile_train_step(run: fork_config.RunConfig) -> Compiled:
   """Patches, upstream validation, and the AOT compile of upstream's train step.
 
@@ -187,18 +201,17 @@ def compile_train_step(run: fork_config.RunConfig) -> Compiled:
   import jax  # pylint: disable=import-outside-toplevel
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils, maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train  # pylint: disable=import-outside-toplevel
-
-  _, config = train.apply_patches_and_validate(run)
+  config = start_upstream(run)
   start = time.perf_counter()
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
-  step = train_step(config, mesh)
-  compiled = train_compile.jit_and_compile(
-      step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
-      step.donate_argnums, config, axis_rules(config.logical_axis_rules),
-  )
+  with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
+    step = train_step(config, mesh)
+    compiled = train_compile.jit_and_compile(
+        step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
+        step.donate_argnums, config, axis_rules(config.logical_axis_rules),
+    )
   return Compiled(compiled, mesh, config, time.perf_counter() - start)
 
 

@@ -25,7 +25,7 @@ def lowered_train_step(args: list[str]) -> str:
   from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
 
   prepared = train.prepare_environment(fork_config.load(args))
-  _, config = train.apply_patches_and_validate(prepared.run)
+  config = aot.start_upstream(prepared.run)
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
   step = aot.train_step(config, mesh)
   with jax.set_mesh(mesh), axis_rules(config.logical_axis_rules):

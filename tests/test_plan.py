@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_train
 from MaxText import aot, hardware, hlo_inventory, launch, plan
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
 
 
-def _plan_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _plan_cli(*args: str, timeout: int = 600, xla_flags: str | None = None) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
   env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
   return subprocess.run([sys.executable, "-m", "MaxText.plan", *args], cwd=REPO, env=env, capture_output=True,
@@ -252,3 +255,25 @@ def test_cublas_gemm_custom_calls_count_their_flops():
       }
       """)
   assert hlo_inventory.inventory(hlo, {"data": 1}, [0])["hlo_dot_flops"] == 2 * 3 * 64 * 32 * 128
+
+
+def _program(path) -> str:
+  """An optimized HLO dump without its debug info (source locations, stack frames)."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", path.read_text())
+  return "\n".join(line for line in text.splitlines() if line.startswith(("%", "ENTRY", "  ")))
+
+
+@pytest.mark.slow
+def test_the_plan_compiles_the_program_the_trainer_runs(tmp_path):
+  """The trainer's optimized train step (dump_hlo=true) and the planner's are the same HLO."""
+  args = ["configs/deepseek3-tiny.yml", "steps=1", "enable_checkpointing=false", "per_device_batch_size=1",
+          "max_target_length=32"]
+  trained = run_train(tmp_path, *args, "dump_hlo=true")
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  dump = tmp_path / "plan_dump"
+  out = _plan_cli(*args, "recipe_num_gpus=1", xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_train_step")
+  assert out.returncode == 0, out.stderr[-2000:]
+  (ours,) = dump.glob("*jit_train_step.cpu_after_optimizations.txt")
+  (theirs,) = (trained.run_dir / "xla_dump").glob("*jit_train_step.cpu_after_optimizations.txt")
+  assert len(_program(ours)) > 100_000
+  assert _program(ours) == _program(theirs)
