@@ -87,6 +87,12 @@ class ForkConfig(pydantic.BaseModel):
   # GPUs a recipe (configs/recipes/) is written for; the run refuses any other count.
   recipe_num_gpus: int | None = pydantic.Field(default=None, ge=1)
 
+  # --- planner (MaxText/plan.py) ---
+  # GPU the run is planned for: its HBM, GEMM rate and links (MaxText/hardware.py); unset: the local GPU's kind.
+  target_gpu: Literal["h100", "h200", "b200"] | None = None
+  # GPUs per node (one NVLink domain): collectives over more cross InfiniBand; the mocked topology's slice size.
+  gpus_per_node: int = pydantic.Field(default=8, ge=1)
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -9,6 +9,7 @@ before the run directory is created or anything is compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -114,18 +115,53 @@ class _DropOrbaxInfo(logging.Filter):
     return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
-def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
-  import patches  # pylint: disable=import-outside-toplevel
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """A run with its presets composed and its environment set in os.environ.
 
+  Attributes:
+    run: the run with the presets' upstream keys added.
+    env: the variables the run set (only those that change).
+    composed: its XLA presets merged with the user's environment.
+  """
+
+  run: fork_config.RunConfig
+  env: dict[str, str]
+  composed: xla_presets.Composed
+
+
+def prepare_environment(run: fork_config.RunConfig, extra_xla_flags: str = "") -> Prepared:
+  """Presets -> upstream keys and os.environ, before anything creates a jax backend.
+
+  Shared by the trainer and the planner (MaxText/plan.py), so both compile the same
+  program. `extra_xla_flags` (the planner's) are appended to the run's XLA_FLAGS.
+  """
   composed = xla_presets.compose_for(run, dict(os.environ))
   run = xla_presets.with_upstream_defaults(run, composed)
   env = run_environment(run, dict(os.environ), composed)
-  os.environ.update(env)  # before anything creates a jax backend: XLA reads these once
+  if extra_xla_flags:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))} {extra_xla_flags}".strip()
+  os.environ.update(env)  # XLA reads these once, when the backend starts
+  return Prepared(run, env, composed)
+
+
+def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
+  """Our patches onto upstream, then upstream's own validation: (applied, upstream config)."""
+  import patches  # pylint: disable=import-outside-toplevel
+
+  applied = patches.apply_all(run.fork, hooks)
+  return applied, validate_with_upstream(run)
+
+
+def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
+  import patches  # pylint: disable=import-outside-toplevel
+
+  prepared = prepare_environment(run)
+  run, env, composed = prepared.run, prepared.env, prepared.composed
   process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
   tracker: list[metrics.ProgressTracker] = []
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
-  applied = patches.apply_all(run.fork, hooks)
-  config = validate_with_upstream(run)
+  applied, config = apply_patches_and_validate(run, hooks)
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.

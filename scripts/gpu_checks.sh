@@ -11,6 +11,11 @@
 #   ours      the 1xH200 proxy with our grouped GEMM (moe_gmm_backend=mgpu)
 #   block     the same with our whole MoE block (moe_block=ours)
 #   selftest-small  the self-test without the DeepSeek-V3 shapes (each compiles for ~30 s)
+#   plan-honesty    the planner on the 1xH200 proxy (ours) next to a real bench_train.py run of it:
+#                   compiler memory / measured peak, estimated / measured step time
+#   plan-ep         the planner on the proxy's multi-GPU layouts with moe_block=ours, each on this one
+#                   GPU: FSDP 2, EP 2, FSDP 2 x EP 2, EP 8
+#   plan-recipes    the planner on every configs/recipes/*.yml: verdict, TFLOP/s/GPU, compile time
 #
 # Each item has a time limit (GPU_CHECK_LIMIT_S, default 240 s); logs go to
 # $GPU_CHECK_OUT (default /tmp/gpu_checks), and a table of results is printed last.
@@ -73,7 +78,49 @@ for item in "$@"; do
     selftest-small)
       (cd "$repo" && timeout "$limit" python3 scripts/gpu_selftest.py --backends tokamax,mgpu --skip-large) 2>&1 | tee "$out/selftest-small.log" | grep -E "^(PASS|FAIL)" | tail -n 20
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block)"; exit 2 ;;
+    plan-honesty)
+      ours=(moe_block=ours moe_dispatch_backend=local moe_gmm_backend=auto)
+      (cd "$repo" && timeout "$limit" python3 -m MaxText.plan configs/bench/proxy-1xh200.yml "${ours[@]}" \
+          --json "$out/plan-proxy.json") >"$out/plan-proxy.log" 2>&1
+      echo "[gpu_checks] plan exit $?"; grep -E "verdict|estimate:|TFLOP/s/GPU|device_total" "$out/plan-proxy.log"
+      (cd "$repo" && python3 scripts/bench_train.py --variants ours --steps 20 --out "$out/bt") >"$out/bt.log" 2>&1
+      echo "[gpu_checks] bench_train exit $?"; tail -n 4 "$out/bt.log"
+      rows+=("$(python3 - "$out/plan-proxy.json" "$out/bt/bench_train.json" <<'PY'
+import json, sys
+plan, bench = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+row = bench["rows"][0]
+mem = plan["memory"]["device_total"] / 2**30
+est = plan["estimate"]
+print(f"plan-honesty  compiler {mem:.1f} GiB / measured peak {row['peak_device_memory_gib']:.1f} GiB = "
+      f"{mem / row['peak_device_memory_gib']:.3f};  estimated step {est['step_s']:.3f} s (compute "
+      f"{est['compute_s']:.3f}, collectives {est['collectives_s']:.3f}) / measured {row['step_s']:.3f} s = "
+      f"{est['step_s'] / row['step_s']:.3f};  TFLOP/s est {est['tflops_per_gpu']:.1f} / measured {row['tflops']:.1f}")
+PY
+)")
+      ;;
+    plan-ep)
+      ours=(moe_block=ours moe_gmm_backend=mgpu)
+      for layout in "fsdp2 proxy-1xh200.yml recipe_num_gpus=2 ici_fsdp_parallelism=2" \
+                    "ep2 proxy-2xh200-ep2.yml" \
+                    "fsdp2xep2 proxy-2xh200-ep2.yml recipe_num_gpus=4 ici_fsdp_parallelism=2" \
+                    "ep8 proxy-8xh200-ep8.yml"; do
+        set -- $layout; name=$1; cfg=$2; shift 2
+        (cd "$repo" && timeout "$limit" python3 -m MaxText.plan "configs/bench/$cfg" "${ours[@]}" "$@" \
+            --json "$out/plan-$name.json") >"$out/plan-$name.log" 2>&1
+        rc=$?
+        rows+=("plan-$name exit $rc  $(grep -E "verdict|^estimate|compiled on|plan error" "$out/plan-$name.log" | tr '\n' ' ' | cut -c1-300)")
+      done
+      ;;
+    plan-recipes)
+      for recipe in "$repo"/configs/recipes/deepseek3-671b-*x*.yml; do
+        name=$(basename "$recipe" .yml)
+        (cd "$repo" && timeout "$limit" python3 -m MaxText.plan "$recipe" --timeout $((limit - 20)) \
+            --json "$out/plan-$name.json") >"$out/plan-$name.log" 2>&1
+        rc=$?
+        rows+=("$name exit $rc  $(grep -E "verdict|TFLOP/s/GPU|compiled on|plan error" "$out/plan-$name.log" | tr '\n' ' ' | cut -c1-300)")
+      done
+      ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes)"; exit 2 ;;
   esac
 done
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +10,8 @@ import yaml
 
 from conftest import REPO
 from MaxText import config as fork_config
+from MaxText import analytic_memory
 from MaxText import launch, train, xla_presets
-
-sys.path.insert(0, str(REPO / "scripts"))
-import estimate_memory  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yml"))
 MODELS = sorted((REPO / "configs/models").glob("*.yml"))
@@ -99,7 +96,7 @@ def test_671b_is_deepseek_v3_as_published():
   assert (c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]) == (
       1536, 512, 128, 64, 128)
   assert (c["vocab_size"], c["mtp_num_layers"]) == (129280, 1)
-  p = estimate_memory.count_params(c)
+  p = analytic_memory.count_params(c)
   assert round((p.total - p.mtp) / 1e9, 1) == 671.0
 
 
@@ -111,14 +108,14 @@ def test_benchmark_proxy_is_the_measured_7_36b_model():
   assert (c["max_target_length"], c["per_device_batch_size"], c["weight_dtype"], c["remat_policy"]) == (
       4096, 4, "bfloat16", "full")
   assert (c["attention"], c["dataset_type"], c["hardware"]) == ("cudnn_flash_jax", "synthetic", "gpu")
-  assert estimate_memory.count_params(c).total == 7_358_880_864
+  assert analytic_memory.count_params(c).total == 7_358_880_864
 
 
 @pytest.mark.slow
 def test_parameter_count_matches_upstreams_own_model():
   """Our analytic count == upstream's abstract model (jax.eval_shape, no weights) for the proxy."""
   path = str(REPO / "configs/models/deepseek3-proxy-1gpu.yml")
-  assert estimate_memory.upstream_param_count(path) == 7_358_880_864
+  assert analytic_memory.upstream_param_count(path) == 7_358_880_864
 
 
 def test_ep_proxies_keep_32_experts_per_gpu():
@@ -134,8 +131,9 @@ def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
   run = fork_config.load([str(path)])
   gpus = run.fork.recipe_num_gpus
   assert f"{gpus}x" in path.name
+  assert f"x{run.fork.target_gpu}" in path.name  # the planner's verdict is against the recipe's own GPU
   launch.check_topology(run.upstream, gpus, gpus, gpus // GPUS_PER_NODE)  # one slice per 8-GPU node
-  _, est, lines = estimate_memory.estimate(run.upstream, gpus)
+  _, est, lines = analytic_memory.estimate(run.upstream, gpus)
   text = path.read_text()
   for line in lines:  # the estimate written in the recipe is the script's current output
     assert f"#  {line.strip()}" in text, line

@@ -1,10 +1,8 @@
 """Per-GPU memory estimate for a DeepSeek-V3 config, with the arithmetic shown.
 
-  .venv/bin/python scripts/estimate_memory.py configs/recipes/deepseek3-671b-128xh100.yml
-  .venv/bin/python scripts/estimate_memory.py configs/models/deepseek3-proxy-1gpu.yml --upstream-count
-
-An analytic estimate, not the compiler's: XLA's own figure needs the GPU
-compiler (an AOT compile for a CPU topology reports CPU buffers). It counts
+The planner's analytic cross-check (`python -m MaxText.plan <config>` prints it
+under the compiler's figure); the compiler's own figure needs a GPU compile
+(an AOT compile for CPU devices reports CPU buffers). It counts
   params      every weight, by dtype (weight_dtype), sharded over all devices
               (upstream's logical rules shard every weight over fsdp x expert)
   grads       same count, in grad_dtype
@@ -20,15 +18,9 @@ context (~1-2 GB): the headroom each recipe leaves is for those.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
-from pathlib import Path
 from typing import Any, Mapping
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 GB = 1e9
@@ -170,33 +162,3 @@ def upstream_param_count(config_path: str, overrides: list[str] = ()) -> int:
   model = model_creation_utils.from_config(config, devices=jax.devices()[:1])
   abstract = maxtext_utils.get_abstract_param(model, config)
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("config", help="a model or recipe YAML (recipes give batch, remat and GPU count)")
-  parser.add_argument("--gpus", type=int, help="GPU count (default: the recipe's recipe_num_gpus, else 1)")
-  parser.add_argument("--upstream-count", action="store_true", help="also count with upstream's abstract model")
-  args = parser.parse_args(argv)
-
-  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
-
-  run = fork_config.load([args.config])
-  c = {**run.upstream}
-  c.setdefault("per_device_batch_size", 1)
-  c.setdefault("max_target_length", 4096)
-  gpus = args.gpus or run.fork.recipe_num_gpus or 1
-  p, _, lines = estimate(c, gpus)
-  print(f"{args.config} on {gpus} GPU(s)")
-  for field in dataclasses.fields(p):
-    print(f"  {field.name:18s} {getattr(p, field.name):>16,d}")
-  print(f"  {'total':18s} {p.total:>16,d}  ({p.total / 1e9:.2f}B)")
-  for line in lines:
-    print("  " + line)
-  if args.upstream_count:
-    print(f"  upstream MaxText's abstract model: {upstream_param_count(args.config):,d} parameters")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

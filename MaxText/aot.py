@@ -1,0 +1,302 @@
+"""Ahead-of-time compile of the train step `python -m MaxText.train` would run, for
+a device count this machine does not have.
+
+  topology = aot.choose_topology(num_devices=128, gpus_per_node=8, local_gpus=aot.local_gpu_count())
+  aot.configure_backend(topology)        # the FIRST jax call of the process
+  result = aot.compile_train_step(run)   # run: a RunConfig after train.prepare_environment
+
+On a GPU machine the GPU client is mocked to the target topology
+(`jax_mock_gpu_topology` = "nodes x hosts per node x local GPUs"): jax then
+compiles the many-process program on the local GPU(s). This only works when it
+is set before anything starts a jax backend (upstream 0.2.5's train_compile.py
+sets it later and fails), and it needs `--xla_gpu_shard_autotuning=false`
+(without it the compile hung on one H200). The mocked program cannot run.
+
+Without a GPU, `jax_num_cpu_devices` simulated CPU devices stand in: the same
+partitioning and collectives, but CPU buffers (no GPU memory figure) and CPU
+kernels.
+
+What differs from the trainer's compile, none of it in the program: the
+planner's child adds skip_jax_distributed_system=true, a temporary output
+directory, num_slices (a multi-node mock) and the autotuning flag above. Only
+the main train step is compiled: with moe_dropless_fallback=step the trainer
+also compiles its dropless retry program, and it compiles the eval step when
+it evaluates.
+
+`python -m MaxText.aot REQUEST.json RESULT.json` is the planner's child process:
+one compile per process (a fresh backend, patches applied once), so that the
+parent can report a host out-of-memory kill or a timeout and name the knob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from MaxText import config as fork_config
+
+# The GPU mock hangs in sharded autotuning (measured on one H200; upstream's
+# train_compile.py sets the same flag).
+GPU_AOT_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
+# Simulated CPU devices past this many compile too slowly on a small host to be useful.
+MAX_CPU_DEVICES = 64
+
+
+class PlanError(fork_config.ConfigError):
+  """A plan that cannot be made; the message names the key or knob."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """The devices a plan compiles for.
+
+  Attributes:
+    platform: "gpu" (mocked GPU client) or "cpu" (simulated CPU devices).
+    num_devices: devices in the planned job.
+    gpus_per_node: devices sharing one NVLink domain (a slice to jax).
+    local_gpus: GPUs on this machine (0 on CPU).
+  """
+
+  platform: Literal["gpu", "cpu"]
+  num_devices: int
+  gpus_per_node: int
+  local_gpus: int
+
+  @property
+  def nodes(self) -> int:
+    return max(1, self.num_devices // self.gpus_per_node)
+
+  @property
+  def mock_spec(self) -> str | None:
+    """jax_mock_gpu_topology: "slices x hosts per slice x devices per host" (None: no mock needed)."""
+    if self.platform != "gpu" or self.num_devices == self.local_gpus:
+      return None
+    per_node = min(self.num_devices, self.gpus_per_node)
+    return f"{self.nodes} x {per_node // self.local_gpus} x {self.local_gpus}"
+
+
+def local_gpu_count(environ: dict[str, str] | None = None) -> int:
+  """NVIDIA GPUs this process may use, without starting jax (which would fix its backend)."""
+  environ = dict(os.environ) if environ is None else environ
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None and visible.strip() in ("", "-1"):
+    return 0
+  smi = shutil.which("nvidia-smi")
+  if not smi:
+    return 0
+  try:
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+  except (OSError, subprocess.TimeoutExpired):
+    return 0
+  found = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+  return min(found, len(visible.split(","))) if visible else found
+
+
+def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int) -> Topology:
+  """The mocked GPU topology, or simulated CPU devices without a GPU; PlanError if neither can be built."""
+  if local_gpus == 0:
+    if num_devices > MAX_CPU_DEVICES:
+      raise PlanError(
+          f"recipe_num_gpus={num_devices}: more than {MAX_CPU_DEVICES} simulated CPU devices is too slow to "
+          "compile here; plan on a machine with a GPU (any count that divides gpus_per_node)"
+      )
+    return Topology("cpu", num_devices, gpus_per_node, 0)
+  per_node = min(num_devices, gpus_per_node)
+  if num_devices % per_node or per_node % local_gpus:
+    raise PlanError(
+        f"recipe_num_gpus={num_devices} with gpus_per_node={gpus_per_node} cannot be mocked with "
+        f"{local_gpus} local GPU(s): set CUDA_VISIBLE_DEVICES to a count that divides {per_node}"
+    )
+  return Topology("gpu", num_devices, gpus_per_node, local_gpus)
+
+
+def configure_backend(topology: Topology) -> None:
+  """Points jax at the planned devices; must run before anything starts a jax backend."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError("configure_backend must be the first jax call: a backend is already up")
+  if topology.platform == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", topology.num_devices)
+  elif topology.mock_spec:
+    jax.config.update("jax_mock_gpu_topology", topology.mock_spec)
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One compiled train step.
+
+  Attributes:
+    compiled: jax's Compiled object (memory_analysis, cost_analysis, as_text).
+    mesh: the device mesh it was compiled over.
+    config: upstream's config object the step was built from.
+    seconds: wall time of trace + lower + compile.
+  """
+
+  compiled: Any
+  mesh: Any
+  config: Any
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """Upstream's train step for a mesh, ready for jax.jit: the function, its abstract
+  arguments and jit's shardings (as upstream's train_compile.py builds them)."""
+
+  func: Any
+  args: tuple
+  kwargs: dict
+  in_shardings: Any
+  out_shardings: Any
+  static_argnums: Any
+  donate_argnums: Any
+
+
+def train_step(config: Any, mesh: Any) -> TrainStep:
+  """Abstract state, shardings and the functional train step, from upstream's own functions."""
+  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils, sharding  # pylint: disable=import-outside-toplevel
+
+  shaped_args, shaped_kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
+  params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
+  in_state = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
+  data_sharding = sharding.get_input_data_sharding(config, mesh)
+  func, in_shard, out_shard, static_argnums, donate_argnums = maxtext_utils.get_functional_train_with_signature(
+      upstream_train.train_step, data_sharding, in_state, model, config, params_shardings
+  )
+  return TrainStep(func, shaped_args, shaped_kwargs, in_shard, out_shard, static_argnums, donate_argnums)
+
+
+def start_upstream(run: fork_config.RunConfig) -> Any:
+  """Our patches, upstream's validation, then upstream's own start of a run (its
+  train.main calls `initialize`): the jax settings that shape the program (the PRNG
+  implementation, hence the RNG keys' shape; shardy; size-one mesh axes). Returns
+  upstream's config. tests/test_plan.py checks the result compiles to the trainer's HLO."""
+  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train  # pylint: disable=import-outside-toplevel
+
+  train.apply_patches_and_validate(run)
+  config, _ = upstream_train.initialize(run.upstream_argv())
+  return config
+
+
+def compile_train_step(run: fork_config.RunConfig) -> Compiled:
+  """Patches, upstream validation, and the AOT compile of upstream's train step.
+
+  Call after train.prepare_environment (the environment is the run's) and
+  configure_backend; compiles over all the devices configure_backend set up.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils, maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  config = start_upstream(run)
+  start = time.perf_counter()
+  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
+  with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
+    step = train_step(config, mesh)
+    compiled = train_compile.jit_and_compile(
+        step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
+        step.donate_argnums, config, axis_rules(config.logical_axis_rules),
+    )
+  return Compiled(compiled, mesh, config, time.perf_counter() - start)
+
+
+MEMORY_FIELDS = {
+    "arguments": "argument_size_in_bytes",
+    "outputs": "output_size_in_bytes",
+    "temporaries": "temp_size_in_bytes",
+    "aliases": "alias_size_in_bytes",
+    "generated_code": "generated_code_size_in_bytes",
+    "host_arguments": "host_argument_size_in_bytes",
+    "host_outputs": "host_output_size_in_bytes",
+    "host_temporaries": "host_temp_size_in_bytes",
+    "host_aliases": "host_alias_size_in_bytes",
+}
+
+
+def memory_bytes(compiled: Any) -> dict[str, int]:
+  """Per-device bytes from the compiler, plus `device_total` (what upstream's
+  print_compiled_memory_stats adds up: arguments + outputs + temporaries - aliases,
+  and the code) and `host_offloaded` (host temporaries + host arguments + outputs)."""
+  stats = compiled.memory_analysis()
+  out = {name: int(getattr(stats, attr, 0) or 0) for name, attr in MEMORY_FIELDS.items()}
+  out["device_total"] = (
+      out["arguments"] + out["outputs"] + out["temporaries"] - out["aliases"] + out["generated_code"]
+  )
+  out["host_offloaded"] = out["host_temporaries"] + out["host_arguments"] + out["host_outputs"] - out["host_aliases"]
+  return out
+
+
+def device_nodes(mesh: Any, topology: Topology) -> list[int]:
+  """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
+  flat = list(mesh.devices.flat)
+  if topology.platform == "gpu" and topology.mock_spec:
+    slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
+    if len(set(slices)) == topology.nodes:
+      return slices
+    hosts_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // topology.local_gpus)
+    return [d.process_index // hosts_per_node for d in flat]  # mocked processes fill a node in turn
+  # Simulated devices carry no node: consecutive flat positions fill a node in turn.
+  return [i // topology.gpus_per_node for i in range(len(flat))]
+
+
+# --- the child process -------------------------------------------------------------
+
+
+def child_main(request_path: str, result_path: str) -> int:
+  """Compiles one request (written by MaxText/plan.py) and writes its result JSON."""
+  from MaxText import hlo_inventory, train  # pylint: disable=import-outside-toplevel
+
+  request = json.loads(Path(request_path).read_text())
+  topology = Topology(**request["topology"])
+  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  result: dict[str, Any] = {}
+  try:
+    run = fork_config.load(request["args"])
+    extra = GPU_AOT_XLA_FLAGS if topology.platform == "gpu" else ""
+    prepared = train.prepare_environment(run, extra_xla_flags=extra)
+    configure_backend(topology)
+    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    step = compile_train_step(prepared.run)
+  except fork_config.ConfigError as e:
+    result["config_error"] = str(e)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # the compiler's word, reported in one line
+    result["compile_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
+  else:
+    hlo = step.compiled.as_text()
+    inventory = hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology))
+    from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+    model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
+    result.update(
+        compile_seconds=step.seconds,
+        memory=memory_bytes(step.compiled),
+        mesh={k: int(v) for k, v in step.mesh.shape.items()},
+        model_tflops_per_device=float(model_tflops),
+        tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
+        **inventory,
+    )
+    if request.get("hlo_path"):
+      Path(request["hlo_path"]).write_text(hlo)
+  tmp = Path(result_path + ".tmp")
+  tmp.write_text(json.dumps(result, indent=2))  # insertion order: the mesh axes in mesh order
+  tmp.rename(result_path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(child_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,140 @@
+"""The GPUs a run can be planned for, each figure with where it came from.
+
+MaxText/plan.py turns a compiled step into a verdict and a step time with these:
+  fits        compiler bytes per device <= HBM x XLA_PYTHON_CLIENT_MEM_FRACTION
+  compute     FLOPs per device / the measured dense bf16 GEMM rate
+  collectives wire bytes per device / the link's bandwidth (NVLink inside a
+              node, InfiniBand across), per kind where a kind was measured
+  step        compute + collectives, none overlapped (an upper bound; the
+              overlapped bound max(compute, collectives) is printed next to it)
+Simplifications, each an upper bound on time: a collective whose group spans
+nodes moves all its wire bytes at InfiniBand rate (NCCL's hierarchical
+algorithms send only part across); FLOPs are the larger of MaxText's model
+count and the HLO's dots, and the HLO's include what XLA expands (its
+ragged_dot becomes dense per-expert dots). Memory-bound kernels (norms,
+softmax, routing, optimizer) are not costed at all, which errs the other way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+GpuName = Literal["h100", "h200", "b200"]
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  value: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """One GPU model in an HGX/DGX node (8 GPUs, one 400 Gb/s NIC each).
+
+  Attributes:
+    hbm_bytes: device memory (jax's allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of it).
+    gemm_flops: dense bf16 GEMM rate, FLOP/s.
+    nvlink_bytes: per-GPU NVLink bandwidth, one direction, B/s.
+    ib_bytes: per-GPU InfiniBand bandwidth, one direction, B/s.
+    a2a_nvlink_bytes: jax.lax.all_to_all inside a node, B/s (None: nvlink_bytes).
+    ragged_a2a_bytes: jax.lax.ragged_all_to_all, B/s (None: as all_to_all).
+  """
+
+  name: str
+  hbm_bytes: Figure
+  gemm_flops: Figure
+  nvlink_bytes: Figure
+  ib_bytes: Figure
+  a2a_nvlink_bytes: Figure | None = None
+  ragged_a2a_bytes: Figure | None = None
+
+  def figures(self) -> dict[str, Figure]:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
+
+
+# Measured on one H200 by scripts/bench_train.py (BENCHMARKS.md, "End to end: the 1xH200
+# DeepSeek-V3 proxy", commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
+_H200_GEMM = Figure(648e12, "measured: dense bf16 GEMM 8192^3 on one H200, BENCHMARKS.md (7dd98d6)")
+_IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/DGX), one direction")
+# Measured on 2xH200 (NVLink), jax 0.11.2, 0.47 GB per device, balanced: all_to_all 3 ms,
+# ragged_all_to_all 88 ms for the same bytes (team measurement of 2026-12-01).
+_A2A_H200 = Figure(150 * GB, "measured: jax.lax.all_to_all, 2xH200 NVLink, 0.47 GB/device")
+_RAGGED_H200 = Figure(5.3 * GB, "measured: jax.lax.ragged_all_to_all, 2xH200 NVLink, 0.47 GB/device")
+
+GPUS: dict[str, Gpu] = {
+    "h100": Gpu(
+        "H100 SXM 80 GB",
+        hbm_bytes=Figure(80 * 2**30, "datasheet: 80 GB HBM3 (80 GiB)"),
+        gemm_flops=Figure(648e12, "the H200's measured rate: same GH100 SMs and clocks (989 TF/s datasheet both)"),
+        nvlink_bytes=Figure(450 * GB, "datasheet: NVLink 4, 900 GB/s bidirectional"),
+        ib_bytes=_IB_NDR,
+        a2a_nvlink_bytes=Figure(150 * GB, "the H200's measured all_to_all (same NVLink 4)"),
+        ragged_a2a_bytes=Figure(5.3 * GB, "the H200's measured ragged_all_to_all (same NVLink 4)"),
+    ),
+    "h200": Gpu(
+        "H200 SXM 141 GB",
+        hbm_bytes=Figure(141 * GB, "datasheet: 141 GB HBM3e"),
+        gemm_flops=_H200_GEMM,
+        nvlink_bytes=Figure(450 * GB, "datasheet: NVLink 4, 900 GB/s bidirectional"),
+        ib_bytes=_IB_NDR,
+        a2a_nvlink_bytes=_A2A_H200,
+        ragged_a2a_bytes=_RAGGED_H200,
+    ),
+    "b200": Gpu(
+        "B200 180 GB",
+        hbm_bytes=Figure(180 * GB, "datasheet: 180 GB HBM3e (DGX B200: 1,440 GB / 8)"),
+        gemm_flops=Figure(2250e12 * 648 / 989, "not measured: datasheet 2,250 TF/s dense bf16 x the H200's measured/datasheet"),
+        nvlink_bytes=Figure(900 * GB, "datasheet: NVLink 5, 1.8 TB/s bidirectional"),
+        ib_bytes=_IB_NDR,
+    ),
+}
+DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def gpu_from_device_name(name: str) -> str | None:
+  """'NVIDIA H200' -> 'h200' (None: not one we know)."""
+  lowered = name.lower()
+  return next((key for key in GPUS if key in lowered), None)
+
+
+def link_bytes(gpu: Gpu, kind: str, crosses_nodes: bool) -> Figure:
+  """Bandwidth one collective's wire bytes move at."""
+  if crosses_nodes:
+    return gpu.ib_bytes
+  if kind == "ragged-all-to-all" and gpu.ragged_a2a_bytes:
+    return gpu.ragged_a2a_bytes
+  if kind in ("all-to-all", "ragged-all-to-all") and gpu.a2a_nvlink_bytes:
+    return gpu.a2a_nvlink_bytes
+  return gpu.nvlink_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+  """Seconds per step and MaxText's TFLOP/s/device at that time."""
+
+  compute_s: float
+  collectives_s: float
+  flops_used: float
+  flops_from: str
+
+  @property
+  def step_s(self) -> float:
+    return self.compute_s + self.collectives_s
+
+  @property
+  def overlapped_s(self) -> float:
+    return max(self.compute_s, self.collectives_s)
+
+
+def estimate_step(gpu: Gpu, model_flops: float, hlo_flops: float, collectives: list[dict]) -> StepEstimate:
+  """Compute at the GEMM rate plus each collective's wire bytes at its link's bandwidth.
+
+  FLOPs: the larger of MaxText's model count (what it logs as TFLOP/s; no
+  recompute) and the HLO's dots (recompute included, but blind to custom kernels).
+  """
+  flops, source = (hlo_flops, "HLO dots") if hlo_flops > model_flops else (model_flops, "MaxText's model count")
+  comm = sum(row["wire_bytes"] / link_bytes(gpu, row["kind"], row["crosses_nodes"]).value for row in collectives)
+  return StepEstimate(flops / gpu.gemm_flops.value, comm, flops, source)

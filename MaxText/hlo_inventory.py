@@ -1,0 +1,276 @@
+"""What one step of a compiled program moves and multiplies, read from its HLO text.
+
+  inventory(compiled.as_text(), mesh_shape={"fsdp": 4, ...}, nodes=[0, 0, 0, 0])
+
+Walks the computations from ENTRY, multiplying by each while loop's
+`known_trip_count` (the layer scan runs its body once per layer), and returns
+  collectives   one row per (kind, mesh axes, crosses nodes): count per step,
+                bytes (the collective's full buffer, see below) and wire bytes
+                (what each device sends over its link with a ring/pairwise
+                algorithm, the figure link bandwidth divides)
+  hlo_dot_flops FLOPs of the dots and cuBLAS GEMM calls the HLO shows, per
+                device; kernels opaque to XLA (Mosaic GPU, cuDNN attention)
+                are not in it
+Buffer bytes per kind, for a collective over n devices with result R bytes:
+  all-gather R (gathered) wire R(n-1)/n;  reduce-scatter R*n, wire R(n-1);
+  all-reduce R, wire 2R(n-1)/n;  all-to-all R, wire R(n-1)/n;
+  ragged-all-to-all R (its receive buffer, an upper bound), wire R(n-1)/n;
+  collective-permute R, wire R.
+Replica groups name partition ids, which are positions in the jit's mesh
+(row-major over mesh_shape): a group's mesh axes are those its members'
+coordinates differ in; it crosses nodes when its members sit on two nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-$.]*)\((.*)$")
+
+
+def dtype_bytes(dtype: str) -> float:
+  if dtype.startswith("f8") or dtype.startswith("f4") or dtype.startswith("f6"):
+    return 1 if dtype.startswith("f8") else 0.5
+  return DTYPE_BYTES.get(dtype, 0)
+
+
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+  """Every array in an HLO type ('bf16[4,8]{1,0}' or a tuple of them)."""
+  return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(type_text)]
+
+
+def nbytes(type_text: str) -> float:
+  return sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(type_text))
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  type_text: str
+  opcode: str
+  operands: list[str]
+  attrs: str
+
+
+@dataclasses.dataclass
+class Computation:
+  name: str
+  instrs: list[Instr]
+  shapes: dict[str, str]  # name -> type text, parameters included
+
+
+def _split_call(rest: str) -> tuple[str, str]:
+  """'a, b), attrs' -> ('a, b', 'attrs'): the operand list up to its closing parenthesis."""
+  depth = 1
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rest[:i], rest[i + 1 :]
+  return rest, ""
+
+
+def parse_module(text: str) -> tuple[dict[str, Computation], str]:
+  """HLO module text -> (computations by name, the ENTRY computation's name)."""
+  comps: dict[str, Computation] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      shapes = {m.group(1): m.group(2) for m in re.finditer(r"([\w.\-]+):\s*((?:\([^)]*\))|[^,()]+\])", header.group(3))}
+      current = Computation(header.group(2), [], shapes)
+      comps[current.name] = current
+      entry = current.name if header.group(1) else entry
+      continue
+    match = _INSTR.match(line) if current is not None else None
+    if match:
+      name, type_text, opcode, rest = match.groups()
+      operand_text, attrs = _split_call(rest)
+      instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs)
+      current.instrs.append(instr)
+      current.shapes[name] = type_text
+  return comps, entry
+
+
+def _called(instr: Instr) -> list[str]:
+  names = re.findall(r"(?:calls|body|true_computation|false_computation)=%?([\w.\-]+)", instr.attrs)
+  for group in re.findall(r"(?:calls|branch_computations)=\{([^}]*)\}", instr.attrs):
+    names += re.findall(r"%?([\w.\-]+)", group)
+  if instr.opcode == "call":
+    names += re.findall(r"to_apply=%?([\w.\-]+)", instr.attrs)
+  return names
+
+
+def trip_count(instr: Instr) -> int | None:
+  match = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+  return int(match.group(1)) if match else None
+
+
+# --- replica groups -> partition-id groups -------------------------------------------
+
+
+def replica_groups(attrs: str, num_partitions: int) -> list[list[int]] | None:
+  """A collective's groups of partition ids, from any of XLA's spellings (None: unreadable)."""
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if pairs:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if mesh:
+    axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+    chosen = set(re.findall(r"'([^']+)'", mesh.group(2)))
+    shape = [int(n) for _, n in axes]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    inside = [i for i, (a, _) in enumerate(axes) if a in chosen]
+    outside = [i for i in range(len(axes)) if i not in inside]
+    moved = ids.transpose(outside + inside).reshape(-1, math.prod([shape[i] for i in inside]) if inside else 1)
+    return moved.tolist()
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if iota:
+    groups, size = int(iota.group(1)), int(iota.group(2))
+    dims = [int(x) for x in iota.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(4):
+      ids = ids.transpose([int(x) for x in iota.group(4).split(",")])
+    return ids.reshape(groups, size).tolist()
+  explicit = re.search(r"replica_groups=\{(.*?)\}(?:,|$)", attrs)
+  if explicit is not None:
+    body = explicit.group(1).strip()
+    if not body:
+      return [list(range(num_partitions))]
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", body + "}")]
+  return None
+
+
+def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  """Mesh axes along which a collective's group members differ."""
+  names, shape = list(mesh_shape), list(mesh_shape.values())
+  varying: set[int] = set()
+  for group in groups:
+    coords = np.array(np.unravel_index(np.asarray(group), shape)).T
+    varying |= {i for i in range(len(shape)) if len(set(coords[:, i])) > 1}
+  return tuple(names[i] for i in sorted(varying))
+
+
+# --- the walk ----------------------------------------------------------------------------
+
+
+def _kind(opcode: str) -> str | None:
+  base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+  return base if base in KINDS else None
+
+
+def _result_bytes(kind: str, instr: Instr, n: int) -> float:
+  """The collective's result bytes. Async -start ops of all-gather and collective-permute
+  return (operands, results[, sync flags]) tuples: in + out = out (n + 1) / n for a
+  gather over n, 2 out for a permute; all-reduce-start returns its results only."""
+  total = sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s)
+  if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
+    return total
+  if kind == "collective-permute":
+    return total / 2
+  if kind == "all-gather":
+    return total * n / (n + 1)
+  return total
+
+
+def _sizes(kind: str, result: float, n: int) -> tuple[float, float]:
+  """(buffer bytes, wire bytes per device) for a collective of result `result` over n devices."""
+  if n <= 1:
+    return (result * n if kind == "reduce-scatter" else result), 0.0
+  return {
+      "all-gather": (result, result * (n - 1) / n),
+      "reduce-scatter": (result * n, result * (n - 1)),
+      "all-reduce": (result, 2 * result * (n - 1) / n),
+      "all-to-all": (result, result * (n - 1) / n),
+      "ragged-all-to-all": (result, result * (n - 1) / n),
+      "collective-permute": (result, result),
+  }[kind]
+
+
+def _dot_flops(instr: Instr, comp: Computation) -> float:
+  out = arrays(instr.type_text)
+  if not out:
+    return 0.0
+  lhs = arrays(comp.shapes.get(instr.operands[0], "")) if instr.operands else []
+  if instr.opcode == "dot":
+    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+  else:  # cuBLAS GEMM custom-call: dimension numbers in its backend config
+    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
+  if not lhs or not dims:
+    return 0.0
+  contracting = [int(x.strip('"')) for x in dims.group(1).split(",") if x.strip('"')]
+  k = math.prod(lhs[0][1][i] for i in contracting)
+  return 2.0 * math.prod(out[0][1]) * k
+
+
+def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[str, Any]:
+  """Collectives and dot FLOPs of one execution of the module (see the module docstring)."""
+  comps, entry = parse_module(text)
+  num_partitions = len(nodes)
+  rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
+      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "group_size": 0})
+  notes: set[str] = set()
+  flops = [0.0]
+
+  def visit(name: str, mult: int, depth: int = 0) -> None:
+    comp = comps.get(name)
+    if comp is None or depth > 64:
+      return
+    for instr in comp.instrs:
+      kind = _kind(instr.opcode)
+      if kind:
+        groups = replica_groups(instr.attrs, num_partitions)
+        if groups is None:
+          notes.add(f"unreadable replica groups on {instr.opcode}: counted as all devices")
+          groups = [list(range(num_partitions))]
+        n = len(groups[0]) if kind != "collective-permute" else 2
+        if n <= 1 and kind != "collective-permute":
+          continue  # a group of one moves nothing
+        axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
+        crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
+        buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
+        row = rows[(kind, axes, crosses)]
+        row["count"] += mult
+        row["bytes"] += buffer * mult
+        row["wire_bytes"] += wire * mult
+        row["group_size"] = max(row["group_size"], n)
+      elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
+        flops[0] += _dot_flops(instr, comp) * mult
+      if instr.opcode == "while":
+        trips = trip_count(instr)
+        if trips is None:
+          notes.add("a while loop without a known trip count: its body counted once")
+        for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
+          visit(body, mult * (trips or 1), depth + 1)
+        continue
+      if instr.opcode == "conditional":
+        notes.add("a conditional: every branch counted (an upper bound)")
+      for called in _called(instr):
+        visit(called, mult, depth + 1)
+
+  visit(entry, 1)
+  collectives = [
+      {"kind": kind, "axes": list(axes), "crosses_nodes": crosses, **{k: v for k, v in row.items()}}
+      for (kind, axes, crosses), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))
+  ]
+  return {"collectives": collectives, "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
+
+
+if __name__ == "__main__":  # python -m MaxText.hlo_inventory HLO.txt '{"fsdp": 4}'
+  import sys
+
+  shape = json.loads(sys.argv[2])
+  print(json.dumps(inventory(open(sys.argv[1]).read(), shape, [0] * math.prod(shape.values())), indent=2))

@@ -1,0 +1,310 @@
+"""Plan a run before the cluster: `python -m MaxText.plan <config.yml> [key=value ...] [options]`.
+
+Compiles the train step `python -m MaxText.train` would run with the same
+arguments (our config, presets and patches; MaxText/aot.py) for the recipe's
+full GPU count (`recipe_num_gpus`) on this machine, and prints
+  memory      per device from the compiler (arguments, outputs, temporaries,
+              aliases, host-offloaded) and whether it fits `target_gpu`'s HBM
+  collectives per step: count, bytes and wire bytes per kind and mesh axis,
+              and whether each crosses nodes (`gpus_per_node`)
+  estimate    step time and TFLOP/s/GPU, every constant with its source
+              (MaxText/hardware.py), and the analytic memory cross-check
+              (MaxText/analytic_memory.py)
+On a GPU machine the GPU client is mocked to the recipe's topology. Without a
+GPU, simulated CPU devices stand in (up to 64): the collectives are the
+program's, but there is no GPU memory figure and GPU-only kernels are swapped
+for CPU ones (each swap is printed).
+
+Options:
+  --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
+  --timeout S       give up a compile after S seconds (default 1800)
+  --hlo PATH        keep the compiled HLO text
+  --search          try other layouts in the same GPU count and rank those that fit
+                    (MaxText/plan_search.py)
+Bad input (one line naming the key, exit 2): a mesh that does not multiply to
+the GPU count, experts that do not split over EP, a config upstream or the
+compiler rejects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from MaxText import aot, hardware, launch
+from MaxText import config as fork_config
+
+DEFAULT_TIMEOUT_S = 1800
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+GiB = 2**30
+
+
+def log(msg: str) -> None:
+  print(f"[plan] {msg}", flush=True)
+
+
+def num_gpus_of(run: fork_config.RunConfig) -> int:
+  """recipe_num_gpus, else a mesh written out in full; PlanError naming the key otherwise."""
+  if run.fork.recipe_num_gpus:
+    return run.fork.recipe_num_gpus
+  axes = {**launch.mesh_axes(run.upstream, "ici_"), **launch.mesh_axes(run.upstream, "dcn_")}
+  if any(v == -1 for v in axes.values()):
+    raise aot.PlanError("recipe_num_gpus is unset and the mesh has a -1 axis: set recipe_num_gpus=N to plan for N GPUs")
+  return math.prod(axes.values())
+
+
+def check_layout(run: fork_config.RunConfig, num_gpus: int) -> None:
+  """The launcher's own checks (mesh product, experts over EP) for the planned devices."""
+  nodes = max(1, num_gpus // run.fork.gpus_per_node)
+  launch.check_topology(run.upstream, num_gpus, num_gpus, nodes)
+
+
+# Keys a CPU compile cannot keep, with what stands in and why.
+def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
+  """Overrides that make a GPU config compile on simulated CPU devices (printed as such)."""
+  up, out = run.upstream, {"hardware": "cpu"}
+  if str(up.get("attention", "autoselected")).startswith("cudnn"):
+    out["attention"] = "dot_product"  # cuDNN flash attention has no CPU kernel
+  if run.fork.moe_gmm_backend in ("mgpu", "te", "tokamax"):
+    out["moe_gmm_backend"] = "xla"  # GPU kernels; xla is the CPU stand-in
+  if up.get("use_tokamax_gmm"):
+    out["use_tokamax_gmm"] = False
+  ici, dcn = launch.mesh_axes(up, "ici_"), launch.mesh_axes(up, "dcn_")
+  for key, value in dcn.items():
+    if value > 1:  # one CPU "slice": node boundaries come from gpus_per_node instead
+      ici_key = "ici_" + key[len("dcn_"):]
+      out[ici_key] = ici[ici_key] * value
+      out[key] = 1
+  return {k: v for k, v in out.items() if up.get(k) != v}
+
+
+def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None) -> dict[str, Any]:
+  """One compile in a fresh process: its result, or PlanError naming what ran out."""
+  with tempfile.TemporaryDirectory(prefix="maxtext-plan-") as tmp:
+    request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
+    # Outputs (compile cache, dumps) go to the temporary directory, never the user's run directory.
+    request.write_text(json.dumps({
+        "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true"],
+        "topology": topology.__dict__, "hlo_path": hlo_path,
+    }))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as child_log:
+      proc = subprocess.Popen([sys.executable, "-m", "MaxText.aot", str(request), str(result)], stdout=child_log,
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+      try:
+        rc = proc.wait(timeout=timeout_s)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise aot.PlanError(f"compile ran past --timeout {timeout_s:.0f} s: raise --timeout, or plan fewer "
+                            "layers (base_num_decoder_layers) to see the trend") from None
+    if rc == -signal.SIGKILL or rc == 137:
+      raise aot.PlanError("compile was killed (host out of memory?): free host memory, or plan with scan_layers=true "
+                          "and fewer devices per compile")
+    if rc != 0 or not result.exists():
+      tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+      raise aot.PlanError(f"compile process failed (exit {rc}): {tail[-500:]}")
+    return json.loads(result.read_text())
+
+
+def target_gpu(run: fork_config.RunConfig, topology: aot.Topology) -> tuple[str, str]:
+  """(GPU key, where it came from): target_gpu, else this machine's GPU, else h200 for the estimate."""
+  if run.fork.target_gpu:
+    return run.fork.target_gpu, "target_gpu"
+  if topology.platform == "gpu":
+    try:
+      name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                            text=True, timeout=30, check=False).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+      name = ""
+    if hardware.gpu_from_device_name(name):
+      return hardware.gpu_from_device_name(name), f"this machine's GPU ({name.strip()})"
+  return "h200", "no target_gpu set: H200 figures for the estimate only"
+
+
+def mem_fraction(env_xla: dict[str, str]) -> hardware.Figure:
+  value = env_xla.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  if value:
+    return hardware.Figure(float(value), "XLA_PYTHON_CLIENT_MEM_FRACTION the run sets (presets or environment)")
+  return hardware.DEFAULT_MEM_FRACTION
+
+
+def analytic_cross_check(run: fork_config.RunConfig, num_gpus: int) -> dict[str, Any] | None:
+  """The arithmetic estimate (MaxText/analytic_memory.py), for configs that spell out a DeepSeek-V3 model."""
+  from MaxText import analytic_memory  # pylint: disable=import-outside-toplevel
+
+  c = {"per_device_batch_size": 1, "max_target_length": 4096, **run.upstream}
+  try:
+    _, est, lines = analytic_memory.estimate(c, num_gpus)
+  except (KeyError, TypeError):
+    return None
+  return {"device_total_bytes": est.device_total, "host_offloaded_bytes": est.host_offloaded, "lines": lines}
+
+
+def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
+  """The plan as data: what was compiled, memory, verdict, collectives, estimate, constants."""
+  from MaxText import train  # pylint: disable=import-outside-toplevel
+
+  gpu_key, gpu_from = target_gpu(run, topology)
+  gpu = hardware.GPUS[gpu_key]
+  prepared_env = train.run_environment(run, {}, None)
+  fraction = mem_fraction({**prepared_env})
+  est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"])
+  usable = gpu.hbm_bytes.value * fraction.value
+  memory = child["memory"]
+  verdict = None
+  if topology.platform == "gpu":
+    verdict = {"fits": memory["device_total"] <= usable, "device_bytes": memory["device_total"], "usable_bytes": usable}
+  for row in child["collectives"]:
+    row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
+    row["seconds"] = row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value
+  constants = {f"{gpu_key}.{k}": {"value": f.value, "source": f.source} for k, f in gpu.figures().items()}
+  constants["mem_fraction"] = {"value": fraction.value, "source": fraction.source}
+  return {
+      "config": str(run.config_path), "num_gpus": num_gpus, "gpus_per_node": run.fork.gpus_per_node,
+      "platform": topology.platform, "mock_topology": topology.mock_spec, "cpu_substitutes": substitutes,
+      "target_gpu": {"key": gpu_key, "name": gpu.name, "from": gpu_from},
+      "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
+      # A CPU compile's buffers are not the GPU's: kept under another name.
+      ("memory" if topology.platform == "gpu" else "cpu_memory"): memory,
+      "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
+      "estimate": {
+          "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
+          "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
+          "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
+          "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
+      },
+      "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
+  }
+
+
+def _gib(x: float) -> str:
+  """Bytes in the largest binary unit that keeps them >= 1."""
+  for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(x) >= scale:
+      return f"{x / scale:8.2f} {unit}"
+  return f"{x:8.0f} B  "
+
+
+def print_report(r: dict[str, Any]) -> None:
+  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
+  where = f"mocked GPU topology {r['mock_topology']}" if r["mock_topology"] else f"{r['platform']}, real devices"
+  if r["platform"] == "cpu":
+    where = f"{r['num_gpus']} simulated CPU devices"
+  print(f"\n== plan: {r['config']}\n{r['num_gpus']} GPUs ({r['gpus_per_node']} per node), mesh {mesh}; "
+        f"compiled on {where} in {r['compile_seconds']:.1f} s")
+  for k, v in r["cpu_substitutes"].items():
+    print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the mock'}: {k}={v}")
+  print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
+  m = r.get("memory", {})
+  print("\nmemory per device (compiler):" if r["platform"] == "gpu" else
+        "\nmemory per device: GPU memory needs a GPU compile (a CPU compile reports CPU buffers, not shown)")
+  if r["platform"] == "gpu":
+    for key in ("arguments", "outputs", "temporaries", "aliases", "generated_code", "device_total", "host_offloaded"):
+      print(f"  {key:15s} {_gib(m[key])}")
+    v = r["verdict"]
+    print(f"  verdict         {'FITS' if v['fits'] else 'DOES NOT FIT'}: {v['device_bytes'] / GiB:.2f} GiB of "
+          f"{v['usable_bytes'] / GiB:.2f} GiB usable (HBM x mem fraction)")
+  a = r["analytic_memory"]
+  if a:
+    print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/analytic_memory.py; no compiler temporaries)")
+  print("\ncollectives per step (per device):")
+  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s}")
+  for c in r["collectives"]:
+    print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['count']:7d} "
+          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {c['seconds'] * 1e3:8.3f}")
+  for note in r["inventory_notes"]:
+    print(f"  note: {note}")
+  e = r["estimate"]
+  print(f"\nestimate: step {e['step_s'] * 1e3:.2f} ms (compute {e['compute_s'] * 1e3:.2f} + collectives "
+        f"{e['collectives_s'] * 1e3:.2f}, none overlapped; fully overlapped {e['overlapped_step_s'] * 1e3:.2f} ms)")
+  print(f"  FLOPs/device {e['flops_per_device'] / 1e12:.4g} T from {e['flops_from']} (model "
+        f"{e['model_tflops_per_device']:.4g} T, HLO dots {e['hlo_dot_flops'] / 1e12:.4g} T)")
+  print(f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}")
+  print("constants:")
+  for k, c in r["constants"].items():
+    print(f"  {k:28s} {c['value']:.4g}  ({c['source']})")
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+  """Whole or not at all: written beside, then renamed over."""
+  target = Path(path)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  tmp = target.with_name(target.name + ".tmp")
+  tmp.write_text(json.dumps(report, indent=2, default=str))
+  tmp.rename(target)
+
+
+def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | None = None,
+         local_gpus: int | None = None) -> dict[str, Any]:
+  """Checks, compiles (child process) and returns the report; ConfigError on bad input."""
+  run = fork_config.load(args)
+  num_gpus = num_gpus_of(run)
+  check_layout(run, num_gpus)
+  local = aot.local_gpu_count() if local_gpus is None else local_gpus
+  topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local)
+  substitutes = cpu_substitutes(run) if topology.platform == "cpu" else {}
+  if topology.platform == "gpu" and topology.nodes > 1 and "num_slices" not in run.explicit:
+    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
+    substitutes["num_slices"] = topology.nodes
+  child_args = [*args, f"recipe_num_gpus={num_gpus}", *(f"{k}={json.dumps(v)}" for k, v in substitutes.items())]
+  log(f"compiling for {num_gpus} devices on {topology.platform}" + (f" (mock {topology.mock_spec})" if topology.mock_spec else ""))
+  child = compile_in_child(child_args, topology, timeout_s, hlo_path)
+  if "config_error" in child:
+    raise fork_config.ConfigError(child["config_error"])
+  if "compile_error" in child:
+    hint = "; XLA:CPU cannot compile it, plan on a GPU" if "XLA:CPU" in child["compile_error"] else ""
+    raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
+  return build_report(run, num_gpus, topology, child, substitutes)
+
+
+def _take(args: list[str], flag: str, has_value: bool = True) -> Any:
+  if flag not in args:
+    return None
+  i = args.index(flag)
+  if not has_value:
+    del args[i]
+    return True
+  if i + 1 >= len(args):
+    raise fork_config.ConfigError(f"{flag} needs a value")
+  value = args[i + 1]
+  del args[i : i + 2]
+  return value
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = sys.argv[1:] if argv is None else list(argv)
+  if not args or args[0] in ("-h", "--help"):
+    print(__doc__.strip())
+    return 0
+  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  try:
+    json_path = _take(args, "--json")
+    hlo_path = _take(args, "--hlo")
+    timeout = _take(args, "--timeout")
+    search = _take(args, "--search", has_value=False)
+    timeout_s = float(timeout) if timeout else DEFAULT_TIMEOUT_S
+    if search:
+      from MaxText import plan_search  # pylint: disable=import-outside-toplevel
+
+      return plan_search.main(args, timeout_s, json_path)
+    report = plan(args, timeout_s, hlo_path)
+  except ValueError as e:  # ConfigError, PlanError, a bad --timeout
+    print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
+    return 2
+  print_report(report)
+  if json_path:
+    write_json(report, json_path)
+    log(f"wrote {json_path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,279 @@
+"""The planner (MaxText/plan.py, aot.py, hlo_inventory.py) on simulated CPU devices.
+
+The inventory is checked against hand-computed figures: a known FSDP all-gather
+compiled on 4 simulated devices, and HLO snippets in each replica-group
+spelling XLA prints. Bad input stops before compiling with one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, run_train
+from MaxText import aot, hardware, hlo_inventory, launch, plan
+
+MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
+
+
+def _plan_cli(*args: str, timeout: int = 600, xla_flags: str | None = None) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
+  return subprocess.run([sys.executable, "-m", "MaxText.plan", *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=timeout, check=False)
+
+
+# --- the HLO reader, on hand-written modules -------------------------------------------
+
+HLO = textwrap.dedent("""\
+    HloModule m
+
+    %body (p: (s32[], f32[16,8])) -> (s32[], f32[16,8]) {
+      %p = (s32[], f32[16,8]{1,0}) parameter(0)
+      %w = f32[2,8]{1,0} constant({...})
+      %ag = f32[16,8]{1,0} all-gather(%w), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, use_global_device_ids=true
+      %ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%w), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+      %agd = f32[16,8]{1,0} all-gather-done(%ags)
+      %cps = (f32[2,8]{1,0}, f32[2,8]{1,0}, u32[], u32[]) collective-permute-start(%w), channel_id=6, source_target_pairs={{0,4},{4,0}}
+      %cpd = f32[2,8]{1,0} collective-permute-done(%cps)
+      %a2a = bf16[64,4]{1,0} all-to-all(%w), channel_id=2, replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}
+      ROOT %t = (s32[], f32[16,8]{1,0}) tuple(%p, %ag)
+    }
+
+    %cond (p: (s32[], f32[16,8])) -> pred[] {
+      %p = (s32[], f32[16,8]{1,0}) parameter(0)
+      ROOT %c = pred[] constant(true)
+    }
+
+    ENTRY %main (x: f32[4,8], y: f32[8,3]) -> f32[4,3] {
+      %x = f32[4,8]{1,0} parameter(0)
+      %y = f32[8,3]{1,0} parameter(1)
+      %d = f32[4,3]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      %ar = f32[4,3]{1,0} all-reduce(%d), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+      %rs = f32[1,3]{1,0} reduce-scatter(%d), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+      %init = (s32[], f32[16,8]{1,0}) tuple(%x, %x)
+      %loop = (s32[], f32[16,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+      ROOT %r = f32[4,3]{1,0} copy(%ar)
+    }
+    """)
+
+
+def _rows(inv):
+  return {(r["kind"], tuple(r["axes"])): r for r in inv["collectives"]}
+
+
+def test_inventory_reads_every_replica_group_spelling_and_multiplies_loops():
+  """2 x 4 devices (fsdp 2 x expert 4), nodes of 4: fsdp crosses nodes, expert does not."""
+  inv = hlo_inventory.inventory(HLO, MESH_2x4, nodes=[0, 0, 0, 0, 1, 1, 1, 1])
+  rows = _rows(inv)
+  # iota [2,4]<=[4,2]T(1,0): groups {0,2,4,6},{1,3,5,7} -> the expert axis and fsdp? no: coords (f,e) = divmod(i,4)
+  # 0,2,4,6 -> (0,0),(0,2),(1,0),(1,2): both axes vary.
+  ag = rows[("all-gather", ("fsdp", "expert"))]
+  assert (ag["count"], ag["bytes"], ag["group_size"]) == (5, 5 * 16 * 8 * 4, 4)  # 5 trips of a 512 B result
+  assert ag["wire_bytes"] == pytest.approx(5 * 512 * 3 / 4)
+  assert ag["crosses_nodes"]
+  a2a = rows[("all-to-all", ("expert",))]  # mesh['a'=2,'b'=4] {'b'}: groups of 4 consecutive ids
+  assert (a2a["count"], a2a["bytes"], a2a["crosses_nodes"]) == (5, 5 * 64 * 4 * 2, False)
+  ar = rows[("all-reduce", ("fsdp", "expert"))]
+  assert (ar["count"], ar["bytes"], ar["wire_bytes"]) == (1, 48, pytest.approx(2 * 48 * 7 / 8))
+  rs = rows[("reduce-scatter", ("fsdp",))]  # {0,4}: same expert, both fsdp rows
+  assert (rs["bytes"], rs["wire_bytes"], rs["crosses_nodes"]) == (2 * 12, 12, True)
+  ags = rows[("all-gather", ("expert",))]  # async: (operand, result) tuple; [2,4]<=[8] is 4 consecutive ids
+  assert (ags["count"], ags["bytes"], ags["crosses_nodes"]) == (5, 5 * 512, False)
+  cp = rows[("collective-permute", ("fsdp",))]
+  assert (cp["count"], cp["bytes"], cp["wire_bytes"], cp["crosses_nodes"]) == (5, 5 * 64, 5 * 64, True)
+  assert inv["hlo_dot_flops"] == 2 * 4 * 3 * 8
+  assert inv["inventory_notes"] == []
+
+
+def test_inventory_flags_a_loop_without_trip_count():
+  inv = hlo_inventory.inventory(HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""), MESH_2x4, [0] * 8)
+  assert _rows(inv)[("all-gather", ("fsdp", "expert"))]["count"] == 1
+  assert any("trip count" in n for n in inv["inventory_notes"])
+
+
+def test_fsdp_all_gather_of_a_known_weight_on_4_simulated_devices():
+  """A [32, 16] f32 weight sharded over fsdp=4 and gathered once: 2,048 B, 1,536 B on the wire per device."""
+  code = textwrap.dedent("""\
+      import json, jax, jax.numpy as jnp
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from MaxText import aot, hlo_inventory
+      aot.configure_backend(aot.Topology("cpu", 4, 8, 0))
+      mesh = jax.make_mesh((4,), ("fsdp",))
+      w = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
+      x = jax.ShapeDtypeStruct((8, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+      v = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+      rep = NamedSharding(mesh, P())
+      f = jax.jit(lambda w, x, v: (2 * w, x @ v), out_shardings=(rep, rep))  # w gathered; one replicated dot
+      hlo = f.lower(w, x, v).compile().as_text()
+      print(json.dumps(hlo_inventory.inventory(hlo, dict(mesh.shape), aot.device_nodes(mesh, aot.Topology("cpu", 4, 2, 0)))))
+      """)
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  inv = json.loads(out.stdout.strip().splitlines()[-1])
+  assert [(r["kind"], r["axes"], r["count"]) for r in inv["collectives"]] == [("all-gather", ["fsdp"], 1)]
+  row = inv["collectives"][0]
+  assert (row["bytes"], row["wire_bytes"], row["group_size"]) == (32 * 16 * 4, 32 * 16 * 4 * 3 / 4, 4)
+  assert row["crosses_nodes"]  # gpus_per_node=2: devices 0-1 and 2-3 on two nodes
+  assert inv["hlo_dot_flops"] == 2 * 8 * 16 * 32
+
+
+# --- topology and estimate ---------------------------------------------------------------
+
+
+def test_mock_topology_is_nodes_x_hosts_x_local_gpus():
+  assert aot.choose_topology(128, 8, 1).mock_spec == "16 x 8 x 1"
+  assert aot.choose_topology(1024, 8, 2).mock_spec == "128 x 4 x 2"
+  assert aot.choose_topology(2, 8, 1).mock_spec == "1 x 2 x 1"
+  assert aot.choose_topology(1, 8, 1).mock_spec is None  # the real device
+  assert aot.choose_topology(4, 8, 0).platform == "cpu"
+  with pytest.raises(aot.PlanError, match="recipe_num_gpus=128"):
+    aot.choose_topology(128, 8, 0)
+  with pytest.raises(aot.PlanError, match="CUDA_VISIBLE_DEVICES"):
+    aot.choose_topology(8, 8, 3)
+
+
+def test_estimate_is_flops_at_gemm_rate_plus_wire_bytes_at_link_rate():
+  gpu = hardware.GPUS["h200"]
+  rows = [{"kind": "all-gather", "crosses_nodes": False, "wire_bytes": 450e9},
+          {"kind": "reduce-scatter", "crosses_nodes": True, "wire_bytes": 50e9}]
+  est = hardware.estimate_step(gpu, model_flops=648e12, hlo_flops=1e12, collectives=rows)
+  assert (est.compute_s, est.collectives_s, est.step_s, est.overlapped_s) == (1.0, 2.0, 3.0, 2.0)
+  assert est.flops_from == "MaxText's model count"
+
+
+# --- bad input: one line naming the key, exit 2, nothing compiled ----------------------------
+
+
+@pytest.mark.parametrize("args, key", [
+    (["recipe_num_gpus=4", "ici_fsdp_parallelism=3"], "does not match 4 device"),
+    (["recipe_num_gpus=3", "ici_fsdp_parallelism=1", "ici_expert_parallelism=3"], "num_experts=8"),
+    (["recipe_num_gpus=4", "target_gpu=a100"], "target_gpu"),
+    (["recipe_num_gpus=4", "stepz=3"], "stepz"),
+    (["recipe_num_gpus=128"], "recipe_num_gpus=128"),  # too many simulated CPU devices
+], ids=["mesh", "experts-over-ep", "target", "unknown-key", "cpu-too-large"])
+def test_bad_input_is_one_line_and_exit_2(args, key):
+  out = _plan_cli("configs/deepseek3-tiny.yml", *args, timeout=120)
+  assert out.returncode == 2, out.stderr[-1000:]
+  assert key in out.stderr
+  assert len([line for line in out.stderr.splitlines() if line.startswith("maxtext-moe:")]) == 1
+  assert "compiling" not in out.stdout
+
+
+@pytest.mark.slow
+def test_config_upstream_rejects_is_one_line_and_exit_2():
+  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=1", "num_experts_per_tok=16")
+  assert out.returncode == 2, out.stderr[-1000:]
+  assert out.stderr.strip().startswith("maxtext-moe: plan error:") or "config error" in out.stderr
+  assert len(out.stderr.strip().splitlines()[-1]) < 1200
+
+
+# --- one real plan ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_plan_on_4_simulated_devices(tmp_path):
+  """The tiny DeepSeek-V3 on 2 nodes of 2, FSDP in and across nodes (fsdp=4 on one CPU "slice"):
+  FSDP all-gathers inside the layer scan, some crossing nodes; the JSON whole."""
+  path = tmp_path / "plan" / "tiny.json"
+  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=4", "ici_fsdp_parallelism=2", "dcn_fsdp_parallelism=2",
+                  "gpus_per_node=2", "per_device_batch_size=1", "max_target_length=32", "--json", str(path))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "GPU memory needs a GPU compile" in out.stdout
+  assert "CPU stand-in: ici_fsdp_parallelism=4" in out.stdout and "dcn_fsdp_parallelism=1" in out.stdout
+  report = json.loads(path.read_text())
+  assert not path.with_name("tiny.json.tmp").exists()
+  assert report["mesh"]["fsdp"] == 4 and report["platform"] == "cpu" and report["verdict"] is None
+  gathers = [r for r in report["collectives"] if r["kind"] == "all-gather"]
+  assert gathers and all(r["axes"] == ["fsdp"] for r in gathers)
+  # Every weight is gathered at least once per step: at least the bf16 parameters' bytes.
+  assert sum(r["bytes"] for r in gathers) >= 2 * 100_000
+  assert any(r["crosses_nodes"] for r in gathers)  # 4 devices, 2 per node
+  assert report["estimate"]["step_s"] > 0 and report["estimate"]["model_tflops_per_device"] > 0
+  assert not (REPO / "outputs" / "plan").exists()  # the compile wrote only under a temporary directory
+
+
+def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
+  from MaxText import config as fork_config, plan_search  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/deepseek3-tiny.yml", "recipe_num_gpus=8", "gpus_per_node=4",
+                          "ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=2", "per_device_batch_size=2"])
+  cands = plan_search.candidates(run, 8)
+  assert cands[0] == {}  # the run as given comes first
+  now = {**launch.mesh_axes(run.upstream, "ici_"), **launch.mesh_axes(run.upstream, "dcn_")}
+  meshes = [{**now, **c} for c in cands if any(k.endswith("_parallelism") for k in c)]  # a candidate names changes only
+  eps = sorted(c["ici_expert_parallelism"] * c["dcn_expert_parallelism"] for c in meshes)
+  assert eps == [1, 2, 4, 8]  # 8 experts: EP 2, 4 (in node), 8 (2 across nodes); EP 1 is the HSDP layout
+  for c in meshes:  # every mesh multiplies to the GPU count, 4 per node
+    ici = c["ici_expert_parallelism"] * c["ici_fsdp_parallelism"] * c["ici_data_parallelism"]
+    assert ici == 4 and ici * c["dcn_expert_parallelism"] * c["dcn_fsdp_parallelism"] * c["dcn_data_parallelism"] == 8
+  assert {"dcn_data_parallelism": 2, "dcn_fsdp_parallelism": 1}.items() <= next(
+      c for c in meshes if c["ici_expert_parallelism"] == 1).items()  # FSDP in node, data across
+  assert plan_search.OFFLOAD in cands
+  assert {"per_device_batch_size": 1.0} in cands and {"per_device_batch_size": 4.0} in cands
+
+
+def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/recipes/deepseek3-671b-128xh100.yml"])
+  assert plan.num_gpus_of(run) == 128
+  plan.check_layout(run, 128)  # 8 in node x 16 nodes
+  assert plan.cpu_substitutes(run) == {
+      "hardware": "cpu", "attention": "dot_product", "use_tokamax_gmm": False,
+      "ici_fsdp_parallelism": 16, "dcn_fsdp_parallelism": 1,
+  }
+
+
+def test_a_compile_past_its_timeout_names_the_knob():
+  out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=1", "--timeout", "1", timeout=120)
+  assert out.returncode == 2, out.stderr[-1000:]
+  assert "ran past --timeout 1 s" in out.stderr and "raise --timeout" in out.stderr
+
+
+def test_cublas_gemm_custom_calls_count_their_flops():
+  """GPU HLO: the GEMM is a custom-call whose dimension numbers sit in its backend config."""
+  hlo = textwrap.dedent("""\
+      HloModule g
+
+      ENTRY %main (a: bf16[3,64,128], b: bf16[3,128,32]) -> bf16[3,64,32] {
+        %a = bf16[3,64,128]{2,1,0} parameter(0)
+        %b = bf16[3,128,32]{2,1,0} parameter(1)
+        %g = (bf16[3,64,32]{2,1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+        ROOT %r = bf16[3,64,32]{2,1,0} get-tuple-element(%g), index=0
+      }
+      """)
+  assert hlo_inventory.inventory(hlo, {"data": 1}, [0])["hlo_dot_flops"] == 2 * 3 * 64 * 32 * 128
+
+
+def _program(path) -> str:
+  """An optimized HLO dump without its debug info (source locations, stack frames)."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", path.read_text())
+  return "\n".join(line for line in text.splitlines() if line.startswith(("%", "ENTRY", "  ")))
+
+
+@pytest.mark.slow
+def test_the_plan_compiles_the_program_the_trainer_runs(tmp_path):
+  """The trainer's optimized train step (dump_hlo=true) and the planner's are the same HLO."""
+  args = ["configs/deepseek3-tiny.yml", "steps=1", "enable_checkpointing=false", "per_device_batch_size=1",
+          "max_target_length=32"]
+  trained = run_train(tmp_path, *args, "dump_hlo=true")
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  dump = tmp_path / "plan_dump"
+  out = _plan_cli(*args, "recipe_num_gpus=1", xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_train_step")
+  assert out.returncode == 0, out.stderr[-2000:]
+  (ours,) = dump.glob("*jit_train_step.cpu_after_optimizations.txt")
+  (theirs,) = (trained.run_dir / "xla_dump").glob("*jit_train_step.cpu_after_optimizations.txt")
+  assert len(_program(ours)) > 100_000
+  assert _program(ours) == _program(theirs)
