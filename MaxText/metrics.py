@@ -29,6 +29,13 @@ class StepRecord:
   step_time_s: float
   tflops_per_device: float | None
   tokens_per_s_per_device: float | None
+  moe: dict[str, float] = field(default_factory=dict)  # MOE_SCALARS this step logged
+
+
+# Upstream's per-step MoE scalars kept in the summary (the diag/ ones need log_step_diagnostics=true):
+# the balance and MTP losses, the routing-bias checksum (sum of every updated bias) and how many
+# bias entries this step's update moved.
+MOE_SCALARS = ("learning/moe_lb_loss", "learning/mtp_loss", "diag/moe_bias_checksum", "diag/moe_bias_update_nonzero")
 
 
 @dataclass
@@ -55,6 +62,7 @@ class ProgressTracker:
         step_time_s=scalar("perf/step_time_seconds") or 0.0,
         tflops_per_device=scalar("perf/per_device_tflops_per_sec"),
         tokens_per_s_per_device=scalar("perf/per_device_tokens_per_sec"),
+        moe={name: scalar(name) for name in MOE_SCALARS if scalars.get(name) is not None},
     )
     self.records.append(record)
     if self.print_every and ((step + 1) % self.print_every == 0 or step + 1 == self.total_steps):
@@ -98,6 +106,7 @@ class ProgressTracker:
         "checkpoints": str(run_dir / "checkpoints") if upstream.get("enable_checkpointing", True) else None,
         "tensorboard": str(run_dir / "tensorboard"),
         "losses": {r.step: r.loss for r in self.records},
+        "moe_scalars": {r.step: r.moe for r in self.records if r.moe},
     }
 
 

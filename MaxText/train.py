@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from MaxText import checkpoint_compat
 from MaxText import config as fork_config
 from MaxText import launch
 from MaxText import metrics
@@ -126,6 +127,7 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
+  checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.

@@ -64,6 +64,15 @@ def _is_gate_bias(path) -> bool:
   return "gate" in names and "bias" in names[names.index("gate"):]
 
 
+def _diagnose_kept_bias(scalars: dict, new_state, keep_update) -> None:
+  """log_step_diagnostics' bias scalars (train.py ~439) for the bias this step keeps, not the one it discarded."""
+  if "diag/moe_bias_checksum" not in scalars:
+    return
+  biases = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(new_state) if _is_gate_bias(path)]
+  scalars["diag/moe_bias_checksum"] = sum(jnp.sum(b.astype(jnp.float32)) for b in biases)
+  scalars["diag/moe_bias_update_nonzero"] = jnp.where(keep_update, scalars["diag/moe_bias_update_nonzero"], 0.0)
+
+
 def _wrap(train_step, settings: dict):
   @functools.wraps(train_step)
   def step_fn(model, config, state_mesh_shardings, params_shardings, state, data, dropout_rng=None):
@@ -77,6 +86,10 @@ def _wrap(train_step, settings: dict):
       config_in = _config_view.view(config, mtp_loss_scaling_factor=weight)
     else:
       config_in = config
+    # The bias before the step, by path: train_step merges `state` into modules and updates their
+    # variables in place, so the leaves of `state` itself read the updated bias afterwards.
+    bias_before = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+                   if _is_gate_bias(path)}
     new_state, metrics = train_step(model, config_in, state_mesh_shardings, params_shardings, state, data,
                                     dropout_rng)
     if settings["bias_stop_tokens"] is not None:
@@ -85,8 +98,9 @@ def _wrap(train_step, settings: dict):
            f"({settings['bias_stop_tokens']:,} tokens)")
       keep_update = step < stop
       new_state = jax.tree_util.tree_map_with_path(
-          lambda path, new, old: jnp.where(keep_update, new, old) if _is_gate_bias(path) else new,
-          new_state, state)
+          lambda path, new: jnp.where(keep_update, new, bias_before[jax.tree_util.keystr(path)])
+          if _is_gate_bias(path) else new, new_state)
+      _diagnose_kept_bias(metrics["scalar"], new_state, keep_update)
     return new_state, metrics
 
   return step_fn
