@@ -61,6 +61,9 @@ class ForkConfig(pydantic.BaseModel):
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = "error"
   # ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(default=None, gt=0)
+  # Our block reports each MoE layer's tokens per expert to the host (max/mean in the run summary);
+  # a jax.debug.callback per layer call: for measurements, not for production runs.
+  moe_log_expert_load: bool = False
   # te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound for the batch.
   moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(default=None, ge=1)
   # te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 for NCCL EP).
@@ -331,6 +334,9 @@ def load(args: list[str]) -> RunConfig:
   except pydantic.ValidationError as e:
     raise _fork_error(e, origins) from None
   _router_checks(fork, theirs, origins)
+  if fork.moe_log_expert_load and fork.moe_block != "ours":
+    raise ConfigError(f"config key 'moe_log_expert_load' = True ({origins['moe_log_expert_load']}): "
+                      "only our block reports the expert load; set moe_block=ours")
   return RunConfig(
       config_path=config_path.resolve(),
       fork=fork,

@@ -124,7 +124,8 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   os.environ.update(env)  # before anything creates a jax backend: XLA reads these once
   process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
   tracker: list[metrics.ProgressTracker] = []
-  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars),
+                        on_expert_counts=lambda counts_E: tracker[0].on_expert_counts(counts_E))
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match

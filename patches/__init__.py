@@ -38,6 +38,8 @@ class Hooks:
   """Callbacks from patched upstream code into ours."""
 
   on_train_step: Callable[[int, dict[str, Any]], None] = lambda step, scalars: None
+  # Tokens per expert of one MoE layer call (moe_log_expert_load; host numpy array [experts]).
+  on_expert_counts: Callable[[Any], None] = lambda counts_E: None
 
 
 def _modules():

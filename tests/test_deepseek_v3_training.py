@@ -25,14 +25,21 @@ def test_bias_update_at_model_name_default_needs_the_v3_router():
     fork_config.load(["moe_router=upstream"])  # the tiny config's groups would be ignored
   with pytest.raises(fork_config.ConfigError, match=r"'routed_score_func' = 'softmax'"):
     fork_config.load(["routed_score_func=softmax"])
+  with pytest.raises(fork_config.ConfigError, match=r"'moe_log_expert_load' = True .*moe_block=ours"):
+    fork_config.load(["moe_log_expert_load=true"])  # upstream's block has no load report
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", ["upstream", "ours"])
 def test_bias_update_trains_at_model_name_default(train, block):
+  load = ("moe_log_expert_load=true",) if block == "ours" else ()
   run = train("steps=3", "enable_checkpointing=false", "log_step_diagnostics=true", f"moe_block={block}",
-              "routed_bias_update_rate=0.001", run_name=block)
+              "routed_bias_update_rate=0.001", *load, run_name=block)
   assert run.returncode == 0, run.stderr[-3000:]
+  if block == "ours":  # the expert-load report bench_train prints: one entry per MoE layer call (2 layers)
+    assert run.summary["expert_load"]["layer_calls"] >= 3 * 2 and run.summary["expert_load"][
+        "max_over_mean_last_tenth"] >= 1.0, run.summary["expert_load"]
+    assert "expert load" in run.stdout
   moe = {int(k): v for k, v in run.summary["moe_scalars"].items()}
   assert all(moe[s]["diag/moe_bias_update_nonzero"] > 0 for s in range(3)), moe  # the bias moved every step
   assert len({round(moe[s]["diag/moe_bias_checksum"], 7) for s in range(3)}) > 1, moe
