@@ -224,7 +224,7 @@ def settings_from(fork, hooks=None) -> dict:
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
       "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
-      "on_expert_counts": hooks.on_expert_counts if fork.moe_log_expert_load and hooks is not None else None,
+      "on_expert_counts": hooks.on_expert_counts if hooks is not None and fork.moe_log_expert_load else None,
   }
 
 
