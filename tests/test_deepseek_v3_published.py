@@ -114,3 +114,20 @@ def test_yarn_config_is_v3s_context_extension():
   c = _effective(REPO / "configs/models/deepseek3-671b-yarn.yml")
   assert (c["rope_type"], c["rope_factor"], c["beta_fast"], c["beta_slow"]) == ("yarn", 40, 32, 1)
   assert (c["original_max_position_embeddings"], c["max_position_embeddings"]) == (4096, 163840)
+
+
+def test_recipe_schedule_steps_are_v3s_token_counts_through_the_batch_ramp():
+  """The LR schedule's steps (computed by hand in the common recipe) are where the token-count
+  switches land through upstream's own batch ramp: 10T tokens at the cosine's start, 14.3T at its end."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from patches import train_schedule  # pylint: disable=import-outside-toplevel
+
+  c = _effective(REPO / "configs/recipes/deepseek3-671b-1024xh200.yml")
+  cfg = types.SimpleNamespace(**{**c, "num_target_devices": c["recipe_num_gpus"]})
+  end = c["learning_rate_schedule_steps"]
+  decay = int(end * c["wsd_decay_steps_fraction"])
+  assert train_schedule.step_at_tokens(cfg, c["mtp_loss_switch_tokens"]) == end - decay  # 10T: constant -> cosine
+  assert train_schedule.step_at_tokens(cfg, c["moe_bias_update_stop_tokens"]) == end  # 14.3T
+  # The ramp (16,328 steps, as the recipe says) ends as the 469B-th token is consumed.
+  assert train_schedule.step_at_tokens(cfg, 469_000_000_000) <= 16328 < train_schedule.step_at_tokens(cfg, 470e9)
