@@ -69,6 +69,9 @@ class ForkConfig(pydantic.BaseModel):
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = "error"
   # ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(default=None, gt=0)
+  # Our block reports each MoE layer's tokens per expert to the host (max/mean in the run summary);
+  # a jax.debug.callback per layer call: for measurements, not for production runs.
+  moe_log_expert_load: bool = False
   # te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound for the batch.
   moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(default=None, ge=1)
   # te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 for NCCL EP).
@@ -80,6 +83,16 @@ class ForkConfig(pydantic.BaseModel):
     if value & (value - 1):
       raise ValueError("must be a power of two (1, 2, 4, ..., 128)")
     return value
+
+  # --- Router and training schedule of DeepSeek-V3 (patches/deepseek_v3_router.py, patches/train_schedule.py) ---
+  # deepseek_v3: DeepSeek-V3's router (selection-only bias variable, group-limited routing, bias update) on
+  # either block, whatever model_name says; upstream 0.2.5 applies it only to model names deepseek3*.
+  moe_router: Literal["upstream", "deepseek_v3"] = "upstream"
+  # Training tokens after which the routing-bias update rate becomes 0 (V3: 14.3T); unset: never.
+  moe_bias_update_stop_tokens: int | None = pydantic.Field(default=None, ge=1)
+  # Training tokens after which the MTP loss weight becomes mtp_loss_scaling_factor_late (V3: 10T, 0.3 -> 0.1).
+  mtp_loss_switch_tokens: int | None = pydantic.Field(default=None, ge=1)
+  mtp_loss_scaling_factor_late: float | None = pydantic.Field(default=None, ge=0)
 
   # --- XLA / environment presets (MaxText/xla_presets.py) ---
   # Named flag/env presets, merged in order; the user's XLA_FLAGS win.
@@ -269,6 +282,49 @@ def moe_gmm_upstream_keys(fork: ForkConfig, upstream: dict[str, Any], origins: d
   return out
 
 
+# Upstream 0.2.5 gives a model DeepSeek-V3's router only when model_name starts with one of these
+# (layers/moe.py ~640 GateLogit's bias variable, ~1321 get_topk); patches/deepseek_v3_router.py
+# gives it to moe_router=deepseek_v3 runs whatever the name.
+UPSTREAM_V3_ROUTER_MODEL_PREFIXES = ("deepseek3", "deepseek4", "kimi-k2")
+
+
+def _router_checks(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str, str]) -> None:
+  """ConfigError for a router key that cannot take effect (never silently ignored)."""
+  fields = upstream_fields()
+  get = lambda key: upstream.get(key, fields[key].default)  # noqa: E731
+
+  def error(key: str, why: str) -> ConfigError:
+    value = getattr(fork, key) if key in ForkConfig.model_fields else get(key)
+    return ConfigError(f"config key '{key}' = {value!r} ({origins.get(key, 'default')}): {why}")
+
+  upstream_v3 = str(get("model_name")).startswith(UPSTREAM_V3_ROUTER_MODEL_PREFIXES)
+  if fork.moe_router == "upstream" and not upstream_v3:
+    for key, off in (("n_routing_groups", -1), ("topk_routing_group", -1), ("routed_bias_update_rate", 0.0)):
+      if get(key) != off:  # ignored (groups) or a compile-time crash (rate) at upstream's other model names
+        raise error(key, "upstream applies it only to model_name deepseek3*; set moe_router=deepseek_v3")
+  if fork.moe_router == "deepseek_v3":
+    if get("model_name") != "default" and not str(get("model_name")).startswith("deepseek3"):
+      raise error("model_name", "moe_router=deepseek_v3 needs model_name default or deepseek3*")
+    for key, need in (("decoder_block", "deepseek"), ("routed_score_func", "sigmoid"), ("routed_bias", True)):
+      if get(key) != need:
+        raise error(key, f"moe_router=deepseek_v3 needs {key}={json.dumps(need)}")
+    groups, top_groups, experts = get("n_routing_groups"), get("topk_routing_group"), get("num_experts")
+    if (groups > 0) != (top_groups > 0):
+      raise error("topk_routing_group", "set both n_routing_groups and topk_routing_group, or neither")
+    if groups > 0 and (experts % groups or experts // groups < 2):
+      raise error("n_routing_groups", f"must split num_experts={experts} into groups of 2 or more experts")
+    if groups > 0 and not (get("num_experts_per_tok") <= top_groups * (experts // groups) and top_groups <= groups):
+      raise error("topk_routing_group", f"its groups must hold num_experts_per_tok={get('num_experts_per_tok')} "
+                  f"experts, at most n_routing_groups={groups}")
+  bias_moves = fork.moe_router == "deepseek_v3" or upstream_v3
+  if fork.moe_bias_update_stop_tokens is not None and not (bias_moves and get("routed_bias_update_rate") > 0):
+    raise error("moe_bias_update_stop_tokens", "needs routed_bias_update_rate > 0 and moe_router=deepseek_v3")
+  if (fork.mtp_loss_switch_tokens is None) != (fork.mtp_loss_scaling_factor_late is None):
+    raise error("mtp_loss_switch_tokens", "set it together with mtp_loss_scaling_factor_late, or neither")
+  if fork.mtp_loss_switch_tokens is not None and get("mtp_num_layers") < 1:
+    raise error("mtp_loss_switch_tokens", "needs mtp_num_layers >= 1")
+
+
 def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[str, Any]:
   """Fills output locations so that a run writes only under its run directory."""
   out = dict(upstream)
@@ -311,6 +367,10 @@ def load(args: list[str]) -> RunConfig:
   except pydantic.ValidationError as e:
     raise _fork_error(e, origins) from None
   check_moe_keys(fork, origins)
+  _router_checks(fork, theirs, origins)
+  if fork.moe_log_expert_load and fork.moe_block != "ours":
+    raise ConfigError(f"config key 'moe_log_expert_load' = True ({origins['moe_log_expert_load']}): "
+                      "only our block reports the expert load; set moe_block=ours")
   return RunConfig(
       config_path=config_path.resolve(),
       fork=fork,

@@ -29,6 +29,13 @@ class StepRecord:
   step_time_s: float
   tflops_per_device: float | None
   tokens_per_s_per_device: float | None
+  moe: dict[str, float] = field(default_factory=dict)  # MOE_SCALARS this step logged
+
+
+# Upstream's per-step MoE scalars kept in the summary (the diag/ ones need log_step_diagnostics=true):
+# the balance and MTP losses, the routing-bias checksum (sum of every updated bias) and how many
+# bias entries this step's update moved.
+MOE_SCALARS = ("learning/moe_lb_loss", "learning/mtp_loss", "diag/moe_bias_checksum", "diag/moe_bias_update_nonzero")
 
 
 @dataclass
@@ -42,6 +49,7 @@ class ProgressTracker:
   total_steps: int
   print_every: int = 1
   records: list[StepRecord] = field(default_factory=list)
+  expert_load: list[float] = field(default_factory=list)  # max/mean tokens per expert, per MoE layer call
   started: float = field(default_factory=time.monotonic)
 
   def on_train_step(self, step: int, scalars: dict[str, Any]) -> None:
@@ -55,10 +63,30 @@ class ProgressTracker:
         step_time_s=scalar("perf/step_time_seconds") or 0.0,
         tflops_per_device=scalar("perf/per_device_tflops_per_sec"),
         tokens_per_s_per_device=scalar("perf/per_device_tokens_per_sec"),
+        moe={name: scalar(name) for name in MOE_SCALARS if scalars.get(name) is not None},
     )
     self.records.append(record)
     if self.print_every and ((step + 1) % self.print_every == 0 or step + 1 == self.total_steps):
       print(self.progress_line(record), file=sys.stdout, flush=True)
+
+  def on_expert_counts(self, counts_E) -> None:
+    """One MoE layer call's tokens per expert (moe_log_expert_load), in arrival order."""
+    counts = [float(c) for c in counts_E]
+    mean = sum(counts) / len(counts)
+    if mean > 0:
+      self.expert_load.append(max(counts) / mean)
+
+  def expert_load_summary(self) -> dict[str, Any] | None:
+    """Max/mean tokens per expert, averaged over the first and last tenth of the layer calls.
+
+    Calls arrive asynchronously (and twice per layer under remat), so they are not matched to
+    steps; the first and last tenth are the run's start and end."""
+    if not self.expert_load:
+      return None
+    tenth = max(1, len(self.expert_load) // 10)
+    first, last = self.expert_load[:tenth], self.expert_load[-tenth:]
+    return {"layer_calls": len(self.expert_load), "max_over_mean_first_tenth": sum(first) / len(first),
+            "max_over_mean_last_tenth": sum(last) / len(last)}
 
   def steady_records(self) -> list[StepRecord]:
     """Steps after warm-up. Upstream times a step from host dispatch to the
@@ -98,6 +126,8 @@ class ProgressTracker:
         "checkpoints": str(run_dir / "checkpoints") if upstream.get("enable_checkpointing", True) else None,
         "tensorboard": str(run_dir / "tensorboard"),
         "losses": {r.step: r.loss for r in self.records},
+        "moe_scalars": {r.step: r.moe for r in self.records if r.moe},
+        "expert_load": self.expert_load_summary(),
     }
 
 
@@ -125,6 +155,9 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"  peak device memory  {fmt(summary.get('peak_device_memory_gib'), '.2f')} GiB"
       if summary.get("peak_device_memory_gib") is not None else "  peak device memory  n/a (no statistics on this backend)",
       f"  wall time           {_fmt_seconds(summary['wall_time_s'])}",
+      *([f"  expert load         max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} (first tenth of "
+         f"{load['layer_calls']} MoE layer calls) -> {load['max_over_mean_last_tenth']:.2f} (last tenth)"]
+        if (load := summary.get("expert_load")) else []),
       f"  run directory       {summary['run_dir']}",
       f"  checkpoints         {summary['checkpoints'] or 'disabled'}",
       f"  tensorboard         tensorboard --logdir {summary['tensorboard']}",

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from MaxText import checkpoint_compat
 from MaxText import config as fork_config
 from MaxText import launch
 from MaxText import metrics
@@ -160,8 +161,10 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   run, env, composed = prepared.run, prepared.env, prepared.composed
   process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
   tracker: list[metrics.ProgressTracker] = []
-  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars),
+                        on_expert_counts=lambda counts_E: tracker[0].on_expert_counts(counts_E))
   applied, config = apply_patches_and_validate(run, hooks)
+  checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.

@@ -26,6 +26,8 @@ SEAM_MODULES = (
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.tensorboard",  # event files in the run directory in decoupled mode
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
+    "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
+    "patches.train_schedule",  # token-count switches: bias-update rate -> 0, MTP loss weight (train_step)
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
 )
@@ -36,6 +38,8 @@ class Hooks:
   """Callbacks from patched upstream code into ours."""
 
   on_train_step: Callable[[int, dict[str, Any]], None] = lambda step, scalars: None
+  # Tokens per expert of one MoE layer call (moe_log_expert_load; host numpy array [experts]).
+  on_expert_counts: Callable[[Any], None] = lambda counts_E: None
 
 
 def _modules():

@@ -143,7 +143,7 @@ def _aux_outputs(layer, r, batch: int):
 
 def _ours(layer, inputs, settings: dict):
   """Our block on upstream's parameters; returns upstream's (output, lb_loss, bias_updates)."""
-  from MaxText.moe import block, dispatch  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import block, dispatch, routing  # pylint: disable=import-outside-toplevel
   from MaxText.moe import gmm as moe_gmm  # pylint: disable=import-outside-toplevel
 
   cfg = layer.config
@@ -172,6 +172,8 @@ def _ours(layer, inputs, settings: dict):
   _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {block_cfg.gmm_backend}, EP {ep_size})")
   y_TD, r, overflow = block.moe_block(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
+  if settings["on_expert_counts"] is not None:  # moe_log_expert_load: global counts, outside the shard_map
+    jax.debug.callback(settings["on_expert_counts"], routing.expert_counts_E(r.ids_TK, layer.num_experts))
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
 
 
@@ -208,7 +210,7 @@ def _subclass(upstream_cls, settings: dict):
   return RoutedMoE
 
 
-def settings_from(fork) -> dict:
+def settings_from(fork, hooks=None) -> dict:
   """What the subclass needs from our config (captured, never global)."""
   from patches import te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
 
@@ -222,6 +224,7 @@ def settings_from(fork) -> dict:
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
       "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
+      "on_expert_counts": hooks.on_expert_counts if hooks is not None and fork.moe_log_expert_load else None,
   }
 
 
@@ -239,13 +242,13 @@ def _check_te_ncclep_runs_here() -> None:
     raise ConfigError(f"moe_dispatch_backend=te_ncclep cannot run here: {reason}")
 
 
-def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
+def apply(fork, hooks=None) -> None:
   if fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
     raise RuntimeError("moe_block=te needs Transformer Engine with JAX MoE support: "
                        "pip install 'transformer_engine[jax]' on a CUDA machine (or use moe_block=ours)")
   if fork.moe_block == "ours" and fork.moe_dispatch_backend == "te_ncclep":
     _check_te_ncclep_runs_here()
-  settings = settings_from(fork)
+  settings = settings_from(fork, hooks)
   SEAM.apply(lambda upstream_cls: _subclass(upstream_cls, settings))
 
 

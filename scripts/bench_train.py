@@ -8,6 +8,7 @@ on. A dense bf16 GEMM timed at the start calibrates MFU for this GPU.
 
   python3 scripts/bench_train.py --steps 12 --out outputs/bench_train \
       --variants upstream_tokamax,ours,dense_equivalent
+  python3 scripts/bench_train.py --steps 200 --variants ours_load,ours_load_no_bias_update
 
 Prints one table last: median step time after warm-up, TFLOP/s/device as
 MaxText counts it, MFU against the measured dense-GEMM peak and against the
@@ -54,6 +55,17 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
     "ours_gmm_seam": (["moe_gmm_backend=auto"], True),
     "dense_equivalent": (["first_num_dense_layers=4", "base_mlp_dim=18432"], True),
+    # Upstream's own DeepSeek-V3 routing (its model_name check, none of our seams), on its best
+    # grouped GEMM: the reference for our V3 router's loss curve. override_model_config keeps our
+    # keys; upstream's 671B file adds only YaRN keys that plain RoPE ignores.
+    "upstream_deepseek3": (["model_name=deepseek3-671b", "override_model_config=true", "moe_router=upstream",
+                            "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
+    # Expert load (max/mean tokens per expert) with and without V3's bias update, on our block. The
+    # load callback syncs the host once per MoE layer call: take step times from "ours".
+    "ours_load": (["moe_block=ours", "moe_dispatch_backend=local", "moe_gmm_backend=auto",
+                   "moe_log_expert_load=true"], True),
+    "ours_load_no_bias_update": (["moe_block=ours", "moe_dispatch_backend=local", "moe_gmm_backend=auto",
+                                  "moe_log_expert_load=true", "routed_bias_update_rate=0"], True),
 }
 
 
@@ -183,6 +195,14 @@ def format_losses(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def format_expert_load(rows: list[dict]) -> str:
+  """Max/mean tokens per expert at the start and the end of each run that logged it (moe_log_expert_load)."""
+  lines = [f"expert load {r['variant']}: max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} "
+           f"(first tenth of {load['layer_calls']} MoE layer calls) -> {load['max_over_mean_last_tenth']:.2f} (last tenth)"
+           for r in rows if (load := r.get("expert_load"))]
+  return "\n".join(lines)
+
+
 def main() -> int:
   # Lines reach a redirected log even when a time limit kills the run.
   sys.stdout.reconfigure(line_buffering=True)
@@ -226,6 +246,8 @@ def main() -> int:
       else:
         print(f"step breakdown {row['variant']}: none ({row.get('breakdown_error') or row.get('error', 'run failed')})\n")
   print(format_losses(rows) + "\n")
+  if format_expert_load(rows):
+    print(format_expert_load(rows) + "\n")
   print(format_table(rows, peak, args.tokens_per_step))
   return 0 if all(r["returncode"] == 0 for r in rows) else 1
 

@@ -5,12 +5,15 @@ Mirrors upstream MaxText 0.2.5's `RoutedMoE` routing (`GateLogit.__call__` ~675,
 the configs we ship, so that swapping our block in leaves the numbers alone:
 
   scores = score_func(x @ w_router); selection = top-k of scores + bias.
-  bias_selects_only (upstream: model_name deepseek3*/deepseek4*/kimi-k2*): the
-    learned bias only selects (aux-loss-free balancing); the weights are the
-    chosen experts' pre-bias scores, and group-limited routing may apply (only
-    experts of the best `topk_groups` groups, by top-2 sum, compete). Otherwise
-    the weights are the biased scores themselves. NOTE: our tiny config keeps
-    upstream's model_name "default", so upstream (and we) weigh with the bias.
+  bias_selects_only (upstream: model_name deepseek3*/deepseek4*/kimi-k2*; ours:
+    moe_router=deepseek_v3, patches/deepseek_v3_router.py): DeepSeek-V3's
+    aux-loss-free balancing (arXiv 2412.19437 §2.1.2, `noaux_tc`). The bias, a
+    non-trained variable moved by the sign rule (bias_update_E), only selects;
+    the weights are the chosen experts' pre-bias scores, and group-limited
+    routing may apply (only experts of the best `topk_groups` groups compete).
+    The paper does not say how a group is scored; as DeepSeek's inference code
+    (inference/model.py, Gate) and upstream, by the sum of its two best biased
+    scores. Otherwise (other model names) the weights are the biased scores.
   deepseek_weights (upstream: decoder_block deepseek/deepseek4): weights are
     normalized to sum 1 for sigmoid/sqrtsoftplus, then times
     routed_scaling_factor. Otherwise (Mixtral, Qwen3...): a softmax over the k
@@ -108,6 +111,8 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
   dtype = dtype or x_TD.dtype
   logits_TE = jnp.dot(x_TD.astype(dtype), w_router_DE.astype(dtype))
   scores_TE = _score(logits_TE, cfg.score_func)
+  if bias_E is not None and cfg.bias_selects_only:
+    bias_E = jax.lax.stop_gradient(bias_E)  # selection only: no gradient (the sign rule moves it)
   select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(dtype)
   aux_scores_TE = scores_TE if cfg.bias_selects_only else select_TE  # upstream's probs for the aux loss
   if cfg.bias_selects_only and cfg.n_groups > 0:

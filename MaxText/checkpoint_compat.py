@@ -1,0 +1,62 @@
+"""Refuse to resume a checkpoint whose MoE routing bias has the other semantics.
+
+Under DeepSeek-V3's router (moe_router=deepseek_v3, or upstream's model_name deepseek3*) the
+gate bias is a non-trained variable (upstream's MoEBiasVar): orbax stores it under
+`nnx_aux/model/.../gate/bias`, shaped [layers, experts] when scanned. Before, it was a trained
+parameter: `params/params/.../gate/bias`, shaped [experts, layers], with AdamW moments. Upstream
+0.2.5 resumes either checkpoint under either semantics without a word (measured: an old tiny
+checkpoint resumed under the V3 router, the bias silently left at its initial value). So the run
+stops first, with one line naming the bias, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from MaxText.config import UPSTREAM_V3_ROUTER_MODEL_PREFIXES, ConfigError, RunConfig
+
+
+def _latest_step_metadata(checkpoints: Path) -> Path | None:
+  """`items/_METADATA` of the highest committed step: what upstream restores."""
+  steps = sorted((int(p.name), p) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+  for _, step in reversed(steps):
+    meta = step / "items" / "_METADATA"
+    if meta.is_file():
+      return meta
+  return None
+
+
+def _gate_bias_paths(metadata: Path) -> list[tuple[str, ...]]:
+  tree = json.loads(metadata.read_text()).get("tree_metadata", {})
+  paths = [tuple(ast.literal_eval(key)) for key in tree]
+  return [p for p in paths if p[-2:] == ("gate", "bias")]
+
+
+def bias_is_a_variable(run: RunConfig) -> bool:
+  """Whether this run's routing bias is V3's non-trained variable (else a trained parameter)."""
+  model_name = str(run.upstream.get("model_name", "default"))
+  return run.fork.moe_router == "deepseek_v3" or model_name.startswith(UPSTREAM_V3_ROUTER_MODEL_PREFIXES)
+
+
+def check_resume(run: RunConfig) -> None:
+  """ConfigError if the checkpoint this run would resume holds the routing bias the other way."""
+  if not run.upstream.get("routed_bias", False) or not run.upstream.get("enable_checkpointing", True):
+    return
+  metadata = _latest_step_metadata(run.run_dir / "checkpoints")
+  if metadata is None:
+    return
+  paths = _gate_bias_paths(metadata)
+  trained = [p for p in paths if p[0] == "params"]
+  variable = [p for p in paths if p[0] == "nnx_aux"]
+  step = metadata.parent.parent
+  if bias_is_a_variable(run) and trained:
+    raise ConfigError(
+        f"checkpoint {step} holds the MoE routing bias ({'/'.join(trained[0])}) as a trained parameter, from "
+        "before moe_router=deepseek_v3 made it a non-trained variable; it cannot be resumed under DeepSeek-V3's "
+        "router: start a new run (another run_name), or resume it with moe_router=upstream")
+  if not bias_is_a_variable(run) and variable:
+    raise ConfigError(
+        f"checkpoint {step} holds the MoE routing bias ({'/'.join(variable[0])}) as DeepSeek-V3's non-trained "
+        "variable; resume it with moe_router=deepseek_v3, or start a new run (another run_name)")
