@@ -103,7 +103,8 @@ def _routed_layer(run, cfg, block: str):
   from patches import deepseek_v3_router, routed_moe  # pylint: disable=import-outside-toplevel
 
   mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
-  fork = run.fork.model_copy(update={"moe_block": block})
+  # Validated again (not model_copy): the grouped-GEMM backend follows the block.
+  fork = fork_config.ForkConfig(**{**run.fork.model_dump(), "moe_block": block, "moe_gmm_backend": None})
   try:
     deepseek_v3_router.apply(fork)
     if block == "ours":

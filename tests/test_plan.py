@@ -231,7 +231,7 @@ def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():
   assert plan.num_gpus_of(run) == 128
   plan.check_layout(run, 128)  # 8 in node x 16 nodes
   assert plan.cpu_substitutes(run) == {
-      "hardware": "cpu", "attention": "dot_product", "use_tokamax_gmm": False,
+      "hardware": "cpu", "attention": "dot_product",  # moe_gmm_backend auto: xla on CPU by itself
       "ici_fsdp_parallelism": 16, "dcn_fsdp_parallelism": 1,
   }
 

@@ -111,10 +111,10 @@ def test_preset_upstream_keys_apply_unless_the_user_set_them():
   assert run2.upstream["moe_mlpwi_0"] == run2.upstream["moe_mlpwi_1"] == "offload"
   assert composed.env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "128"
 
-  mine = fork_config.load(["xla_presets=[host_offload]", "remat_policy=full"])
+  mine = fork_config.load(["xla_presets=[host_offload]", "moe_mlpwi_1=device"])
   composed = xp.compose_for(mine, {})
-  assert xp.with_upstream_defaults(mine, composed).upstream["remat_policy"] == "full"
-  assert "config key remat_policy: your value 'full' wins over preset 'host_offload' ('custom')" in composed.overrides
+  assert xp.with_upstream_defaults(mine, composed).upstream["moe_mlpwi_1"] == "device"
+  assert "config key moe_mlpwi_1: your value 'device' wins over preset 'host_offload' ('offload')" in composed.overrides
 
 
 def test_cli_unknown_preset_fails_before_anything_is_written(tmp_path):
@@ -134,7 +134,7 @@ def test_nothing_before_run_environment_creates_a_jax_backend():
   code = (
       "import os\n"
       "from MaxText import config, train, xla_presets\n"
-      "run = config.load(['configs/bench/proxy-1xh200.yml', 'xla_presets=[deepseek_v3_reference,host_offload]'])\n"
+      "run = config.load(['configs/bench/proxy-1xh200.yml', 'xla_presets=[deepseek_v3_reference,host_offload]', 'remat_policy=custom'])\n"
       "composed = xla_presets.compose_for(run, dict(os.environ))\n"
       "run = xla_presets.with_upstream_defaults(run, composed)\n"
       "env = train.run_environment(run, dict(os.environ), composed)\n"
