@@ -142,6 +142,7 @@ def test_summarize_picks_the_dump_of_the_events_program():
   assert out["categories"]["dispatch_combine"]["ms_per_step"] == 3.0
 
 
+@pytest.mark.slow
 def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   """A real profiled tiny run (our MoE block on CPU): every category the brief
   names gets time, the categories add up to the total, little is unattributed."""
