@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
+from MaxText import config_report
 from MaxText import launch
 from MaxText import metrics
 from MaxText import xla_presets
@@ -114,7 +115,8 @@ class _DropOrbaxInfo(logging.Filter):
     return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
-def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
+def run_training(run: fork_config.RunConfig, dry_run: bool = False) -> dict[str, Any]:
+  """Trains; with `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
 
   composed = xla_presets.compose_for(run, dict(os.environ))
@@ -126,6 +128,10 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
+  if dry_run:
+    log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
+        f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")
+    return {}
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.
@@ -161,17 +167,24 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
   args = sys.argv[1:] if argv is None else list(argv)
-  if args and args[0] in ("-h", "--help"):
-    print(__doc__.strip())
-    print(f"\nDefault config: {fork_config.DEFAULT_CONFIG}")
+  if any(a in ("-h", "--help") for a in args):
+    print(config_report.help_text())
     return 0
+  flags = {a for a in args if a.startswith("--")}
+  args = [a for a in args if not a.startswith("--")]
+  if flags - {"--print-config", "--dry-run"} or len(flags) > 1:
+    print(f"maxtext-moe: unknown or conflicting option(s) {' '.join(sorted(flags))} (see --help)", file=sys.stderr)
+    return 2
   # Local-first: never reach for Google Cloud clients. Set before the config is
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
   try:
     run = fork_config.load(args)
-    run_training(run)
+    if "--print-config" in flags:
+      print("\n".join(config_report.print_config(run)))
+    else:
+      run_training(run, dry_run="--dry-run" in flags)
   except fork_config.ConfigError as e:
     print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
     return 2
