@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from conftest import load_script
 
 bench = load_script("bench_gmm", "scripts/bench_gmm.py")
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_cases_of_one_shape_share_compiled_functions(monkeypatch):
   monkeypatch.setattr(bench, "ARGS", argparse.Namespace(xla_bwd=False), raising=False)
   bks = bench.backends(["xla_vjp"])

@@ -236,6 +236,7 @@ _MGPU_CASES = (
 
 
 @pytest.mark.parametrize("case", _MGPU_CASES, ids=lambda c: c.name)
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_mgpu_pads_odd_shapes_interpreted(as_if_available, case):
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 

@@ -63,6 +63,7 @@ def test_block_sequences_follow_one_warpgroup_per_block():
   assert [r.begin_kc for r in seqs[0]] == [0.0, 10.0] and seqs[1][0].name == "zero_tile"
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   # A synthetic profile of grouped_matmul's persistent loop (4 blocks, steps b, b+4, ...),
   # each tile's duration set by its piece: tune_gmm must recover the durations per class.
@@ -117,6 +118,7 @@ def test_tune_gmm_names_a_bad_argument(monkeypatch, capsys, argv, named):
   assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_tune_gmm_variants_build_at_their_shapes():
   # Every variant the tuner will time lowers for CUDA at its problem's DeepSeek-V3 shape (a
   # variant that cannot be built would cost a device call to find out).
