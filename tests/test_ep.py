@@ -31,6 +31,7 @@ def _json_lines(proc) -> list[dict]:
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_ring_and_a2a_padded_match_one_device_forward_and_grads():
   """(1,4) and (2,2) (data, expert) meshes; top-k 2, 8, and every token to one expert."""
   rows = _json_lines(_ep_check("match"))
