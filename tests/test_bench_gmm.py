@@ -1,4 +1,4 @@
-"""scripts/bench_gmm.py on CPU, tiny M: the rows it records and the compile reuse across
+"""tools/bench_gmm.py on CPU, tiny M: the rows it records and the compile reuse across
 cases that keeps a GPU sweep inside one device call."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_script
 
-bench = load_script("bench_gmm", "scripts/bench_gmm.py")
+bench = load_script("bench_gmm", "tools/bench_gmm.py")
 
 
 @pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only

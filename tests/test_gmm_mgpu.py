@@ -1,7 +1,7 @@
 """CPU-side tests of the mgpu grouped-GEMM backend: tiling table, work-table schedule,
 argument validation, and that the Mosaic-GPU kernels lower for CUDA (shape plumbing and
 the shared-memory budget are checked at lowering, which needs no GPU). The kernels' numbers
-are checked on a GPU by `scripts/bench_gmm.py --edge` (PASS/FAIL per case)."""
+are checked on a GPU by `tools/bench_gmm.py --edge` (PASS/FAIL per case)."""
 
 import dataclasses
 
@@ -162,7 +162,7 @@ def test_largest_first_rounds_even_out_the_sms():
   # dealt to 132 SMs as nd_loop does (SM s: flat s, s+132, ...). In the drawn group order the
   # busiest SM has 2.4% more steps than the mean; largest first in alternating rounds, 0.8%.
   from conftest import load_script
-  bench_gmm = load_script("bench_gmm", "scripts/bench_gmm.py")
+  bench_gmm = load_script("bench_gmm", "tools/bench_gmm.py")
   sizes = bench_gmm.group_sizes("zipf1.2", 65536, 32, np.random.default_rng(2))
 
   def spread(sizes_G, perm):
