@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
   flags = {a for a in args if a.startswith("--")}
   args = [a for a in args if not a.startswith("--")]
   if flags - {"--print-config", "--dry-run"} or len(flags) > 1:
-    print(f"maxtext-moe: unknown or conflicting option(s) {' '.join(sorted(flags))} (see --help)", file=sys.stderr)
+    print(f"maxtext-moe: config error: option(s) {' '.join(sorted(flags))}: use one of --print-config, --dry-run "
+          "(or --help)", file=sys.stderr)
     return 2
   # Local-first: never reach for Google Cloud clients. Set before the config is
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils

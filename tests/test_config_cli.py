@@ -60,7 +60,8 @@ def test_dry_run_checks_everything_and_writes_nothing(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "dry run: config, presets, launch (single, process 0 of 1) and upstream's checks pass" in proc.stdout
   assert not (tmp_path / "outputs").exists()
-  assert _cli(tmp_path, "--dry-rum").returncode == 2
+  wrong = _cli(tmp_path, "--dry-rum")
+  assert wrong.returncode == 2 and wrong.stderr.startswith("maxtext-moe: config error: option(s) --dry-rum: use one of")
 
 
 def test_model_only_yaml_is_one_line_not_a_traceback(tmp_path):
