@@ -15,9 +15,10 @@ import datetime
 import difflib
 import json
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import omegaconf
 import pydantic
@@ -36,20 +37,22 @@ class ConfigError(ValueError):
 class ForkConfig(pydantic.BaseModel):
   """Keys that belong to maxtext-moe, not upstream. Upstream never sees them.
 
-  Each subsystem owns a section; keep its keys together with a one-line why.
+  Each subsystem owns a section; every key has a one-line `description` (what
+  `python -m MaxText.train --help` prints; tests/test_configs.py checks it is there).
   """
 
   model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
   # --- run (MaxText/train.py) ---
-  # Print our "[progress]" line every N train steps (0 turns it off).
-  progress_every: int = pydantic.Field(default=1, ge=0)
+  progress_every: int = pydantic.Field(
+      default=1, ge=0, description='Print our "[progress]" line every N train steps (0 turns it off).')
 
   # --- MoE (MaxText/moe) ---
-  # Grouped-GEMM backend (MaxText/moe/gmm): of our block, or of upstream's sparse_matmul under
-  # moe_block=upstream ("upstream" leaves that path untouched; others set megablox=true, see
-  # moe_gmm_upstream_keys). Unset: "auto" with moe_block=ours (mgpu on Hopper), else "upstream".
-  moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = None  # type: ignore[assignment]
+  moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = pydantic.Field(
+      default=None,
+      description="Grouped-GEMM backend (MaxText/moe/gmm) of our block, or of upstream's sparse_matmul under "
+      "moe_block=upstream (\"upstream\" leaves that path untouched; the others set megablox=true, see "
+      "MOE_GMM_UPSTREAM_KEYS). Unset: auto with moe_block=ours (mgpu on Hopper), else upstream.")
 
   @pydantic.model_validator(mode="before")
   @classmethod
@@ -59,23 +62,35 @@ class ForkConfig(pydantic.BaseModel):
     return data
 
   # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
-  # Routed-MoE block: upstream's, ours (route->dispatch->gmm->combine), or upstream's TE MoEBlock path.
-  moe_block: Literal["upstream", "ours", "te"] = "upstream"
-  # Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU).
-  moe_dispatch_backend: Literal["auto", "local", "ring", "ragged_a2a", "a2a_padded", "te_ncclep"] = "auto"
-  # a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).
-  moe_a2a_padded_capacity_factor: float = pydantic.Field(default=2.0, gt=0)
-  # a2a_padded/ragged_a2a overflow: raise, or only flag moe_has_overflow (pair with moe_dropless_fallback=step).
-  moe_a2a_padded_on_overflow: Literal["error", "flag"] = "error"
-  # ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).
-  moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(default=None, gt=0)
-  # Our block reports each MoE layer's tokens per expert to the host (max/mean in the run summary);
-  # a jax.debug.callback per layer call: for measurements, not for production runs.
-  moe_log_expert_load: bool = False
-  # te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound for the batch.
-  moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(default=None, ge=1)
-  # te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 for NCCL EP).
-  moe_te_ncclep_alignment: int = pydantic.Field(default=128, ge=1)
+  moe_block: Literal["upstream", "ours", "te"] = pydantic.Field(
+      default="upstream",
+      description="Routed-MoE block: upstream's, ours (route -> dispatch -> gmm -> combine), or upstream's TE "
+      "MoEBlock path.")
+  moe_dispatch_backend: Literal["auto", "local", "ring", "ragged_a2a", "a2a_padded", "te_ncclep"] = pydantic.Field(
+      default="auto",
+      description="Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU).")
+  moe_a2a_padded_capacity_factor: float = pydantic.Field(
+      default=2.0, gt=0,
+      description="a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).")
+  moe_a2a_padded_on_overflow: Literal["error", "flag"] = pydantic.Field(
+      default="error",
+      description="a2a_padded/ragged_a2a overflow: raise, or only flag moe_has_overflow "
+      "(pair with moe_dropless_fallback=step).")
+  moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(
+      default=None, gt=0,
+      description="ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).")
+  moe_log_expert_load: bool = pydantic.Field(
+      default=False,
+      description="Our block reports each MoE layer's tokens per expert to the host (max/mean in the run summary); "
+      "a jax.debug.callback per layer call: for measurements, not for production runs.")
+  moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(
+      default=None, ge=1,
+      description="te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound "
+      "for the batch.")
+  moe_te_ncclep_alignment: int = pydantic.Field(
+      default=128, ge=1,
+      description="te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 "
+      "for NCCL EP).")
 
   @pydantic.field_validator("moe_te_ncclep_alignment")
   @classmethod
@@ -85,26 +100,38 @@ class ForkConfig(pydantic.BaseModel):
     return value
 
   # --- Router and training schedule of DeepSeek-V3 (patches/deepseek_v3_router.py, patches/train_schedule.py) ---
-  # deepseek_v3: DeepSeek-V3's router (selection-only bias variable, group-limited routing, bias update) on
-  # either block, whatever model_name says; upstream 0.2.5 applies it only to model names deepseek3*.
-  moe_router: Literal["upstream", "deepseek_v3"] = "upstream"
-  # Training tokens after which the routing-bias update rate becomes 0 (V3: 14.3T); unset: never.
-  moe_bias_update_stop_tokens: int | None = pydantic.Field(default=None, ge=1)
-  # Training tokens after which the MTP loss weight becomes mtp_loss_scaling_factor_late (V3: 10T, 0.3 -> 0.1).
-  mtp_loss_switch_tokens: int | None = pydantic.Field(default=None, ge=1)
-  mtp_loss_scaling_factor_late: float | None = pydantic.Field(default=None, ge=0)
+  moe_router: Literal["upstream", "deepseek_v3"] = pydantic.Field(
+      default="upstream",
+      description="deepseek_v3: DeepSeek-V3's router (selection-only bias variable, group-limited routing, bias "
+      "update) on either block, whatever model_name says; upstream 0.2.5 applies it only to model names deepseek3*.")
+  moe_bias_update_stop_tokens: int | None = pydantic.Field(
+      default=None, ge=1,
+      description="Training tokens after which the routing-bias update rate becomes 0 (V3: 14.3T); unset: never.")
+  mtp_loss_switch_tokens: int | None = pydantic.Field(
+      default=None, ge=1,
+      description="Training tokens after which the MTP loss weight becomes mtp_loss_scaling_factor_late "
+      "(V3: 10T, 0.3 -> 0.1).")
+  mtp_loss_scaling_factor_late: float | None = pydantic.Field(
+      default=None, ge=0, description="The MTP loss weight after mtp_loss_switch_tokens (V3: 0.1).")
 
   # --- XLA / environment presets (MaxText/xla_presets.py) ---
-  # Named flag/env presets, merged in order; the user's XLA_FLAGS win.
-  xla_presets: list[str] = pydantic.Field(default_factory=list)
-  # GPUs a recipe (configs/recipes/) is written for; the run refuses any other count.
-  recipe_num_gpus: int | None = pydantic.Field(default=None, ge=1)
+  xla_presets: list[str] = pydantic.Field(
+      default_factory=list,
+      description="Named XLA flag/env presets (python -m MaxText.xla_presets lists them), merged in order; "
+      "your XLA_FLAGS win.")
+  recipe_num_gpus: int | None = pydantic.Field(
+      default=None, ge=1,
+      description="GPUs a recipe (configs/recipes/) is written for; the run refuses any other count.")
 
   # --- planner (MaxText/plan.py) ---
-  # GPU the run is planned for: its HBM, GEMM rate and links (MaxText/hardware.py); unset: the local GPU's kind.
-  target_gpu: Literal["h100", "h200", "b200"] | None = None
-  # GPUs per node (one NVLink domain): collectives over more cross InfiniBand; the mocked topology's slice size.
-  gpus_per_node: int = pydantic.Field(default=8, ge=1)
+  target_gpu: Literal["h100", "h200", "b200"] | None = pydantic.Field(
+      default=None,
+      description="GPU the run is planned for: its HBM, GEMM rate and links (MaxText/hardware.py); unset: the "
+      "local GPU's kind.")
+  gpus_per_node: int = pydantic.Field(
+      default=8, ge=1,
+      description="GPUs per node (one NVLink domain): collectives over more cross InfiniBand; the mocked "
+      "topology's slice size.")
 
 
 @dataclass(frozen=True)
@@ -117,12 +144,14 @@ class RunConfig:
     upstream: upstream keys that differ from upstream's base.yml (file chain
       merged with CLI overrides, plus our local-first defaults).
     explicit: keys the user set (in a file or on the command line).
+    origins: where each explicit key was set: a file of the chain, or "command line".
   """
 
   config_path: Path
   fork: ForkConfig
   upstream: dict[str, Any]
   explicit: frozenset[str]
+  origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
   @property
   def run_dir(self) -> Path:
@@ -166,8 +195,11 @@ def _resolve_base(name: str, relative_to: Path) -> Path | None:
   return next((c.resolve() for c in candidates if c.is_file()), None)
 
 
-def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-  """Loads `path` and its base_config chain, merged (later wins)."""
+def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = (), origins: dict[str, str] | None = None) -> dict[str, Any]:
+  """Loads `path` and its base_config chain, merged (later wins).
+
+  `origins`, when given, receives each key's file (the last in the chain to set it).
+  """
   path = path.resolve()
   if path in _seen:
     raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
@@ -187,7 +219,9 @@ def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
       raise ConfigError(f"{path}: base_config '{base}' not found next to it, in {REPO_CONFIGS} or upstream's configs")
     if base_path == (upstream_configs_dir() / "base.yml").resolve():
       continue  # upstream's base.yml is always the root; upstream loads it itself
-    merged = omegaconf.OmegaConf.merge(merged, load_yaml_chain(base_path, (*_seen, path)))
+    merged = omegaconf.OmegaConf.merge(merged, load_yaml_chain(base_path, (*_seen, path), origins))
+  if origins is not None:
+    origins.update((str(k), str(path)) for k in cfg.keys())
   return omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.merge(merged, cfg), resolve=True)
 
 
@@ -340,16 +374,30 @@ def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[st
   return out
 
 
+def resolve_config_path(name: str) -> Path:
+  """The config named on the command line: as given (from the working directory),
+  else the shipped one (a leading `configs/` dropped), so that
+  `configs/recipes/x.yml` works from any directory: in a container, or with only
+  the installed package (Kubernetes, the wheelhouse)."""
+  path = Path(name)
+  if path.is_file() or path.is_absolute():
+    return path
+  parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+  shipped = REPO_CONFIGS.joinpath(*parts) if parts else path
+  return shipped if shipped.is_file() else path
+
+
 def load(args: list[str]) -> RunConfig:
   """`[config.yml] [key=value ...]` -> a validated RunConfig (nothing written)."""
   args = list(args)
-  config_path = Path(args.pop(0)) if args and "=" not in args[0] else DEFAULT_CONFIG
+  config_path = resolve_config_path(args.pop(0)) if args and "=" not in args[0] else DEFAULT_CONFIG
   if not config_path.is_file():
     raise ConfigError(f"config file not found: {config_path}")
-  from_file = load_yaml_chain(config_path)
+  origins: dict[str, str] = {}
+  from_file = load_yaml_chain(config_path, origins=origins)
   from_cli = parse_overrides(args)
   merged = {**from_file, **from_cli}
-  origins = {k: "command line" if k in from_cli else str(config_path) for k in merged}
+  origins.update((k, "command line") for k in from_cli)
 
   fork_keys = set(ForkConfig.model_fields)
   up_fields = upstream_fields()
@@ -376,4 +424,5 @@ def load(args: list[str]) -> RunConfig:
       fork=fork,
       upstream=local_first_defaults(moe_gmm_upstream_keys(fork, theirs, origins), config_path),
       explicit=frozenset(merged),
+      origins=origins,
   )

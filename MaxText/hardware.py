@@ -55,7 +55,7 @@ class Gpu:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
 
 
-# Measured on one H200 by scripts/bench_train.py (BENCHMARKS.md, "End to end: the 1xH200
+# Measured on one H200 by tools/bench_train.py (BENCHMARKS.md, "End to end: the 1xH200
 # DeepSeek-V3 proxy", commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
 _H200_GEMM = Figure(648e12, "measured: dense bf16 GEMM 8192^3 on one H200, BENCHMARKS.md (7dd98d6)")
 _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/DGX), one direction")

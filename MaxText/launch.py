@@ -1,14 +1,24 @@
 """Process discovery and the device-count checks every launcher shares.
 
-One code path for all launchers: `discover(environ)` turns the environment a
-scheduler gives a process into (coordinator, num_processes, process_id),
-`initialize` hands that to `jax.distributed.initialize`, and `check_topology`
-refuses a mesh or recipe that does not fit the devices found, naming the
-values, before anything is compiled.
+JAX finds most jobs itself (`jax._src.clusters`: SLURM, Open MPI, Kubernetes,
+...); `discover` asks it, and adds only what it lacks:
 
-  scripts/launch_local.sh   sets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
-  scripts/slurm/*.sbatch    srun: SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST
-  scripts/k8s/*.yaml        indexed Job: JOB_COMPLETION_INDEX + JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES
+  - explicit variables, which scripts/launch_local.sh and scripts/k8s/*.yaml set:
+    JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (or Kubernetes'
+    JOB_COMPLETION_INDEX in an Indexed Job / JobSet pod);
+  - upstream MaxText's GPU variables (JAX_COORDINATOR_IP + JAX_COORDINATOR_PORT +
+    NNODES + NODE_RANK), read the same way so that they never reach upstream's
+    own jax.distributed call after ours (a traceback);
+  - which GPUs a process drives. JAX gives each process of a SLURM or Open MPI
+    job the one GPU numbered by its local rank: right for one process per GPU,
+    wrong for one process per node (it would drive GPU 0 of 8). `device_layout`
+    gives a node's only process all its GPUs, and several processes an equal
+    share each (JAX_LOCAL_DEVICE_IDS overrides).
+
+`initialize` hands the result to `jax.distributed.initialize` with JAX's own
+detection switched off (it would put local rank back), and `check_topology`
+refuses a mesh or recipe that does not fit the devices found, naming the
+values, before anything is compiled. Every problem is a one-line LaunchError.
 
 Upstream's `maybe_initialize_jax_distributed_system` returns early when
 jax.distributed is already initialized, so ours is the only initialization.
@@ -23,12 +33,14 @@ import os
 import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from MaxText.config import ConfigError, RunConfig, upstream_configs_dir
 
 DEFAULT_PORT = 12345  # coordinator port when the environment names none
-Scheduler = Literal["single", "env", "slurm", "k8s"]
+UPSTREAM_GPU_VARS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")
+# Processes on this node, per JAX cluster: Open MPI says it; SLURM says it per node.
+_LOCAL_SIZE_VARS = {"ompi": ("OMPI_COMM_WORLD_LOCAL_SIZE",)}
 
 
 class LaunchError(ConfigError):
@@ -40,14 +52,16 @@ class ProcessInfo:
   """Who this process is in the job.
 
   Attributes:
-    scheduler: which environment it was read from ("single": no multi-process job).
+    scheduler: where it was read from: "single" (no multi-process job), "env"
+      (JAX_* variables), "k8s" (JOB_COMPLETION_INDEX), "upstream-env"
+      (upstream's NNODES/NODE_RANK), or the JAX cluster's name ("slurm", "ompi", ...).
     coordinator_address: host:port of process 0's coordination service.
     num_processes: processes in the job.
     process_id: this process's rank, 0..num_processes-1.
-    local_device_ids: the accelerators this process drives (None: all it sees).
+    local_device_ids: the GPUs this process drives (None: all it sees).
   """
 
-  scheduler: Scheduler
+  scheduler: str
   coordinator_address: str | None
   num_processes: int
   process_id: int
@@ -65,53 +79,130 @@ def _int(environ: Mapping[str, str], name: str) -> int:
     raise LaunchError(f"{name}={environ[name]!r} is not an integer") from None
 
 
-def first_host(nodelist: str) -> str:
-  """First host of a SLURM nodelist: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
-  match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-  if not match:
-    raise LaunchError(f"cannot read SLURM nodelist {nodelist!r}")
-  prefix, ranges = match.groups()
-  return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+def _ids(name: str, value: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(i) for i in value.split(","))
+  except ValueError:
+    raise LaunchError(f"{name}={value!r} is not a comma-separated list of GPU indices") from None
 
 
-def _local_ids(environ: Mapping[str, str]) -> tuple[int, ...] | None:
-  ids = environ.get("JAX_LOCAL_DEVICE_IDS", "").strip()
-  return tuple(int(i) for i in ids.split(",")) if ids else None
+def tasks_on_node(spec: str, node_id: int) -> int:
+  """SLURM's per-node task counts ('8(x2),4': 8, 8, 4) -> the count on node `node_id`."""
+  counts: list[int] = []
+  for part in spec.split(","):
+    match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+    if not match:
+      raise LaunchError(f"cannot read SLURM tasks per node {spec!r}")
+    counts += [int(match[1])] * int(match[2] or 1)
+  if not 0 <= node_id < len(counts):
+    raise LaunchError(f"SLURM_NODEID={node_id} is outside the {len(counts)} node(s) of {spec!r}")
+  return counts[node_id]
 
 
-def discover(environ: Mapping[str, str]) -> ProcessInfo:
-  """The environment a launcher gave this process -> ProcessInfo."""
-  port = environ.get("JAX_COORDINATOR_PORT", str(DEFAULT_PORT))
-  if "JAX_NUM_PROCESSES" in environ:  # launch_local.sh, k8s manifest, or by hand
-    if "JAX_COORDINATOR_ADDRESS" not in environ:
-      raise LaunchError("JAX_NUM_PROCESSES is set but JAX_COORDINATOR_ADDRESS is not")
-    rank_var = "JAX_PROCESS_ID" if "JAX_PROCESS_ID" in environ else "JOB_COMPLETION_INDEX"
-    if rank_var not in environ:
-      raise LaunchError("JAX_NUM_PROCESSES is set but neither JAX_PROCESS_ID nor JOB_COMPLETION_INDEX is")
-    info = ProcessInfo(
-        scheduler="k8s" if rank_var == "JOB_COMPLETION_INDEX" else "env",
-        coordinator_address=environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=_int(environ, "JAX_NUM_PROCESSES"),
-        process_id=_int(environ, rank_var),
-        local_device_ids=_local_ids(environ),
-    )
-  elif "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    if not nodelist:
-      raise LaunchError("SLURM_PROCID is set but SLURM_STEP_NODELIST/SLURM_JOB_NODELIST are not")
-    local = environ.get("SLURM_LOCALID")
-    gpus_per_task = environ.get("MAXTEXT_GPUS_PER_TASK")  # one process per node drives them all when unset
-    ids = None
-    if local is not None and gpus_per_task:
-      n = int(gpus_per_task)
-      ids = tuple(range(int(local) * n, (int(local) + 1) * n))
-    info = ProcessInfo(
-        scheduler="slurm",
-        coordinator_address=f"{first_host(nodelist)}:{port}",
-        num_processes=_int(environ, "SLURM_NTASKS"),
-        process_id=_int(environ, "SLURM_PROCID"),
-        local_device_ids=ids,
-    )
+def _local_size(cluster: str, environ: Mapping[str, str]) -> int | None:
+  """Processes of the job on this node (None: the environment does not say)."""
+  if cluster == "slurm":
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    return tasks_on_node(spec, _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0) if spec else None
+  for name in _LOCAL_SIZE_VARS.get(cluster, ()):
+    if name in environ:
+      return _int(environ, name)
+  return None
+
+
+def device_layout(local_rank: int | None, local_size: int | None, environ: Mapping[str, str]) -> tuple[int, ...] | None:
+  """The GPUs one of `local_size` processes on a node drives; None: all it sees.
+
+  One process on the node drives every GPU. Several split the node's GPUs
+  (SLURM_GPUS_ON_NODE, else CUDA_VISIBLE_DEVICES) evenly by local rank, unless
+  the scheduler already gave each only its share (CUDA_VISIBLE_DEVICES lists
+  fewer than the node has). Unknown counts: JAX's convention, GPU `local_rank`.
+  """
+  if environ.get("JAX_LOCAL_DEVICE_IDS", "").strip():
+    return _ids("JAX_LOCAL_DEVICE_IDS", environ["JAX_LOCAL_DEVICE_IDS"])
+  if local_rank is None or local_size == 1:
+    return None
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  n_visible = len([v for v in visible.split(",") if v.strip()]) if visible is not None else None
+  on_node = _int(environ, "SLURM_GPUS_ON_NODE") if environ.get("SLURM_GPUS_ON_NODE") else n_visible
+  if local_size is None or on_node is None:
+    return (local_rank,)
+  if n_visible is not None and n_visible < on_node:
+    return None  # bound per task (--gpus-per-task, --gpu-bind): all it sees is its share
+  if on_node % local_size:
+    raise LaunchError(f"{on_node} GPUs on this node do not split evenly over its {local_size} processes")
+  per = on_node // local_size
+  return tuple(range(local_rank * per, (local_rank + 1) * per))
+
+
+def _explicit(environ: Mapping[str, str]) -> ProcessInfo:
+  """JAX_NUM_PROCESSES and friends (launch_local.sh, the Kubernetes manifests, by hand)."""
+  if "JAX_COORDINATOR_ADDRESS" not in environ:
+    raise LaunchError("JAX_NUM_PROCESSES is set but JAX_COORDINATOR_ADDRESS is not")
+  rank_var = "JAX_PROCESS_ID" if "JAX_PROCESS_ID" in environ else "JOB_COMPLETION_INDEX"
+  if rank_var not in environ:
+    raise LaunchError("JAX_NUM_PROCESSES is set but neither JAX_PROCESS_ID nor JOB_COMPLETION_INDEX is")
+  return ProcessInfo(
+      scheduler="k8s" if rank_var == "JOB_COMPLETION_INDEX" else "env",
+      coordinator_address=environ["JAX_COORDINATOR_ADDRESS"],
+      num_processes=_int(environ, "JAX_NUM_PROCESSES"),
+      process_id=_int(environ, rank_var),
+      local_device_ids=device_layout(None, None, environ),
+  )
+
+
+def _upstream_env(environ: Mapping[str, str]) -> ProcessInfo:
+  """Upstream MaxText's GPU variables: one process per node, every GPU it sees."""
+  missing = [v for v in UPSTREAM_GPU_VARS if v not in environ]
+  if missing:
+    present = ", ".join(f"{v}={environ[v]}" for v in UPSTREAM_GPU_VARS if v in environ and v != "JAX_COORDINATOR_PORT")
+    raise LaunchError(f"{present} is set (upstream MaxText's GPU launch variables) but {', '.join(missing)} "
+                      "is not: set all four, or use JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID")
+  return ProcessInfo(
+      scheduler="upstream-env",
+      coordinator_address=f"{environ['JAX_COORDINATOR_IP']}:{_int(environ, 'JAX_COORDINATOR_PORT')}",
+      num_processes=_int(environ, "NNODES"),
+      process_id=_int(environ, "NODE_RANK"),
+      local_device_ids=device_layout(None, None, environ),
+  )
+
+
+def _jax_cluster() -> Any:
+  """The first of JAX's cluster environments present (JAX's own order), or None."""
+  from jax._src import clusters  # pylint: disable=import-outside-toplevel
+
+  return next((c for c in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+               if not c.opt_in_only_method and c.is_env_present()), None)
+
+
+def _from_jax_cluster(cluster: Any, environ: Mapping[str, str]) -> ProcessInfo:
+  name = cluster.name or cluster.__name__
+  try:
+    num_processes, process_id = cluster.get_process_count(), cluster.get_process_id()
+    if num_processes <= 1:
+      return ProcessInfo("single", None, 1, 0)
+    address = cluster.get_coordinator_address(timeout_secs=None,
+                                              override_coordinator_port=environ.get("JAX_COORDINATOR_PORT"))
+    local_rank = cluster.get_local_process_id()
+  except (KeyError, ValueError) as e:
+    raise LaunchError(f"{name} job environment is incomplete or unreadable: {e!r}") from None
+  return ProcessInfo(name, address, num_processes, process_id,
+                     device_layout(local_rank, _local_size(name, environ), environ))
+
+
+def discover(environ: Mapping[str, str] | None = None) -> ProcessInfo:
+  """This process's place in the job, from its environment (os.environ by default).
+
+  JAX's cluster classes read os.environ themselves: pass `environ` only where
+  it is os.environ or no JAX cluster applies.
+  """
+  environ = os.environ if environ is None else environ
+  if "JAX_NUM_PROCESSES" in environ:
+    info = _explicit(environ)
+  elif any(v in environ for v in ("JAX_COORDINATOR_IP", "NNODES", "NODE_RANK")):
+    info = _upstream_env(environ)
+  elif (cluster := _jax_cluster()) is not None:
+    info = _from_jax_cluster(cluster, environ)
   else:
     return ProcessInfo("single", None, 1, 0)
   if not 0 <= info.process_id < info.num_processes:
@@ -138,7 +229,19 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
       num_processes=info.num_processes,
       process_id=info.process_id,
       local_device_ids=list(info.local_device_ids) if info.local_device_ids is not None else None,
+      cluster_detection_method="deactivate",  # discover() decided; JAX would reset local_device_ids
   )
+
+
+def check_hardware(upstream: Mapping[str, Any], explicit: frozenset[str]) -> None:
+  """A config that never set `hardware` gets upstream's default, tpu: refuse it.
+
+  Typically a model YAML run on its own (configs/models/ holds architecture only).
+  """
+  if "hardware" not in explicit and upstream.get("hardware", "tpu") == "tpu":
+    raise LaunchError("hardware is not set, and upstream's default is tpu: add hardware=gpu (or cpu), or run a "
+                      "config that sets it (a model YAML under configs/models/ holds architecture only; "
+                      "configs/deepseek3-tiny.yml and configs/bench/ are run configs)")
 
 
 # --- topology checks --------------------------------------------------------
@@ -211,8 +314,11 @@ def num_slices_of(devices, upstream: Mapping[str, Any]) -> int:
 
 def start(run: RunConfig, environ: Mapping[str, str] | None = None) -> ProcessInfo:
   """Discover this process, join the job, and check the devices fit the run."""
-  info = discover(os.environ if environ is None else environ)
+  check_hardware(run.upstream, run.explicit)
+  info = discover(environ)
   initialize(info, str(run.upstream.get("hardware", "tpu")))
+  if info.scheduler == "upstream-env":
+    os.environ.pop("JAX_COORDINATOR_IP", None)  # read here; upstream would initialize again
   import jax  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()

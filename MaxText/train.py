@@ -19,6 +19,7 @@ from typing import Any
 
 from MaxText import checkpoint_compat
 from MaxText import config as fork_config
+from MaxText import config_report
 from MaxText import launch
 from MaxText import metrics
 from MaxText import xla_presets
@@ -154,7 +155,8 @@ def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
   return applied, validate_with_upstream(run)
 
 
-def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
+def run_training(run: fork_config.RunConfig, dry_run: bool = False) -> dict[str, Any]:
+  """Trains; with `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
 
   prepared = prepare_environment(run)
@@ -165,6 +167,10 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
                         on_expert_counts=lambda counts_E: tracker[0].on_expert_counts(counts_E))
   applied, config = apply_patches_and_validate(run, hooks)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
+  if dry_run:
+    log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
+        f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")
+    return {}
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.
@@ -200,17 +206,25 @@ def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
   args = sys.argv[1:] if argv is None else list(argv)
-  if args and args[0] in ("-h", "--help"):
-    print(__doc__.strip())
-    print(f"\nDefault config: {fork_config.DEFAULT_CONFIG}")
+  if any(a in ("-h", "--help") for a in args):
+    print(config_report.help_text())
     return 0
+  flags = {a for a in args if a.startswith("--")}
+  args = [a for a in args if not a.startswith("--")]
+  if flags - {"--print-config", "--dry-run"} or len(flags) > 1:
+    print(f"maxtext-moe: config error: option(s) {' '.join(sorted(flags))}: use one of --print-config, --dry-run "
+          "(or --help)", file=sys.stderr)
+    return 2
   # Local-first: never reach for Google Cloud clients. Set before the config is
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
   try:
     run = fork_config.load(args)
-    run_training(run)
+    if "--print-config" in flags:
+      print("\n".join(config_report.print_config(run)))
+    else:
+      run_training(run, dry_run="--dry-run" in flags)
   except fork_config.ConfigError as e:
     print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
     return 2

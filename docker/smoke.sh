@@ -8,7 +8,7 @@
 # Items:
 #   pins        docker/check_image.py: manifest versions, TE floor, our MaxText
 #   gpu         JAX sees a GPU backend
-#   selftest    scripts/gpu_selftest.py (the MoE backends' GPU checks), when this build has it
+#   selftest    tools/gpu_selftest.py (the MoE backends' GPU checks), when this build has it
 #   train-tiny  configs/deepseek3-tiny.yml for SMOKE_STEPS steps on one GPU; the run's
 #               summary must hold SMOKE_STEPS steps and a finite final loss
 # SMOKE_NO_TE=1 drops the TE requirement (a GPU node set up from the wheelhouse has none);
@@ -46,10 +46,10 @@ if [ "$gpu_ok" = 0 ]; then
   echo "SKIP selftest (no GPU)"
 elif [ "${SMOKE_SELFTEST:-1}" = 0 ]; then
   echo "SKIP selftest (SMOKE_SELFTEST=0)"
-elif [ -f "$root/scripts/gpu_selftest.py" ]; then
-  item selftest "$py" "$root/scripts/gpu_selftest.py"
+elif [ -f "$root/tools/gpu_selftest.py" ]; then
+  item selftest "$py" "$root/tools/gpu_selftest.py"
 else
-  echo "SKIP selftest (scripts/gpu_selftest.py is not in this build)"
+  echo "SKIP selftest (tools/gpu_selftest.py is not in this build)"
 fi
 
 # The tiny config is written for CPU; on a GPU it needs hardware=gpu, and

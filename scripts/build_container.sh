@@ -47,7 +47,8 @@ manifest_value() {  # manifest_value SECTION KEY  (SECTION "" for top-level keys
 }
 pyproject_version() { sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -n1; }
 
-base="${base:-$(manifest_value base_image repository):$(manifest_value base_image tag)}"
+digest="$(manifest_value base_image digest)"
+base="${base:-$(manifest_value base_image repository):$(manifest_value base_image tag)${digest:+@$digest}}"
 name="$(manifest_value "" image_name)"
 tag="$(pyproject_version)-maxtext$(manifest_value pins maxtext)-jax$(manifest_value pins jax)"
 [ -n "$name" ] && [ "$tag" != "-maxtext-jax" ] || die "could not read versions from $manifest"

@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# Run the test suite: scripts/test.sh [pytest args ...]
+# Run the tests: scripts/test.sh [--all] [pytest args ...]
+#
+# Without --all: the fast tier (-m "not slow"): everything but the tests that
+# start a real training run; a few minutes on two cores. With --all: every test
+# (the slow tier adds 15+ minutes). A -m of your own replaces the tier's.
 # Creates .venv on first use (scripts/bootstrap.sh).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tier=(-m "not slow")
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --all) tier=() ;;
+    -m|-m*) tier=(); args+=("$arg") ;;
+    *) args+=("$arg") ;;
+  esac
+done
 py="$("$repo/scripts/bootstrap.sh" | tail -n1)"
 cd "$repo"
-exec "$py" -m pytest "$@"
+exec "$py" -m pytest ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}

@@ -2,6 +2,13 @@
 
 Training tests run in subprocesses so that each gets a fresh JAX backend
 (device count, XLA_FLAGS) and a fresh set of upstream patches.
+
+Test tiers: a test that starts a real training run is marked `slow` and runs
+only in `scripts/test.sh --all`. `run_train` and the `train` fixture start
+one; `run_rejected` runs a command line that must stop before the run starts
+(and checks that it did). tests/test_tiers.py checks the marks statically, and
+the hook below fails an unmarked test that leaves a run behind under tmp_path,
+however it started it.
 """
 
 from __future__ import annotations
@@ -57,6 +64,36 @@ def run_train(tmp_path: Path, *args: str, run_name: str = "run", env: dict | Non
   cmd = [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}", f"run_name={run_name}"]
   proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
   return TrainResult(proc.returncode, proc.stdout, proc.stderr, out_dir / run_name)
+
+
+def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:
+  """A command line that must be refused before the run starts: nonzero exit,
+  no run directory. No training runs, so the test needs no `slow` mark."""
+  result = run_train(tmp_path, *args, **kwargs)
+  assert result.returncode != 0, f"expected a refusal, the run exited 0: {result.stdout[-2000:]}"
+  assert not result.run_dir.exists(), f"a refused run must not create {result.run_dir}: {result.stderr[-2000:]}"
+  return result
+
+
+# What a started run leaves in its run directory (MaxText/train.py writes the
+# first right after validation, the second at the end).
+RUN_EVIDENCE = ("maxtext-moe/effective_config.json", "summary.json")
+
+
+def runs_left_under(root: Path) -> list[Path]:
+  return sorted(p for name in RUN_EVIDENCE for p in root.rglob(Path(name).name) if p.as_posix().endswith(name))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  result = yield
+  tmp = getattr(item, "funcargs", {}).get("tmp_path")
+  if tmp is not None and item.get_closest_marker("slow") is None:
+    runs = runs_left_under(Path(tmp))
+    if runs:
+      pytest.fail(f"{item.nodeid} started a training run ({runs[0].relative_to(tmp)}) but is not marked "
+                  "@pytest.mark.slow: the fast tier (scripts/test.sh) must not train", pytrace=False)
+  return result
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Dense float32 reference for the grouped GEMM, and random grouped-GEMM problems.
 
-Shared by tests/test_gmm*.py (scripts/gpu_selftest.py keeps its own copy: it
+Shared by tests/test_gmm*.py (tools/gpu_selftest.py keeps its own copy: it
 runs where tests/ is not importable).
 """
 

@@ -1,15 +1,18 @@
-"""scripts/bench_gmm.py on CPU, tiny M: the rows it records and the compile reuse across
+"""tools/bench_gmm.py on CPU, tiny M: the rows it records and the compile reuse across
 cases that keeps a GPU sweep inside one device call."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from conftest import load_script
 
-bench = load_script("bench_gmm", "scripts/bench_gmm.py")
+bench = load_script("bench_gmm", "tools/bench_gmm.py")
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_cases_of_one_shape_share_compiled_functions(monkeypatch):
   monkeypatch.setattr(bench, "ARGS", argparse.Namespace(xla_bwd=False), raising=False)
   bks = bench.backends(["xla_vjp"])

@@ -31,6 +31,7 @@ def _json_lines(proc) -> list[dict]:
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_ring_and_a2a_padded_match_one_device_forward_and_grads():
   """(1,4) and (2,2) (data, expert) meshes; top-k 2, 8, and every token to one expert."""
   rows = _json_lines(_ep_check("match"))
@@ -56,6 +57,7 @@ def test_ragged_a2a_refuses_cpu_but_traces_forward_and_backward():
   assert row["ragged_ops_in_hlo"] == 4  # dispatch, combine, and their reverses (ragged_exchange's VJP)
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_ragged_a2a_emulated_matches_one_device_forward_and_grads():
   """ragged_a2a with its exchange emulated by all_to_all (XLA:CPU has no ragged
   one): the dispatch/combine plans and their reverses (the custom VJP) give the

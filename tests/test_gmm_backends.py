@@ -4,7 +4,7 @@ tokamax, mgpu and te cannot run their kernels here: each must say so clearly.
 The tokamax adapter still runs through tokamax's own (XLA) implementation, and
 the te adapter's argument plumbing through a stand-in for TE's grouped_gemm
 that enforces TE's documented contract (TE itself is not installed here).
-scripts/gpu_selftest.py checks the real kernels on a GPU.
+tools/gpu_selftest.py checks the real kernels on a GPU.
 """
 
 from __future__ import annotations

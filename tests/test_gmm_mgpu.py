@@ -1,7 +1,7 @@
 """CPU-side tests of the mgpu grouped-GEMM backend: tiling table, work-table schedule,
 argument validation, and that the Mosaic-GPU kernels lower for CUDA (shape plumbing and
 the shared-memory budget are checked at lowering, which needs no GPU). The kernels' numbers
-are checked on a GPU by `scripts/bench_gmm.py --edge` (PASS/FAIL per case)."""
+are checked on a GPU by `tools/bench_gmm.py --edge` (PASS/FAIL per case)."""
 
 import dataclasses
 
@@ -162,7 +162,7 @@ def test_largest_first_rounds_even_out_the_sms():
   # dealt to 132 SMs as nd_loop does (SM s: flat s, s+132, ...). In the drawn group order the
   # busiest SM has 2.4% more steps than the mean; largest first in alternating rounds, 0.8%.
   from conftest import load_script
-  bench_gmm = load_script("bench_gmm", "scripts/bench_gmm.py")
+  bench_gmm = load_script("bench_gmm", "tools/bench_gmm.py")
   sizes = bench_gmm.group_sizes("zipf1.2", 65536, 32, np.random.default_rng(2))
 
   def spread(sizes_G, perm):
@@ -332,6 +332,7 @@ def _ref_rows(x, w, starts, ends, m):
     (False, 2, 3, jnp.bfloat16, _PINGPONG),
     (True, 0, 6, jnp.float32, _PINGPONG),
 ])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_gmm_kernel_interpreted(transpose, offset, num_local, out_dtype, tiling):
   m, k, n = 301, 256, 256
   sizes = [70, 0, 130, 1, 0, 90]  # 10 padding rows at the end
@@ -379,6 +380,7 @@ def _check_few_sms_interpreted(monkeypatch, num_sms, tiling, transpose, k, n, se
 
 
 @pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (7, 2, True), (5, 4, False)])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_chained_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
   # Few simulated SMs, so that each runs a chain of several tiles (2 SMs: START, STEADY...,
   # STOP), or one tile alone (7 SMs), between ZERO and SKIP items; the race detector watches
@@ -398,6 +400,7 @@ def test_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose
 
 
 @pytest.mark.parametrize("num_sms,stages,transpose", [(2, 2, False), (4, 3, True)])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_multicast_pingpong_gmm_kernel_interpreted(monkeypatch, num_sms, stages, transpose):
   # Clusters of two SMs on neighbouring column tiles, each loading half of every lhs slot
   # into both; a slot is refilled only once both SMs' warpgroups released it.
@@ -442,6 +445,7 @@ def test_table_chain_falls_back_unchained_where_k_steps_do_not_divide(monkeypatc
 
 @pytest.mark.parametrize("warp_specialized,block_aligned", [(False, False), (True, False),
                                                             (False, True), (True, True)])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_tgmm_kernel_interpreted(warp_specialized, block_aligned):
   m, k, n = 300, 128, 256
   sizes = [100, 0, 170, 30]
@@ -472,6 +476,7 @@ def test_tgmm_kernel_interpreted(warp_specialized, block_aligned):
 
 
 @pytest.mark.parametrize("kernel", ["gmm", "tgmm_ws"])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_warp_specialized_kernels_have_no_races_interpreted(kernel):
   # The interpreter's race detector tracks every SMEM/GMEM access of the simulated
   # warpgroups and TMA engine. get_races is not re-exported publicly (jax 0.11.2, pinned).

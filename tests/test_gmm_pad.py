@@ -7,7 +7,7 @@ the TMA rules read in tokamax 0.0.17's sm90 kernels (with tokamax's "xla" implem
 computing in place of "mosaic"); the mgpu kernels themselves, run by Pallas' Mosaic-GPU
 interpreter, give the right forward and gradients through the public `gmm`. What only the GPU
 proves: that those rules are all tokamax's compiled kernels need, and the compiled mgpu
-kernels' numbers (`bash scripts/gpu_checks.sh selftest-small`).
+kernels' numbers (`bash tools/gpu_checks.sh selftest-small`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from MaxText.moe.gmm import tokamax as tokamax_backend
 
 
 def _selftest():
-  return load_script("gpu_selftest", "scripts/gpu_selftest.py")
+  return load_script("gpu_selftest", "tools/gpu_selftest.py")
 
 
 _SELFTEST = _selftest()
@@ -236,6 +236,7 @@ _MGPU_CASES = (
 
 
 @pytest.mark.parametrize("case", _MGPU_CASES, ids=lambda c: c.name)
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_mgpu_pads_odd_shapes_interpreted(as_if_available, case):
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 

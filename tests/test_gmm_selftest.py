@@ -1,4 +1,4 @@
-"""scripts/gpu_selftest.py works on CPU, and fails a backend that leaves rows unwritten."""
+"""tools/gpu_selftest.py works on CPU, and fails a backend that leaves rows unwritten."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from MaxText.moe.gmm import xla as xla_backend
 
 
 def _selftest():
-  return load_script("gpu_selftest", "scripts/gpu_selftest.py")
+  return load_script("gpu_selftest", "tools/gpu_selftest.py")
 
 
 def test_selftest_passes_xla_on_the_small_cases():

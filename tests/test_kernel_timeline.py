@@ -1,4 +1,4 @@
-"""scripts/kernel_timeline.py on a synthetic trace in the format of jax 0.11.2's Mosaic GPU
+"""tools/kernel_timeline.py on a synthetic trace in the format of jax 0.11.2's Mosaic GPU
 profiler (B/E pairs, ts in SM kilocycles, pid = 1 + SM, one tid per warpgroup trace)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_script
 
-timeline = load_script("kernel_timeline", "scripts/kernel_timeline.py")
+timeline = load_script("kernel_timeline", "tools/kernel_timeline.py")
 
 
 def _trace(ranges):
@@ -63,6 +63,7 @@ def test_block_sequences_follow_one_warpgroup_per_block():
   assert [r.begin_kc for r in seqs[0]] == [0.0, 10.0] and seqs[1][0].name == "zero_tile"
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   # A synthetic profile of grouped_matmul's persistent loop (4 blocks, steps b, b+4, ...),
   # each tile's duration set by its piece: tune_gmm must recover the durations per class.
@@ -71,8 +72,8 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
   import jax.numpy as jnp
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from conftest import REPO
-  sys.path.insert(0, str(REPO / "scripts"))
-  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  sys.path.insert(0, str(REPO / "tools"))
+  tune = load_script("tune_gmm", "tools/tune_gmm.py")
   mk, mt = tune.sched, tune.mt
   sizes, m, n, num_blocks = [300, 0, 2000, 5000], 7400, 512, 4
   t = mt.FwdTiling()
@@ -109,14 +110,15 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
 def test_tune_gmm_names_a_bad_argument(monkeypatch, capsys, argv, named):
   import sys
   from conftest import REPO
-  sys.path.insert(0, str(REPO / "scripts"))
-  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  sys.path.insert(0, str(REPO / "tools"))
+  tune = load_script("tune_gmm", "tools/tune_gmm.py")
   monkeypatch.setattr(sys, "argv", ["tune_gmm.py", *argv])
   with pytest.raises(SystemExit) as exit_info:
     tune.main()
   assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_tune_gmm_variants_build_at_their_shapes():
   # Every variant the tuner will time lowers for CUDA at its problem's DeepSeek-V3 shape (a
   # variant that cannot be built would cost a device call to find out).
@@ -124,8 +126,8 @@ def test_tune_gmm_variants_build_at_their_shapes():
   import jax
   import jax.numpy as jnp
   from conftest import REPO
-  sys.path.insert(0, str(REPO / "scripts"))
-  tune = load_script("tune_gmm", "scripts/tune_gmm.py")
+  sys.path.insert(0, str(REPO / "tools"))
+  tune = load_script("tune_gmm", "tools/tune_gmm.py")
   g, m = 32, 4096
   for name, (op, k, n, transpose) in tune.PROBLEMS.items():
     for t in tune.variants(name):

@@ -5,68 +5,209 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, run_train
+from conftest import REPO, run_rejected
 from MaxText import launch
 
 
 # --- discovery: one code path for every launcher ---------------------------
 
-
-def test_single_process_when_no_launcher_env():
-  assert launch.discover({}) == launch.ProcessInfo("single", None, 1, 0)
-  assert not launch.discover({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).multi_process
-
-
-def test_local_launcher_env():
-  info = launch.discover({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:4000", "JAX_NUM_PROCESSES": "2",
-                          "JAX_PROCESS_ID": "1", "JAX_LOCAL_DEVICE_IDS": "4,5,6,7"})
-  assert info == launch.ProcessInfo("env", "127.0.0.1:4000", 2, 1, (4, 5, 6, 7))
+# Variables any launcher or scheduler may have left in the test's own environment.
+_JOB_VARS = re.compile(r"^(SLURM_|OMPI_|PMIX_|JAX_|JOB_COMPLETION_INDEX$|KUBERNETES_SERVICE_HOST$|NNODES$|NODE_RANK$"
+                       r"|CUDA_VISIBLE_DEVICES$)")
 
 
-def test_slurm_env_takes_the_first_node_as_coordinator():
-  info = launch.discover({"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0",
-                          "SLURM_STEP_NODELIST": "gpu[003-018],cpu1", "JAX_COORDINATOR_PORT": "20042"})
-  assert info == launch.ProcessInfo("slurm", "gpu003:20042", 16, 3, None)
-  per_gpu = launch.discover({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-                             "SLURM_JOB_NODELIST": "a1,a2", "MAXTEXT_GPUS_PER_TASK": "4"})
-  assert per_gpu.coordinator_address == f"a1:{launch.DEFAULT_PORT}" and per_gpu.local_device_ids == (4, 5, 6, 7)
+@pytest.fixture
+def job_env(monkeypatch):
+  """Replaces the launcher variables of os.environ (JAX's cluster classes read it) with the given ones."""
+  def _set(**env: str):
+    for name in [n for n in os.environ if _JOB_VARS.match(n)]:
+      monkeypatch.delenv(name)
+    for name, value in env.items():
+      monkeypatch.setenv(name, value)
+  return _set
 
 
-@pytest.mark.parametrize("nodelist, first", [("n1", "n1"), ("gpu[7-9]", "gpu7"), ("x[01,05]", "x01"), ("a,b", "a")])
-def test_first_host_of_a_slurm_nodelist(nodelist, first):
-  assert launch.first_host(nodelist) == first
+def test_single_process_when_no_launcher_env(job_env):
+  job_env()
+  assert launch.discover() == launch.ProcessInfo("single", None, 1, 0)
+  job_env(SLURM_JOB_ID="7", SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_STEP_NODELIST="n1")
+  assert not launch.discover().multi_process
 
 
-def test_k8s_manifest_env_reaches_discovery():
-  docs = list(yaml.safe_load_all((REPO / "scripts/k8s/indexed-job.yaml").read_text()))
-  job = next(d for d in docs if d["kind"] == "Job")
-  container = job["spec"]["template"]["spec"]["containers"][0]
-  env = {e["name"]: e["value"] for e in container["env"]}
-  nodes = job["spec"]["completions"]
-  assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == nodes
-  assert container["command"] == ["python", "-m", "MaxText.train"]
-  # Kubernetes sets JOB_COMPLETION_INDEX in each pod of an Indexed Job.
-  info = launch.discover({**env, "JOB_COMPLETION_INDEX": "5"})
-  assert info == launch.ProcessInfo("k8s", "maxtext-moe-0.maxtext-moe:12345", nodes, 5, None)
-  recipe = container["args"][0]
-  assert (REPO / recipe).is_file()
-  assert yaml.safe_load((REPO / recipe).read_text())["recipe_num_gpus"] == nodes * 8
+def test_local_launcher_env(job_env):
+  job_env(JAX_COORDINATOR_ADDRESS="127.0.0.1:4000", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1",
+          JAX_LOCAL_DEVICE_IDS="4,5,6,7")
+  assert launch.discover() == launch.ProcessInfo("env", "127.0.0.1:4000", 2, 1, (4, 5, 6, 7))
 
 
-def test_sbatch_uses_pyxis_and_the_one_entry_point():
+def _slurm(procid: int, tasks_per_node: int, nodes: int = 2, gpus_on_node: int = 8, **extra: str) -> dict[str, str]:
+  """What srun gives task `procid` of a job on `nodes` nodes (--ntasks-per-node, --gpus-per-node)."""
+  return {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[003-018],cpu1", "SLURM_NTASKS": str(nodes * tasks_per_node),
+          "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % tasks_per_node),
+          "SLURM_NODEID": str(procid // tasks_per_node), "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})",
+          "SLURM_GPUS_ON_NODE": str(gpus_on_node), "JAX_COORDINATOR_PORT": "20042", **extra}
+
+
+@pytest.mark.parametrize("tasks_per_node, bound, devices", [
+    (8, False, lambda local: (local,)),  # one process per GPU (JAX's convention), each sees all 8
+    (8, True, lambda local: None),  # one per GPU, srun --gpus-per-task=1: each sees only its own
+    (1, False, lambda local: None),  # one per node (train.sbatch's default): every GPU of the node
+    (2, False, lambda local: tuple(range(4 * local, 4 * local + 4))),  # two per node, four GPUs each
+])
+def test_slurm_layouts_give_each_process_its_gpus(job_env, tasks_per_node, bound, devices):
+  """Every task of a 2-node job with 8 GPUs per node: same coordinator, ranks 0..N-1, its GPUs."""
+  seen = []
+  for procid in range(2 * tasks_per_node):
+    local = procid % tasks_per_node
+    visible = str(local) if bound else "0,1,2,3,4,5,6,7"
+    job_env(**_slurm(procid, tasks_per_node, CUDA_VISIBLE_DEVICES=visible))
+    info = launch.discover()
+    assert info == launch.ProcessInfo("slurm", "gpu003:20042", 2 * tasks_per_node, procid, devices(local))
+    seen.append(info.local_device_ids)
+  if not bound and tasks_per_node > 1:  # the processes of a node share its 8 GPUs out, none twice
+    assert sorted(i for ids in seen[:tasks_per_node] for i in ids) == list(range(8))
+
+
+def test_slurm_layout_that_does_not_split_names_the_counts(job_env):
+  job_env(**_slurm(0, 3))
+  with pytest.raises(launch.LaunchError, match="8 GPUs on this node do not split evenly over its 3 processes"):
+    launch.discover()
+  assert launch.tasks_on_node("8(x2),4", 2) == 4 and launch.tasks_on_node("2,1", 1) == 1
+
+
+_JAX_SEES = (
+    "import json, jax\n"
+    "from MaxText import launch\n"
+    "info = launch.discover()\n"
+    "launch.initialize(info, 'cpu')\n"
+    "print('SEES', json.dumps([info.scheduler, jax.process_index(), jax.process_count(),"
+    " jax.config.values['jax_cuda_visible_devices']]))\n"
+)
+
+
+@pytest.mark.parametrize("tasks_per_node, nodes, visible", [(1, 2, ["all", "all"]), (2, 1, ["0", "1"])])
+def test_jax_distributed_gets_each_layouts_devices(tasks_per_node, nodes, visible):
+  """Two real processes under simulated srun environments join one jax.distributed job;
+  each reports the GPUs JAX restricts it to (jax_cuda_visible_devices; 'all' = every GPU it sees).
+  One per node on 2 nodes, and one per GPU on a node with 2 GPUs."""
+  port = str(20000 + os.getpid() % 20000)
+  base = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k) and k != "XLA_FLAGS"}
+  procs = []
+  for procid in range(2):
+    env = {**base, **_slurm(procid, tasks_per_node, nodes=nodes, gpus_on_node=2), "SLURM_STEP_NODELIST": "localhost",
+           "JAX_COORDINATOR_PORT": port}
+    procs.append(subprocess.Popen([sys.executable, "-c", _JAX_SEES], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  outs = [p.communicate(timeout=180)[0] for p in procs]
+  seen = [json.loads(re.search(r"^SEES (.*)$", out, re.M)[1]) for out in outs]
+  assert seen == [["slurm", rank, 2, visible[rank]] for rank in range(2)], outs
+
+
+def test_upstream_gpu_variables_are_read_or_named(job_env):
+  job_env(JAX_COORDINATOR_IP="10.0.0.1", JAX_COORDINATOR_PORT="1234", NNODES="4", NODE_RANK="3")
+  assert launch.discover() == launch.ProcessInfo("upstream-env", "10.0.0.1:1234", 4, 3, None)
+  job_env(JAX_COORDINATOR_IP="10.0.0.1", NNODES="4")
+  with pytest.raises(launch.LaunchError, match=r"^JAX_COORDINATOR_IP=10.0.0.1, NNODES=4 is set \(upstream MaxText's "
+                     r"GPU launch variables\) but JAX_COORDINATOR_PORT, NODE_RANK is not"):
+    launch.discover()
+
+
+def test_first_host_of_a_slurm_nodelist_is_the_coordinator(job_env):
+  for nodelist, first in [("n1", "n1"), ("gpu[7-9]", "gpu7"), ("x[01,05]", "x01"), ("a,b", "a")]:
+    job_env(**_slurm(1, 1, SLURM_STEP_NODELIST=nodelist))
+    assert launch.discover().coordinator_address == f"{first}:20042"
+
+
+def _fake_slurm(tmp_path, job_name: str | None = None, srun_steps: int = 300, **env: str) -> tuple[dict[str, str], Path]:
+  """srun/scancel/scontrol stand-ins on PATH that log their argv (srun runs srun_steps x 0.1 s, or until USR1)."""
+  bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+  bin_dir.mkdir()
+  (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
+echo "srun $*" >> {log}
+echo $$ > {tmp_path}/srun.pid
+trap 'echo "srun got USR1" >> {log}; exit 0' USR1
+for _ in $(seq {srun_steps}); do sleep 0.1; done
+""")
+  (bin_dir / "scancel").write_text(f"""#!/usr/bin/env bash
+echo "scancel $*" >> {log}
+kill -USR1 "$(cat {tmp_path}/srun.pid)"
+""")
+  (bin_dir / "scontrol").write_text(f'#!/usr/bin/env bash\necho "scontrol $*" >> {log}\n')
+  for f in bin_dir.iterdir():
+    f.chmod(0o755)
+  image = tmp_path / "maxtext-moe.sqsh"
+  image.write_text("")
+  base = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k)}
+  full = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path),
+          **({"SLURM_JOB_NAME": job_name} if job_name else {}), **env}
+  return full, log
+
+
+def _sbatch(env: dict[str, str], *args: str) -> subprocess.Popen:
+  return subprocess.Popen(["bash", str(REPO / "scripts/slurm/train.sbatch"), "configs/deepseek3-tiny.yml", *args],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path, timeout=20.0):
+  deadline = time.monotonic() + timeout
+  while not path.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert path.exists(), f"{path} never appeared"
+
+
+@pytest.mark.parametrize("job_name, env, run_name", [
+    (None, {}, "slurm-77"),  # sbatch's default job name: the job id, kept across requeues
+    ("maxtext-moe", {}, "slurm-77"),
+    ("ds3-exp1", {}, "ds3-exp1"),  # sbatch -J ds3-exp1: resubmitting it resumes the run
+    ("ds3-exp1", {"RUN_NAME": "mine"}, "mine"),
+])
+def test_sbatch_run_name_survives_requeue_and_resubmission(tmp_path, job_name, env, run_name):
+  environ, log = _fake_slurm(tmp_path, job_name, srun_steps=0, **env)
+  proc = _sbatch(environ, "steps=3")
+  proc.communicate(timeout=30)
+  assert proc.returncode == 0
+  (srun,) = [line for line in log.read_text().splitlines() if line.startswith("srun ")]
+  assert f"--container-image={tmp_path}/maxtext-moe.sqsh" in srun
+  assert srun.endswith(f"python3 -m MaxText.train configs/deepseek3-tiny.yml steps=3 "
+                       f"base_output_directory={tmp_path}/outputs run_name={run_name}"), srun
+
+
+def test_sbatch_time_limit_signal_saves_then_requeues(tmp_path):
+  """SLURM's USR1 (--signal=B:USR1@120) reaches every task, then the job is requeued."""
   script = (REPO / "scripts/slurm/train.sbatch").read_text()
-  assert subprocess.run(["bash", "-n", str(REPO / "scripts/slurm/train.sbatch")], check=False).returncode == 0
-  assert "--container-image=" in script and "python -m MaxText.train" in script
+  assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --requeue" in script
   assert "XLA_FLAGS" not in script  # flags come from presets only
+  environ, log = _fake_slurm(tmp_path)
+  proc = _sbatch(environ)
+  _wait_for(tmp_path / "srun.pid")
+  proc.send_signal(signal.SIGUSR1)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  assert log.read_text().splitlines()[1:] == ["scancel --signal=USR1 77", "srun got USR1", "scontrol requeue 77"]
+  assert "requeueing job 77; it resumes run slurm-77" in out
+
+
+def test_sbatch_without_an_image_says_how_to_make_one(tmp_path):
+  environ, _ = _fake_slurm(tmp_path)
+  (tmp_path / "maxtext-moe.sqsh").unlink()
+  proc = _sbatch(environ)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 2
+  assert err.strip().endswith("or set CONTAINER_IMAGE=registry#image:tag") and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("environ, message", [
+    ({"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0", "JAX_LOCAL_DEVICE_IDS": "0-3"},
+     "JAX_LOCAL_DEVICE_IDS='0-3' is not a comma-separated list"),
     ({"JAX_NUM_PROCESSES": "2"}, "JAX_COORDINATOR_ADDRESS is not"),
     ({"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "h:1"}, "neither JAX_PROCESS_ID nor JOB_COMPLETION_INDEX"),
     ({"JAX_NUM_PROCESSES": "two", "JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES='two'"),
@@ -112,22 +253,22 @@ def test_dcn_axes_fill_the_slices():
 
 
 def test_cli_mesh_mismatch_fails_before_compile(tmp_path):
-  result = run_train(tmp_path, "ici_fsdp_parallelism=2")
+  result = run_rejected(tmp_path, "ici_fsdp_parallelism=2")
   assert result.returncode == 2
   assert "ici_fsdp_parallelism=2 = 2 does not match 1 device(s)" in result.stderr
   assert not result.run_dir.exists()
 
 
 def test_cli_ep_not_dividing_experts_fails_before_compile(tmp_path):
-  result = run_train(tmp_path, "ici_fsdp_parallelism=1", "ici_expert_parallelism=3",
-                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+  result = run_rejected(tmp_path, "ici_fsdp_parallelism=1", "ici_expert_parallelism=3",
+                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
   assert result.returncode == 2
   assert "expert parallelism 3 (ici_expert_parallelism x dcn_expert_parallelism) does not divide num_experts=8" in result.stderr
   assert not result.run_dir.exists()
 
 
 def test_cli_recipe_for_more_gpus_than_present(tmp_path):
-  result = run_train(tmp_path, "configs/recipes/deepseek3-671b-128xh100.yml")
+  result = run_rejected(tmp_path, "configs/recipes/deepseek3-671b-128xh100.yml")
   assert result.returncode == 2
   assert "recipe_num_gpus=128: this recipe is for 128 GPUs, 1 present" in result.stderr
   assert not result.run_dir.exists()

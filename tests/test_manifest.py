@@ -84,7 +84,9 @@ def test_lock_resolves_the_manifest_pins():
 def test_dockerfile_base_image_default_is_the_manifests():
   args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE, re.M))
   base = MANIFEST["base_image"]
-  assert args["BASE_IMAGE"] == f"{base['repository']}:{base['tag']}"
+  digest = base.get("digest") or ""
+  assert digest == "" or re.fullmatch(r"sha256:[0-9a-f]{64}", digest), f"manifest digest {digest!r} is malformed"
+  assert args["BASE_IMAGE"] == f"{base['repository']}:{base['tag']}" + (f"@{digest}" if digest else "")
   assert args["WHEELS"] == "online"
 
 
@@ -187,3 +189,14 @@ def test_build_script_says_clearly_when_no_engine_answers(tmp_path):
   proc = subprocess.run(["/bin/bash", str(REPO / "scripts" / "build_container.sh")], capture_output=True,
                         text=True, env=env, check=False)
   assert proc.returncode != 0 and "neither docker nor podman is installed" in proc.stderr, proc.stderr
+
+
+def test_check_image_accepts_what_jax_toolbox_images_report():
+  check_image = load_script("check_image", "docker/check_image.py")
+  assert check_image.pin_holds("jax", "0.11.2", "0.11.2")
+  assert check_image.pin_holds("jax", "0.11.2", "0.11.2.dev20260910")  # JAX-Toolbox's dated builds
+  assert check_image.pin_holds("jaxlib", "0.11.2", "0.11.2.dev20260910+cuda13")
+  assert not check_image.pin_holds("jax", "0.11.2", "0.11.3.dev20260910")
+  assert not check_image.pin_holds("jax", "0.11.2", "0.11.1")
+  assert not check_image.pin_holds("maxtext", "0.2.5", "0.2.5.dev1")  # upstream: exactly the release
+  assert not check_image.pin_holds("jax", "0.11.2", None)

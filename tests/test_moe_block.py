@@ -176,6 +176,7 @@ def _upstream_layer(cls, cfg, mesh):
              weight_dtype=cfg.weight_dtype, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypatch):
   """Same parameter tree (paths, shapes, dtypes, sharding); same output, aux loss, bias update and grads
   as upstream's sparse path, with a nonzero routing bias."""

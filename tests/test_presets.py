@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_train
+from conftest import REPO, run_rejected
 from MaxText import config as fork_config
 from MaxText import xla_presets as xp
 
@@ -118,7 +118,7 @@ def test_preset_upstream_keys_apply_unless_the_user_set_them():
 
 
 def test_cli_unknown_preset_fails_before_anything_is_written(tmp_path):
-  result = run_train(tmp_path, "xla_presets=[lhs,multistreem]")
+  result = run_rejected(tmp_path, "xla_presets=[lhs,multistreem]")
   assert result.returncode == 2
   assert "unknown XLA preset 'multistreem'" in result.stderr
   assert not result.run_dir.exists()

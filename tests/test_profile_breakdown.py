@@ -1,4 +1,4 @@
-"""scripts/profile_breakdown.py: the classifier table, the HLO reader, and a real traced tiny run."""
+"""tools/profile_breakdown.py: the classifier table, the HLO reader, and a real traced tiny run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, run_train
 
-_spec = importlib.util.spec_from_file_location("profile_breakdown", REPO / "scripts" / "profile_breakdown.py")
+_spec = importlib.util.spec_from_file_location("profile_breakdown", REPO / "tools" / "profile_breakdown.py")
 pb = importlib.util.module_from_spec(_spec)
 sys.modules["profile_breakdown"] = pb
 _spec.loader.exec_module(pb)
@@ -142,6 +142,7 @@ def test_summarize_picks_the_dump_of_the_events_program():
   assert out["categories"]["dispatch_combine"]["ms_per_step"] == 3.0
 
 
+@pytest.mark.slow
 def test_traced_tiny_run_breaks_down_the_step(tmp_path):
   """A real profiled tiny run (our MoE block on CPU): every category the brief
   names gets time, the categories add up to the total, little is unattributed."""
@@ -176,7 +177,7 @@ def test_bench_train_reports_loss_gap_to_upstream():
   """bench_train's loss section: per-step losses, and each variant's largest gap to the first
   upstream variant over their common steps (a failed variant has no losses and is left out)."""
   from conftest import load_script
-  bt = load_script("bench_train", "scripts/bench_train.py")
+  bt = load_script("bench_train", "tools/bench_train.py")
   rows = [{"variant": "ours", "losses": {"0": 10.0, "1": 9.0, "2": 8.5}},
           {"variant": "upstream_tokamax", "losses": {"0": 10.0, "1": 9.02, "2": 8.49}},
           {"variant": "upstream_ragged", "error": "out of memory"}]
@@ -190,7 +191,7 @@ def test_bench_train_table_takes_tokens_per_second_from_the_run():
   """tok/s/dev is MaxText's own figure from summary.json, not batch arithmetic from a flag
   (which went stale whenever a variant changed the batch); a failed run keeps its row."""
   from conftest import load_script
-  bt = load_script("bench_train", "scripts/bench_train.py")
+  bt = load_script("bench_train", "tools/bench_train.py")
   rows = [{"variant": "ours", "median_step_time_s": 1.5, "median_tflops_per_device": 478.2,
            "median_tokens_per_s_per_device": 22156.0, "peak_device_memory_gib": 100.3, "dropless": True},
           {"variant": "ours_b12", "error": "out of memory", "dropless": True}]

@@ -220,6 +220,7 @@ CASES = {  # name: (ep_size, num_ep_groups, top_k, alignment, with_total_recv, s
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_dispatch_gmm_combine_matches_local_and_dense_forward_and_grads(monkeypatch, case):
   """dispatch -> grouped GEMM (xla) per rank -> combine equals the `local` backend
   (both bfloat16) and the float32 dense reference; gradients for the tokens,
@@ -351,6 +352,7 @@ def _block_check():
   return out
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_block_global_view_on_four_devices_matches_one_device_forward_and_grads():
   """TE's ops in the global view (the stand-in sees the whole [24, 8] batch and
   returns [P, R, D]), the grouped GEMMs per shard; (1,4) and (2,2) meshes, top-k

@@ -27,7 +27,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from conftest import REPO, run_train  # noqa: E402
+from conftest import REPO, run_rejected  # noqa: E402
 
 TE_ERROR = "maxtext-moe: config error: moe_dispatch_backend=te_ncclep cannot run here: transformer_engine.jax.ep"
 TINY_EP4 = ("moe_block=ours", "moe_dispatch_backend=te_ncclep", "ici_expert_parallelism=4", "steps=2",
@@ -92,7 +92,7 @@ def test_plan_refuses_meshes_and_batches_te_cannot_split():
 
 
 def test_without_te_the_run_stops_with_one_config_error_before_writing(tmp_path):
-  result = run_train(tmp_path, "moe_block=ours", "moe_dispatch_backend=te_ncclep", run_name="no-te")
+  result = run_rejected(tmp_path, "moe_block=ours", "moe_dispatch_backend=te_ncclep", run_name="no-te")
   assert result.returncode == 2, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe: config error:")]
   assert len(errors) == 1 and errors[0].startswith(TE_ERROR), result.stderr[-2000:]
@@ -100,6 +100,7 @@ def test_without_te_the_run_stops_with_one_config_error_before_writing(tmp_path)
   assert not result.run_dir.exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_a_run_bootstraps_once_then_dispatches_with_the_configured_options(tmp_path):
   """EP 4 on 4 CPU devices, stand-in TE: bootstrap before the first trace with
   the plan's numbers, dispatch.make and every ep_dispatch with the same capacity

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing import event_accumulator
 
-from conftest import run_train
+import pytest
+
+from conftest import run_rejected, run_train
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -23,6 +25,7 @@ def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, float]:
   return {e.step: e.value for e in acc.Scalars(tag)}
 
 
+@pytest.mark.slow
 def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
   result = run_train(tmp_path, TINY, "steps=5", "checkpoint_period=2")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -54,6 +57,7 @@ def _files_under(root: Path) -> set[Path]:
   return {p for p in root.rglob("*")} if root.exists() else set()
 
 
+@pytest.mark.slow
 def test_run_writes_only_under_its_run_directory(tmp_path):
   """Upstream's defaults dump HLO to /tmp/xla_dump and cache compiles in ~/jax_cache."""
   home, cwd = tmp_path / "home", tmp_path / "cwd"
@@ -73,6 +77,7 @@ def test_run_writes_only_under_its_run_directory(tmp_path):
   assert (result.run_dir / "jax_cache").is_dir()  # the compile cache lives with the run
 
 
+@pytest.mark.slow
 def test_hlo_dump_lands_in_the_run_directory(tmp_path):
   started = time.time()
   result = run_train(tmp_path, TINY, "steps=2", "enable_checkpointing=false", "dump_hlo=true")
@@ -83,6 +88,7 @@ def test_hlo_dump_lands_in_the_run_directory(tmp_path):
   assert fresh_dumps == [], f"HLO dumped outside the run directory: {fresh_dumps[:3]}"
 
 
+@pytest.mark.slow
 def test_resume_matches_an_unbroken_run(tmp_path):
   # The LR schedule length is fixed so both runs see the same schedule.
   common = [TINY, "learning_rate_schedule_steps=6", "checkpoint_period=3"]
@@ -110,7 +116,7 @@ def test_bad_input_fails_fast_with_one_clear_line(tmp_path):
   }
   for args, expected in cases.items():
     started = time.monotonic()
-    result = run_train(tmp_path, *args, run_name="bad")
+    result = run_rejected(tmp_path, *args, run_name="bad")
     assert result.returncode == 2, (args, result.stderr[-2000:])
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe: config error:")]
     assert len(error_lines) == 1 and expected in error_lines[0], (args, result.stderr[-2000:])
@@ -121,7 +127,7 @@ def test_bad_input_fails_fast_with_one_clear_line(tmp_path):
 def test_unknown_key_in_yaml_names_the_file(tmp_path):
   cfg = tmp_path / "broken.yml"
   cfg.write_text("base_config: deepseek3-tiny.yml\nnum_expertz: 4\n")
-  result = run_train(tmp_path, str(cfg), run_name="bad")
+  result = run_rejected(tmp_path, str(cfg), run_name="bad")
   assert result.returncode == 2
   assert f"unknown config key 'num_expertz' ({cfg}); did you mean 'num_experts'?" in result.stderr
   assert not os.path.exists(result.run_dir)

@@ -9,7 +9,7 @@
 
 Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).
 `jax_ragged_dot` / `jax_transposed_ragged_dot` expose JAX's own kernels with the same
-tilings, as the baseline `scripts/bench_gmm.py` measures ours against.
+tilings, as the baseline `tools/bench_gmm.py` measures ours against.
 
 Requires a Hopper GPU (compute capability 9.x) and jax >= 0.11 with the CUDA plugin
 (`pip install "jax[cuda13]"`).

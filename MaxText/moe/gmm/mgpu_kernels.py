@@ -37,14 +37,14 @@ from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
 from MaxText.moe.gmm.mgpu_tiling import EPI_SWIZZLE_BYTES, SMEM_LIMIT_BYTES, FwdTiling
 
 # Warpgroups per block of the warp-specialized kernels: one TMA (memory) + two wgmma. A
-# profile has one trace per warpgroup, so scripts/tune_gmm.py reads it in threes.
+# profile has one trace per warpgroup, so tools/tune_gmm.py reads it in threes.
 NUM_WARPGROUPS = 3
 
 # Profiler ranges (named scopes entered) recorded per warpgroup at most. Each costs 16 B of
 # the block's shared memory per warpgroup, so the kernels get what their tiling leaves free.
 _PROFILE_RANGES_MAX = 4096
 # Fewer than this many tiles per SM tell little: such a tiling should be profiled with fewer
-# stages (scripts/tune_gmm.py does).
+# stages (tools/tune_gmm.py does).
 PROFILE_RANGES_MIN = 64
 # Shared memory Mosaic GPU adds past our buffers (barriers, alignment of the trace buffer).
 _SMEM_OVERHEAD_BYTES = 1024
@@ -66,7 +66,7 @@ def profile_ranges(kernel_smem_bytes: int, num_warpgroups: int) -> int:
 def compiler_params(profile_dir: str | None, kernel_smem_bytes: int = 0, num_warpgroups: int = 1):
   """Mosaic GPU parameters; with profile_dir, its on-device profiler writes a Chrome-trace
   JSON there per kernel run: one begin/end pair per `jax.named_scope` entered, per SM and
-  warpgroup (scripts/kernel_timeline.py summarizes it), as many as fit in the shared memory
+  warpgroup (tools/kernel_timeline.py summarizes it), as many as fit in the shared memory
   the tiling leaves (`profile_ranges`; later ones are dropped). For diagnostics: it slows
   the kernel."""
   profile = {}

@@ -8,7 +8,7 @@ of one group's product:
                                                     transpose_rhs=True: K and N are then the
                                                     forward's N and K)
   op="tgmm" : drhs[g]_KN = lhs_g^T @ dout_g         (dW; the contraction runs over rows)
-A shape missing from the table falls back to the op's default entry. `scripts/tune_gmm.py`
+A shape missing from the table falls back to the op's default entry. `tools/tune_gmm.py`
 is where a sweep would regenerate `TABLE`; the entries below come from the team's H200
 measurement of JAX's ragged_dot_mgpu (block 128x128x64, 4-6 stages, grid_block_n 4-8 best:
 581 TF/s up-proj, 552 down-proj) and from the shared-memory budget of the warp-specialized

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """GPU self-test of the grouped-GEMM backends (MaxText/moe/gmm) against a float32 reference.
 
-    PYTHONPATH=. python3 scripts/gpu_selftest.py            # every backend available here
-    python3 scripts/gpu_selftest.py --backends tokamax,mgpu
-    python3 scripts/gpu_selftest.py --cpu-smoke             # xla, small cases, on CPU
+    PYTHONPATH=. python3 tools/gpu_selftest.py            # every backend available here
+    python3 tools/gpu_selftest.py --backends tokamax,mgpu
+    python3 tools/gpu_selftest.py --cpu-smoke             # xla, small cases, on CPU
 
 For each backend (xla as the reference path, then tokamax, mgpu, te where they
 can run) and each case it runs the public, differentiable `gmm` under jit,

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Where a training step's time goes: grouped GEMM, dispatch/combine, routing, attention, the rest.
 
-  python3 scripts/profile_breakdown.py RUN_DIR [--steps M] [--json]
+  python3 tools/profile_breakdown.py RUN_DIR [--steps M] [--json]
 
 RUN_DIR is a `python -m MaxText.train` run directory made with upstream's
 profiler on and an HLO dump in the run directory:
 
   python -m MaxText.train ... profiler=xplane skip_first_n_steps_for_profiler=N profiler_steps=M dump_hlo=true
 
-(`scripts/bench_train.py --profile` does this for every variant; our entry
+(`tools/bench_train.py --profile` does this for every variant; our entry
 point puts the dump in `RUN_DIR/xla_dump`.)
 
 How time is attributed:

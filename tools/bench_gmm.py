@@ -1,8 +1,8 @@
 """Grouped-GEMM benchmark: every available backend against a dense GEMM of equal FLOPs,
 measured in the same run, after a correctness check against a float32 reference.
 
-  python scripts/bench_gmm.py --quick --out /tmp/gmm        # the recorded DeepSeek-V3 set
-  python scripts/bench_gmm.py --shapes up,down --m 16384,131072 --g 8,64 --dists all
+  python tools/bench_gmm.py --quick --out /tmp/gmm        # the recorded DeepSeek-V3 set
+  python tools/bench_gmm.py --shapes up,down --m 16384,131072 --g 8,64 --dists all
 
 Rows per case: backend, pass (fwd = out = x @ w[g]; bwd = dlhs + dW; ffn = up(w0|w1 fused),
 SwiGLU, down, forward + backward), median ms, TF/s, ratio to dense. Correctness: fresh

@@ -1,7 +1,7 @@
 """Sweep tilings of the mgpu grouped-GEMM kernels and print the best per (op, K, N), as
 entries for `MaxText/moe/gmm/mgpu_tiling.TABLE` (copy them there; comments cite this run).
 
-  python scripts/tune_gmm.py --m 65536 --g 32 --dist zipf1.2 --out /tmp/tune
+  python tools/tune_gmm.py --m 65536 --g 32 --dist zipf1.2 --out /tmp/tune
 
 Each variant is checked against a float32 reference (rel err < 1e-2) before it is timed;
 variants that exceed shared memory or fail to compile are reported and skipped.
@@ -121,7 +121,7 @@ def profile_tiling(t, tiles_per_sm: int):
 
 def profile_variant(make_fn, args, out_dir, classify=None):
   """One run of the variant's kernel with Mosaic GPU's on-device profiler: its summary (per
-  tile kind, idle SMs at the end) from scripts/kernel_timeline.py, and classify(ranges)."""
+  tile kind, idle SMs at the end) from tools/kernel_timeline.py, and classify(ranges)."""
   os.makedirs(out_dir, exist_ok=True)
   before = set(os.listdir(out_dir))
   jax.block_until_ready(jax.jit(make_fn(out_dir))(*args))
@@ -235,7 +235,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per problem")
   ap.add_argument("--profile-dir", default=None,
                   help="also run each variant once under Mosaic GPU's on-device profiler, "
-                       "write its trace here and print scripts/kernel_timeline.py's summary")
+                       "write its trace here and print tools/kernel_timeline.py's summary")
   ap.add_argument("--profile-variants", default="0,1",
                   help="indices into the op's variant list to profile (default: the table's "
                        "entry and the first change)")

@@ -12,7 +12,7 @@ below). A kernel's clock follows its power draw: the H200 ran the grouped GEMM a
 1.3 GHz (a profiled span in kc over the timed ms, BENCHMARKS run 6), so 1 kc ~ 0.78 us
 there, and 1 kc per 128x256x64 step is the tensor cores' peak (4096 bf16 FLOP/cycle/SM).
 
-  python scripts/kernel_timeline.py TRACE.json [...]
+  python tools/kernel_timeline.py TRACE.json [...]
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 # GPU checks recorded in BENCHMARKS.md, run on one H200 with the project's
 # wheelhouse installed (scripts/wheelhouse; the node's image provides JAX/CUDA).
 #
-#   bash scripts/gpu_checks.sh [tiny] [selftest] [offload] [ours] ...
+#   bash tools/gpu_checks.sh [tiny] [selftest] [offload] [ours] ...
 #
 #   tiny      the tiny config from the wheelhouse-installed package (docker/smoke.sh)
-#   selftest  scripts/gpu_selftest.py for tokamax and mgpu (PASS/FAIL per case)
+#   selftest  tools/gpu_selftest.py for tokamax and mgpu (PASS/FAIL per case)
 #   tokamax   the 1xH200 proxy on upstream's best MoE path (tokamax): the reference
 #   offload   the same with the host_offload preset: step time and peak device memory
 #   ours      the 1xH200 proxy with our grouped GEMM (moe_gmm_backend=mgpu)
@@ -60,7 +60,7 @@ for item in "$@"; do
       rows+=("$(summary_row tiny "$out/smoke/runs/tiny")")
       ;;
     selftest)
-      (cd "$repo" && timeout "$limit" python3 scripts/gpu_selftest.py --backends mgpu,tokamax) 2>&1 | tee "$out/selftest.log" | grep -E "PASS|FAIL|^case|^ " | tail -n 40
+      (cd "$repo" && timeout "$limit" python3 tools/gpu_selftest.py --backends mgpu,tokamax) 2>&1 | tee "$out/selftest.log" | grep -E "PASS|FAIL|^case|^ " | tail -n 40
       ;;
     tokamax)
       proxy_run proxy_tokamax use_tokamax_gmm=true
@@ -76,14 +76,14 @@ for item in "$@"; do
       proxy_run proxy_block_mgpu moe_block=ours moe_gmm_backend=mgpu
       ;;
     selftest-small)
-      (cd "$repo" && timeout "$limit" python3 scripts/gpu_selftest.py --backends tokamax,mgpu --skip-large) 2>&1 | tee "$out/selftest-small.log" | grep -E "^(PASS|FAIL)" | tail -n 20
+      (cd "$repo" && timeout "$limit" python3 tools/gpu_selftest.py --backends tokamax,mgpu --skip-large) 2>&1 | tee "$out/selftest-small.log" | grep -E "^(PASS|FAIL)" | tail -n 20
       ;;
     plan-honesty)
       ours=(moe_block=ours moe_dispatch_backend=local moe_gmm_backend=auto)
       (cd "$repo" && timeout "$limit" python3 -m MaxText.plan configs/bench/proxy-1xh200.yml "${ours[@]}" \
           --json "$out/plan-proxy.json") >"$out/plan-proxy.log" 2>&1
       echo "[gpu_checks] plan exit $?"; grep -E "verdict|estimate:|TFLOP/s/GPU|device_total" "$out/plan-proxy.log"
-      (cd "$repo" && python3 scripts/bench_train.py --variants ours --steps 20 --out "$out/bt") >"$out/bt.log" 2>&1
+      (cd "$repo" && python3 tools/bench_train.py --variants ours --steps 20 --out "$out/bt") >"$out/bt.log" 2>&1
       echo "[gpu_checks] bench_train exit $?"; tail -n 4 "$out/bt.log"
       rows+=("$(python3 - "$out/plan-proxy.json" "$out/bt/bench_train.json" <<'PY'
 import json, sys

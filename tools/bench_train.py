@@ -6,9 +6,9 @@ its own process (a fresh backend, its own run directory under --out); a
 failure or out-of-memory in one variant is reported in its row and the rest go
 on. A dense bf16 GEMM timed at the start calibrates MFU for this GPU.
 
-  python3 scripts/bench_train.py --steps 12 --out outputs/bench_train \
+  python3 tools/bench_train.py --steps 12 --out outputs/bench_train \
       --variants upstream_tokamax,ours,dense_equivalent
-  python3 scripts/bench_train.py --steps 200 --variants ours_load,ours_load_no_bias_update
+  python3 tools/bench_train.py --steps 200 --variants ours_load,ours_load_no_bias_update
 
 Prints one table last: median step time after warm-up, TFLOP/s/device as
 MaxText counts it, MFU against the measured dense-GEMM peak and against the
@@ -18,7 +18,7 @@ variant is dropless.
 --profile: each variant also traces --profile-steps late steps (upstream's
 xplane profiler) and dumps its optimized HLO into its run directory; the
 step breakdown of each (grouped GEMM, dispatch/combine, routing, attention,
-rest: scripts/profile_breakdown.py) is printed before the table. The traced
+rest: tools/profile_breakdown.py) is printed before the table. The traced
 steps run with the profiler on (and upstream blocks on the state around them),
 so take the table's step times from a run without --profile.
 """
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-import profile_breakdown  # scripts/ is sys.path[0] when run as a script
+import profile_breakdown  # tools/ is sys.path[0] when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, NVIDIA datasheet

@@ -1,0 +1,111 @@
+"""What `python -m MaxText.train --help` and `--print-config` print.
+
+--help: usage, the flags, the exit codes, and our keys with their descriptions
+(ForkConfig's pydantic `Field(description=...)`); upstream's ~900 keys are
+listed by --print-config, not here.
+
+--print-config: the merged config a run would use, ours and upstream's (upstream's
+own resolution: base.yml, then the model file of `model_name`, then the run's
+keys), one `key = value  # source` line each. Nothing is compiled or written.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any, Mapping
+
+from MaxText import config as fork_config
+from MaxText import xla_presets
+
+USAGE = """\
+usage: python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=value ...]
+
+  config.yml      a run config (default: {default}); a relative path that is not
+                  found from here is looked up in the shipped configs/
+  key=value       overrides, ours and upstream MaxText's alike
+  --print-config  print the merged config, each value with where it came from; exit
+  --dry-run       validate everything (config, presets, launch environment, devices,
+                  upstream's checks), then exit before compiling or writing anything
+  -h, --help      this text
+
+exit codes:
+  0  done (training finished, or --print-config / --dry-run passed)
+  2  bad config or launch environment: one line naming the key, value or path
+  3  the installed upstream MaxText is not the version a patch was written for
+  other  a failure inside the run (traceback on stderr)
+"""
+
+# Upstream keys our loader fills when the user does not (MaxText/config.py, local_first_defaults).
+LOCAL_FIRST_KEYS = ("base_output_directory", "run_name", "jax_cache_dir", "dump_hlo_local_dir")
+
+
+def _type_name(annotation: Any) -> str:
+  if typing.get_origin(annotation) is typing.Literal:
+    return "|".join(str(a) for a in typing.get_args(annotation))
+  return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
+
+
+def key_lines() -> list[str]:
+  """Our keys: name, type, default, description."""
+  lines = []
+  for name, field in fork_config.ForkConfig.model_fields.items():
+    default = field.get_default(call_default_factory=True)
+    lines.append(f"  {name} ({_type_name(field.annotation)}, default {json.dumps(default)})")
+    lines.append(f"      {field.description}")
+  return lines
+
+
+def help_text() -> str:
+  return "\n".join([
+      USAGE.format(default=fork_config.DEFAULT_CONFIG.relative_to(fork_config.REPO_CONFIGS.parent)),
+      "maxtext-moe keys (upstream never sees them; upstream's keys: --print-config):",
+      *key_lines(),
+  ])
+
+
+def _sources(run: fork_config.RunConfig, composed: xla_presets.Composed) -> dict[str, str]:
+  """Where each key the run sets came from (the rest is upstream's)."""
+  src = {k: "maxtext-moe default" for k in LOCAL_FIRST_KEYS if k not in run.explicit}
+  src.update((k, f"xla_presets {', '.join(composed.presets)}") for k in composed.upstream_defaults)
+  src.update((k, f"moe_gmm_backend={run.fork.moe_gmm_backend}") for k, v in run.upstream.items()
+             if k in fork_config.MOE_GMM_UPSTREAM_KEYS and k not in run.explicit)
+  src.update(run.origins)
+  return src
+
+
+def _upstream_model_keys(final: Mapping[str, Any]) -> set[str]:
+  """Keys upstream took from `model_name`'s file (maxtext/configs/models/<name>.yml)."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  path = fork_config.upstream_configs_dir() / "models" / f"{final.get('model_name', 'default')}.yml"
+  return set(omegaconf.OmegaConf.load(path).keys()) if path.is_file() else set()
+
+
+def print_config(run: fork_config.RunConfig) -> list[str]:
+  """`key = value  # source` lines: ours first, then upstream's resolved config."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  composed = xla_presets.compose_for(run, {})
+  run = xla_presets.with_upstream_defaults(run, composed)
+  sources = _sources(run, composed)
+  lines = [f"# config {run.config_path}", "# maxtext-moe keys"]
+  for name, value in run.fork.model_dump().items():
+    lines.append(f"{name} = {json.dumps(value)}  # {sources.get(name, 'maxtext-moe default')}")
+
+  final = pyconfig.initialize(run.upstream_argv()).get_keys()
+  base = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(fork_config.upstream_configs_dir() / "base.yml"))
+  from_model = _upstream_model_keys(final)
+  lines.append("# upstream MaxText keys")
+  for name in sorted(final):
+    if name in sources:
+      source = sources[name]
+    elif name in from_model:
+      source = f"upstream models/{final['model_name']}.yml"
+    elif name in base:
+      source = "upstream base.yml" if base[name] == final[name] else "upstream, derived (base.yml has another value)"
+    else:
+      source = "upstream, derived"
+    lines.append(f"{name} = {json.dumps(final[name], default=str)}  # {source}")
+  return lines

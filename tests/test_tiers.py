@@ -1,0 +1,76 @@
+"""The test tiers: every test that starts a training run is marked `slow`.
+
+`scripts/test.sh` runs `-m "not slow"` (a newcomer's second command, minutes);
+`scripts/test.sh --all` runs everything. A training run takes 20 s to minutes on
+two cores, so one unmarked training test is what breaks the fast tier.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO, runs_left_under
+
+TESTS = REPO / "tests"
+# How a test starts a training run: the conftest helper and fixture, or a launcher.
+TRAINING_NAMES = {"run_train", "train"}
+TRAINING_LAUNCHERS = ("launch_local.sh",)
+
+
+def _marked_slow(decorators: list[ast.expr]) -> bool:
+  return any(ast.unparse(d) in ("pytest.mark.slow", "mark.slow") for d in decorators)
+
+
+def _starts_training(fn: ast.FunctionDef) -> str | None:
+  """The reason `fn` starts a training run, or None."""
+  if "train" in [a.arg for a in fn.args.args]:
+    return "uses the `train` fixture"
+  for node in ast.walk(fn):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in TRAINING_NAMES:
+      return f"calls {node.func.id}()"
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(TRAINING_LAUNCHERS):
+      return f"runs {node.value!r}"
+  return None
+
+
+def unmarked_training_tests(path: Path) -> list[str]:
+  tree = ast.parse(path.read_text(), filename=str(path))
+  module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                    and "slow" in ast.unparse(n.value) for n in tree.body)
+  found = []
+  for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
+    reason = _starts_training(fn)
+    if reason and not module_slow and not _marked_slow(fn.decorator_list):
+      found.append(f"{path.name}::{fn.name} {reason} but is not marked @pytest.mark.slow")
+  return found
+
+
+def test_every_test_that_trains_is_marked_slow():
+  found = [line for path in sorted(TESTS.glob("test_*.py")) for line in unmarked_training_tests(path)]
+  assert found == [], "\n".join(found)
+
+
+def test_the_check_sees_each_way_of_starting_a_run(tmp_path):
+  sample = tmp_path / "test_sample.py"
+  sample.write_text(
+      "import pytest\n"
+      "def test_fixture(train): train('steps=1')\n"
+      "def test_helper(tmp_path): run_train(tmp_path, 'steps=1')\n"
+      "def test_launcher(): subprocess.run(['bash', 'scripts/launch_local.sh', '-n', '2'])\n"
+      "def test_refused(tmp_path): run_rejected(tmp_path, 'stepz=1')\n"
+      "@pytest.mark.slow\n"
+      "def test_marked(train): train('steps=1')\n"
+  )
+  assert [line.split()[0] for line in unmarked_training_tests(sample)] == [
+      "test_sample.py::test_fixture", "test_sample.py::test_helper", "test_sample.py::test_launcher"]
+
+
+def test_the_run_time_guard_finds_what_a_run_leaves(tmp_path_factory):
+  """conftest's hook fails an unmarked test that leaves these behind, however the run started."""
+  tmp_path = tmp_path_factory.mktemp("guard")  # not this test's tmp_path, which the hook inspects
+  assert runs_left_under(tmp_path) == []
+  (tmp_path / "outputs" / "r" / "maxtext-moe").mkdir(parents=True)
+  (tmp_path / "outputs" / "r" / "maxtext-moe" / "effective_config.json").write_text("{}")
+  (tmp_path / "elsewhere.json").write_text("{}")
+  assert runs_left_under(tmp_path) == [tmp_path / "outputs" / "r" / "maxtext-moe" / "effective_config.json"]
