@@ -44,6 +44,8 @@ class ForkConfig(pydantic.BaseModel):
   # --- run (MaxText/train.py) ---
   # Print our "[progress]" line every N train steps (0 turns it off).
   progress_every: int = pydantic.Field(default=1, ge=0)
+  # Resume even when the learning-rate schedule differs from the checkpoint's (else refused; MaxText/lifecycle.py).
+  allow_schedule_change: bool = False
 
   # --- MoE (MaxText/moe) ---
   # Grouped-GEMM backend (MaxText/moe/gmm) for upstream's sparse_matmul; "upstream" leaves
@@ -65,6 +67,14 @@ class ForkConfig(pydantic.BaseModel):
   moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(default=None, ge=1)
   # te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 for NCCL EP).
   moe_te_ncclep_alignment: int = pydantic.Field(default=128, ge=1)
+
+  @pydantic.model_validator(mode="after")
+  def _dispatch_needs_our_block(self):
+    # Only our block dispatches: with any other block the key would be silently ignored.
+    if self.moe_dispatch_backend != "auto" and self.moe_block != "ours":
+      raise ValueError(f"config key 'moe_dispatch_backend' = {self.moe_dispatch_backend!r} is used only by moe_block=ours "
+                       f"(moe_block is {self.moe_block}); set moe_block=ours, or drop moe_dispatch_backend")
+    return self
 
   @pydantic.field_validator("moe_te_ncclep_alignment")
   @classmethod
@@ -194,6 +204,8 @@ def _check_upstream_type(key: str, value: Any, info: Any, origin: str) -> None:
 
 def _fork_error(e: pydantic.ValidationError, origins: dict[str, str]) -> ConfigError:
   err = e.errors()[0]
+  if not err["loc"]:  # a model validator: its message names the keys
+    return ConfigError(str(err["msg"]).removeprefix("Value error, "))
   key = str(err["loc"][0]) if err["loc"] else "?"
   return ConfigError(f"config key '{key}' = {err.get('input')!r} ({origins.get(key, 'default')}): {err['msg']}")
 
@@ -259,6 +271,9 @@ def load(args: list[str]) -> RunConfig:
     raise ConfigError(f"config file not found: {config_path}")
   from_file = load_yaml_chain(config_path)
   from_cli = parse_overrides(args)
+  if BASE_CONFIG_KEY in from_cli:  # only files chain; on the command line upstream would ignore it
+    raise ConfigError(f"'{BASE_CONFIG_KEY}={from_cli[BASE_CONFIG_KEY]}' on the command line is ignored by upstream: "
+                      "pass the config file as the first argument, or put base_config: in a file")
   merged = {**from_file, **from_cli}
   origins = {k: "command line" if k in from_cli else str(config_path) for k in merged}
 

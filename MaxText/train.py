@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
+from MaxText import config_checks
 from MaxText import launch
+from MaxText import lifecycle
 from MaxText import metrics
 from MaxText import xla_presets
 from patches import UpstreamMismatch
@@ -80,6 +83,7 @@ def validate_with_upstream(run: fork_config.RunConfig):
   try:
     config = pyconfig.initialize(run.upstream_argv())
     train_utils.validate_train_config(config)
+    config_checks.check_upstream_values(run, config)
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     message = " ".join(str(e).split())
     raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
@@ -114,52 +118,127 @@ class _DropOrbaxInfo(logging.Filter):
     return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
-def run_training(run: fork_config.RunConfig) -> dict[str, Any]:
-  import patches  # pylint: disable=import-outside-toplevel
+# Upstream aborts on a NaN/Inf loss with sys.exit(1) from its metric logger;
+# we turn these off for upstream and do the same check in our step hook, which
+# stops with one line naming the step (patches/checkpoint_guard.NonFiniteState).
+ABORT_KEYS = ("abort_on_nan_loss", "abort_on_inf_loss")
 
+
+class _StepHook:
+  """patches/metric_logger.py's observer: progress, then the loss check."""
+
+  def __init__(self, tracker: metrics.ProgressTracker, abort_on_nonfinite: bool, scalars):
+    self.tracker, self.abort, self.scalars = tracker, abort_on_nonfinite, scalars
+    self.raised = False
+
+  def __call__(self, step: int, scalars: dict[str, Any]) -> None:
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    self.tracker.on_train_step(step, scalars)
+    loss = scalars.get("learning/loss")
+    if self.abort and not self.raised and loss is not None and not math.isfinite(float(loss)):
+      self.raised = True  # upstream flushes its metric buffer once more while the error propagates
+      grad = scalars.get("learning/raw_grad_norm")
+      raise checkpoint_guard.NonFiniteState(
+          f"step {step}: loss {float(loss)}, gradient norm {'n/a' if grad is None else float(grad)}; stopped "
+          "before any checkpoint of a non-finite state; lower learning_rate or set gradient_clipping_threshold")
+
+
+def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
+  try:
+    return json.loads((run.run_dir / lifecycle.RUN_FILES / "effective_config.json").read_text())["upstream_overrides"]
+  except (FileNotFoundError, KeyError, json.JSONDecodeError):
+    return {}
+
+
+def _changed_keys(before: dict[str, Any], now: dict[str, Any]) -> str:
+  keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ("steps", "run_name"))
+  return ", ".join(f"{k} {before.get(k, '(default)')} -> {now.get(k, '(default)')}" for k in keys[:6])
+
+
+def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None) -> dict[str, Any]:
+  """Trains; the summary's "stopped" entry says whether a stop signal ended the run early."""
+  import patches  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
+
+  stop = stop or lifecycle.StopRequest()
   composed = xla_presets.compose_for(run, dict(os.environ))
   run = xla_presets.with_upstream_defaults(run, composed)
+  abort_on_nonfinite = all(run.upstream.get(k, True) for k in ABORT_KEYS)
+  run = fork_config.RunConfig(run.config_path, run.fork, {**run.upstream, **{k: False for k in ABORT_KEYS}},
+                              run.explicit)
   env = run_environment(run, dict(os.environ), composed)
   os.environ.update(env)  # before anything creates a jax backend: XLA reads these once
   process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
-  tracker: list[metrics.ProgressTracker] = []
-  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars))
+  tracker: list[_StepHook] = []
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
+                        stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars)
   applied = patches.apply_all(run.fork, hooks)
   config = validate_with_upstream(run)
+  config_checks.check_devices(run, config)
 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.
   lead = process.process_id == 0
-  tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))
-  if lead:
-    write_run_files(run, env, applied, xla_presets.report(composed))
-  log(f"run directory {run.run_dir}")
-  log(f"patches applied: {', '.join(applied) or 'none'}")
-  log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
-  for line in xla_presets.summary_lines(composed, env):
-    log(line)
-  log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-
-  from absl import app  # pylint: disable=import-outside-toplevel
-  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
-
-  logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every)
+  tracker.append(_StepHook(progress, abort_on_nonfinite, step_metrics.latest_scalars))
+  lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
+  if lock:
+    lock.acquire()
   try:
-    # app.run parses absl flags (upstream's logging reads them) and calls main.
-    app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
-  except SystemExit as e:
-    if e.code not in (0, None):
+    resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change)
+    previous = _previous_overrides(run)
+    if lead:
+      write_run_files(run, env, applied, xla_presets.report(composed))
+      if resumed_from is None or warnings:  # a new run, or a schedule change the user allowed
+        lifecycle.record_schedule(run.run_dir, config)
+    log(f"run directory {run.run_dir}")
+    if resumed_from is not None:
+      log(f"resuming from checkpoint step {resumed_from}")
+    for line in warnings:
+      log(line)
+    log(f"patches applied: {', '.join(applied) or 'none'}")
+    log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
+    for line in xla_presets.summary_lines(composed, env):
+      log(line)
+    log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+    logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+    try:
+      # app.run parses absl flags (upstream's logging reads them) and calls main.
+      app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
+    except SystemExit as e:
+      if e.code not in (0, None):
+        raise
+    except fork_config.ConfigError as e:
+      if resumed_from is not None and _changed_keys(previous, run.upstream):
+        raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
       raise
-  summary = tracker[0].summary(run.run_dir, run.upstream)
+  finally:
+    if lock:
+      lock.release()
+  summary = progress.summary(run.run_dir, run.upstream)
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
+  summary["stopped"] = dict(checkpoint_guard.stopped) or None
   if lead:
     metrics.write_summary(summary, run.run_dir)
   metrics.print_summary(summary)
+  if summary["stopped"]:
+    s = summary["stopped"]
+    saved = f"checkpoint of step {s['saved']} saved" if s["saved"] is not None else "checkpointing is off"
+    print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {saved}; run again with the same "
+          f"run_name to resume (exit {lifecycle.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
   return summary
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs; returns one of MaxText/lifecycle.py's exit codes (README "Exit codes")."""
+  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
   args = sys.argv[1:] if argv is None else list(argv)
   if args and args[0] in ("-h", "--help"):
     print(__doc__.strip())
@@ -169,16 +248,31 @@ def main(argv: list[str] | None = None) -> int:
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  stop = lifecycle.StopRequest()
+
+  def fail(code: int, message: str) -> int:
+    print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+    return code
+
   try:
+    stop.install(multi_process=launch.discover(os.environ).multi_process)
     run = fork_config.load(args)
-    run_training(run)
+    summary = run_training(run, stop)
   except fork_config.ConfigError as e:
-    print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return fail(lifecycle.EXIT_CONFIG, f"config error: {e}")
   except UpstreamMismatch as e:  # a patch refusing an upstream it was not written for
-    print(f"maxtext-moe: {e}", file=sys.stderr, flush=True)
-    return 3
-  return 0
+    return fail(lifecycle.EXIT_UPSTREAM, str(e))
+  except lifecycle.FinishedRun as e:
+    return fail(lifecycle.EXIT_OK, str(e))
+  except lifecycle.RunLocked as e:
+    return fail(lifecycle.EXIT_LOCKED, f"run directory locked: {e}")
+  except checkpoint_guard.NonFiniteState as e:
+    return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
+  except checkpoint_guard.SaveFailed as e:
+    return fail(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
+  except KeyboardInterrupt:
+    return fail(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
+  return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
 
 
 def cli() -> None:
