@@ -220,10 +220,14 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   finally:
     if lock:
       lock.release()
+  stopped = dict(checkpoint_guard.stopped)
+  if stopped and (not progress.records or progress.records[-1].step < stopped["step"]):
+    # The stop ended the loop before upstream's metric logger saw the saved step (it runs a step behind).
+    progress.on_train_step(stopped["step"], step_metrics.latest_scalars())
   summary = progress.summary(run.run_dir, run.upstream)
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
-  summary["stopped"] = dict(checkpoint_guard.stopped) or None
+  summary["stopped"] = stopped or None
   if lead:
     metrics.write_summary(summary, run.run_dir)
   metrics.print_summary(summary)
