@@ -115,7 +115,15 @@ class _DropOrbaxInfo(logging.Filter):
   (about 12 lines a save); upstream's own INFO lines (loss, TFLOP/s) stay."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return True
+    if record.levelno < logging.WARNING:
+      return False
+    # A full or read-only disk: orbax's writer threads each log it with a
+    # traceback; our one line (checkpoint_guard.SaveFailed) says it once.
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    return not any(words in record.getMessage() for words in checkpoint_guard.NO_SPACE_WORDS)
 
 
 # Upstream aborts on a NaN/Inf loss with sys.exit(1) from its metric logger;
@@ -273,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
   except checkpoint_guard.NonFiniteState as e:
     return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
   except checkpoint_guard.SaveFailed as e:
-    return fail(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
+    fail(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
+    # orbax's writer threads are left failed mid-write; a normal interpreter
+    # exit would print their pending coroutines' errors after our line.
+    logging.shutdown()
+    os._exit(lifecycle.EXIT_SAVE_FAILED)  # pylint: disable=protected-access
   except KeyboardInterrupt:
     return fail(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK

@@ -16,9 +16,10 @@ that would save:
      multi-process preemption sync point, which upstream already consults)
      saves this step, waits for it, and ends the loop through upstream's own
      StopTraining (its loop flushes metrics and returns normally);
-  3. a save that fails for lack of space or permission becomes SaveFailed with
-     the path, the bytes needed and the bytes free; the step's partial
-     directory is removed and the last complete checkpoint stays.
+  3. a save the disk cannot hold is refused before it starts (SaveFailed: the
+     path, the bytes needed and the bytes free); one that fails anyway for lack
+     of space or permission becomes the same error, its partial directory
+     removed; the last complete checkpoint stays.
 
 Also the shapes of the saved state go to <run>/maxtext-moe/state_shapes.json,
 which patches/checkpoint_restore.py compares on resume.
@@ -125,25 +126,52 @@ def _state_nbytes(state) -> int:
   return sum(int(x.size) * x.dtype.itemsize for _, x in _leaves_with_paths(state))
 
 
-def _os_error(e: BaseException) -> OSError | None:
+# How storage failures read when they come through tensorstore (orbax's writer)
+# as a ValueError rather than an OSError: the status code, or the OS's words.
+NO_SPACE_WORDS = ("RESOURCE_EXHAUSTED", "No space left on device", "Disk quota exceeded", "Read-only file system",
+                  "Permission denied", "File too large")
+
+
+def no_space_reason(e: BaseException) -> str | None:
+  """The storage failure behind a save error (None: something else failed)."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     if isinstance(e, OSError) and e.errno in NO_SPACE:
-      return e
+      return f"{e.strerror} ({e.filename})" if e.filename else str(e.strerror)
+    text = str(e)
+    for words in NO_SPACE_WORDS:
+      if words in text:
+        return "no space left on the device" if words == "RESOURCE_EXHAUSTED" else words
     e = e.__cause__ or e.__context__
   return None
+
+
+def check_space(state, root: Path, step: int, last: int | None) -> None:
+  """Refuses a save the disk cannot hold, before a byte is written.
+
+  The state's in-memory size bounds the checkpoint's (orbax writes it
+  uncompressed, plus small metadata); an attempt that fails half-way would
+  leave orbax's writer threads printing tracebacks. A save that fails anyway
+  (another writer filled the disk) is caught after the fact (_save_failed).
+  """
+  probe = root if root.exists() else root.parent
+  free = shutil.disk_usage(probe).free
+  need = _state_nbytes(state)
+  if need > free:
+    raise SaveFailed(
+        f"checkpoint of step {step} not written to {root}: it needs about {need / 2**20:.1f} MiB and "
+        f"{free / 2**20:.1f} MiB are free; the last complete checkpoint "
+        f"({'step ' + str(last) if last is not None else 'none'}) is kept; free space or move base_output_directory")
 
 
 def _save_failed(e: BaseException, root: Path, step: int, state, last: int | None) -> SaveFailed:
   """The message: which path, how much the save needed, how much was free."""
   for partial in root.glob(f"{step}.orbax-checkpoint-tmp*"):  # orbax's in-progress name for this step
     shutil.rmtree(partial, ignore_errors=True)
-  err = _os_error(e)
   free = shutil.disk_usage(root).free if root.exists() else 0
-  where = getattr(err, "filename", None) or root
   return SaveFailed(
-      f"checkpoint of step {step} could not be written to {root}: {err.strerror if err else e} ({where}); it needs "
+      f"checkpoint of step {step} could not be written to {root}: {no_space_reason(e)}; it needs "
       f"about {_state_nbytes(state) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free; the partial step was removed "
       f"and the last complete checkpoint ({'step ' + str(last) if last is not None else 'none'}) is kept")
 
@@ -182,6 +210,7 @@ def _wrap(original):
     last = max(done) if done else None
     if due and actual not in done:
       check_finite(state, actual, last)
+      check_space(state, root, actual, last)
     try:
       if stop:
         if actual not in done:
@@ -192,7 +221,7 @@ def _wrap(original):
     except exceptions.StopTraining:
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
-      if _os_error(e) is not None:
+      if no_space_reason(e) is not None:
         raise _save_failed(e, root, actual, state, last) from e
       raise
     if due:
