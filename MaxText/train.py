@@ -281,14 +281,20 @@ def main(argv: list[str] | None = None) -> int:
   except checkpoint_guard.NonFiniteState as e:
     return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
   except checkpoint_guard.SaveFailed as e:
-    fail(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
-    # orbax's writer threads are left failed mid-write; a normal interpreter
-    # exit would print their pending coroutines' errors after our line.
-    logging.shutdown()
-    os._exit(lifecycle.EXIT_SAVE_FAILED)  # pylint: disable=protected-access
+    _exit_now(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
   except KeyboardInterrupt:
-    return fail(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
+    _exit_now(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
+
+
+def _exit_now(code: int, message: str) -> None:
+  """Exits without waiting for orbax's writer threads, which a failed or
+  interrupted save leaves mid-write (a normal exit would print their errors
+  after our line); a partial step directory is never resumed from."""
+  print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  logging.shutdown()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def cli() -> None:

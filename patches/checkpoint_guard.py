@@ -177,8 +177,10 @@ def _save_failed(e: BaseException, root: Path, step: int, state, last: int | Non
 
 
 def _record_shapes(state, run_dir: Path) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+
   path = run_dir / "maxtext-moe" / "state_shapes.json"
-  if path.exists():
+  if path.exists() or jax.process_index() != 0:
     return
   path.parent.mkdir(parents=True, exist_ok=True)
   shapes = {name: [list(x.shape), str(x.dtype)] for name, x in _leaves_with_paths(state)}
