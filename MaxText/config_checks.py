@@ -31,6 +31,13 @@ def _origin(run: RunConfig, key: str) -> str:
   return "as set" if key in run.explicit else "upstream default"
 
 
+def check_fork(run: RunConfig) -> None:
+  """Our keys against this machine, before patches apply (routed_moe would refuse with a RuntimeError)."""
+  if run.fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
+    raise ConfigError("config key 'moe_block' = 'te' needs Transformer Engine, which is not installed: "
+                      "pip install 'maxtext-moe[te]' on a CUDA machine, or use moe_block=ours")
+
+
 def check_upstream_values(run: RunConfig, config: Any) -> None:
   """Checks upstream's resolved config (a pyconfig.HyperParameters)."""
   for key in POSITIVE:
@@ -46,9 +53,6 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   if config.enable_checkpointing and config.checkpoint_period <= 0:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")
-  if run.fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
-    raise ConfigError("config key 'moe_block' = 'te' needs Transformer Engine, which is not installed: "
-                      "pip install 'maxtext-moe[te]' on a CUDA machine, or use moe_block=ours")
   check_output_directory(Path(config.base_output_directory))
 
 

@@ -170,6 +170,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
 
   stop = stop or lifecycle.StopRequest()
+  config_checks.check_fork(run)
   composed = xla_presets.compose_for(run, dict(os.environ))
   run = xla_presets.with_upstream_defaults(run, composed)
   abort_on_nonfinite = all(run.upstream.get(k, True) for k in ABORT_KEYS)

@@ -205,12 +205,14 @@ def _wrap(original):
 
     actual = int(step) if step is not None else int(
         state.step if config.enable_diloco else state.optimizer.step) - 1
-    done = checkpointing.all_steps(checkpoint_manager)
     due = stop or step is None or checkpointing._should_save_checkpoint_at_step(  # pylint: disable=protected-access
         checkpoint_manager, actual, config, False)
+    if not due:  # most steps: nothing to check, and no directory listing
+      return original(checkpoint_manager, state, config, data_iterator, step)
+    done = checkpointing.all_steps(checkpoint_manager)
     root = Path(config.checkpoint_dir.rstrip("/"))
     last = max(done) if done else None
-    if due and actual not in done:
+    if actual not in done:
       check_finite(state, actual, last)
       check_space(state, root, actual, last)
     try:
@@ -226,8 +228,7 @@ def _wrap(original):
       if no_space_reason(e) is not None:
         raise _save_failed(e, root, actual, state, last) from e
       raise
-    if due:
-      _record_shapes(state, root.parent)
+    _record_shapes(state, root.parent)
     if stop:
       stopped.update(step=actual, signal=signal_name or "SIGTERM", saved=actual)
       raise exceptions.StopTraining(f"{signal_name or 'preemption notice'}: checkpoint of step {actual} saved")

@@ -98,7 +98,7 @@ def test_first_sigint_stops_cleanly_and_a_second_aborts(tmp_path):
 def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
   out_dir = tmp_path / "outputs"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", TINY, "steps=200", "checkpoint_period=1000",
+  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", TINY, "steps=100000", "checkpoint_period=100000",
                             f"base_output_directory={out_dir}", "run_name=twin"], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   try:
