@@ -84,6 +84,8 @@ def validate_with_upstream(run: fork_config.RunConfig):
     config = pyconfig.initialize(run.upstream_argv())
     train_utils.validate_train_config(config)
     config_checks.check_upstream_values(run, config)
+  except fork_config.ConfigError:
+    raise  # ours (config_checks): already one line naming the key
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     message = " ".join(str(e).split())
     raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
