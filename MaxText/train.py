@@ -137,8 +137,8 @@ ABORT_KEYS = ("abort_on_nan_loss", "abort_on_inf_loss")
 class _StepHook:
   """patches/metric_logger.py's observer: progress, then the loss check."""
 
-  def __init__(self, tracker: metrics.ProgressTracker, abort_on_nonfinite: bool, scalars):
-    self.tracker, self.abort, self.scalars = tracker, abort_on_nonfinite, scalars
+  def __init__(self, tracker: metrics.ProgressTracker, abort_on_nonfinite: bool):
+    self.tracker, self.abort = tracker, abort_on_nonfinite
     self.raised = False
 
   def __call__(self, step: int, scalars: dict[str, Any]) -> None:
@@ -192,7 +192,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   # process); only the first writes the run's own files.
   lead = process.process_id == 0
   progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every)
-  tracker.append(_StepHook(progress, abort_on_nonfinite, step_metrics.latest_scalars))
+  tracker.append(_StepHook(progress, abort_on_nonfinite))
   lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
   if lock:
     lock.acquire()
