@@ -46,6 +46,10 @@ class ForkConfig(pydantic.BaseModel):
   # --- run (MaxText/train.py) ---
   progress_every: int = pydantic.Field(
       default=1, ge=0, description='Print our "[progress]" line every N train steps (0 turns it off).')
+  allow_schedule_change: bool = pydantic.Field(
+      default=False,
+      description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
+      "MaxText/lifecycle.py).")
 
   # --- MoE (MaxText/moe) ---
   moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = pydantic.Field(
@@ -91,6 +95,14 @@ class ForkConfig(pydantic.BaseModel):
       default=128, ge=1,
       description="te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 "
       "for NCCL EP).")
+
+  @pydantic.model_validator(mode="after")
+  def _dispatch_needs_our_block(self):
+    # Only our block dispatches: with any other block the key would be silently ignored.
+    if self.moe_dispatch_backend != "auto" and self.moe_block != "ours":
+      raise ValueError(f"config key 'moe_dispatch_backend' = {self.moe_dispatch_backend!r} is used only by moe_block=ours "
+                       f"(moe_block is {self.moe_block}); set moe_block=ours, or drop moe_dispatch_backend")
+    return self
 
   @pydantic.field_validator("moe_te_ncclep_alignment")
   @classmethod
@@ -255,6 +267,8 @@ def _check_upstream_type(key: str, value: Any, info: Any, origin: str) -> None:
 
 def _fork_error(e: pydantic.ValidationError, origins: dict[str, str]) -> ConfigError:
   err = e.errors()[0]
+  if not err["loc"]:  # a model validator: its message names the keys
+    return ConfigError(str(err["msg"]).removeprefix("Value error, "))
   key = str(err["loc"][0]) if err["loc"] else "?"
   return ConfigError(f"config key '{key}' = {err.get('input')!r} ({origins.get(key, 'default')}): {err['msg']}")
 
@@ -396,6 +410,9 @@ def load(args: list[str]) -> RunConfig:
   origins: dict[str, str] = {}
   from_file = load_yaml_chain(config_path, origins=origins)
   from_cli = parse_overrides(args)
+  if BASE_CONFIG_KEY in from_cli:  # only files chain; on the command line upstream would ignore it
+    raise ConfigError(f"'{BASE_CONFIG_KEY}={from_cli[BASE_CONFIG_KEY]}' on the command line is ignored by upstream: "
+                      "pass the config file as the first argument, or put base_config: in a file")
   merged = {**from_file, **from_cli}
   origins.update((k, "command line") for k in from_cli)
 

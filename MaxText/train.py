@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -19,8 +20,10 @@ from typing import Any
 
 from MaxText import checkpoint_compat
 from MaxText import config as fork_config
+from MaxText import config_checks
 from MaxText import config_report
 from MaxText import launch
+from MaxText import lifecycle
 from MaxText import metrics
 from MaxText import xla_presets
 from patches import UpstreamMismatch
@@ -83,6 +86,9 @@ def validate_with_upstream(run: fork_config.RunConfig):
   try:
     config = pyconfig.initialize(run.upstream_argv())
     train_utils.validate_train_config(config)
+    config_checks.check_upstream_values(run, config)
+  except fork_config.ConfigError:
+    raise  # ours (config_checks): already one line naming the key
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     message = " ".join(str(e).split())
     raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
@@ -114,7 +120,53 @@ class _DropOrbaxInfo(logging.Filter):
   (about 12 lines a save); upstream's own INFO lines (loss, TFLOP/s) stay."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return True
+    if record.levelno < logging.WARNING:
+      return False
+    # A full or read-only disk: orbax's writer threads each log it with a
+    # traceback; our one line (checkpoint_guard.SaveFailed) says it once.
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    return not any(words in record.getMessage() for words in checkpoint_guard.NO_SPACE_WORDS)
+
+
+# Upstream aborts on a NaN/Inf loss with sys.exit(1) from its metric logger;
+# we turn these off for upstream and do the same check in our step hook, which
+# stops with one line naming the step (patches/checkpoint_guard.NonFiniteState).
+ABORT_KEYS = ("abort_on_nan_loss", "abort_on_inf_loss")
+
+
+class _StepHook:
+  """patches/metric_logger.py's observer: progress, then the loss check."""
+
+  def __init__(self, tracker: metrics.ProgressTracker, abort_on_nonfinite: bool):
+    self.tracker, self.abort = tracker, abort_on_nonfinite
+    self.raised = False
+
+  def __call__(self, step: int, scalars: dict[str, Any]) -> None:
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    self.tracker.on_train_step(step, scalars)
+    loss = scalars.get("learning/loss")
+    if self.abort and not self.raised and loss is not None and not math.isfinite(float(loss)):
+      self.raised = True  # upstream flushes its metric buffer once more while the error propagates
+      grad = scalars.get("learning/raw_grad_norm")
+      raise checkpoint_guard.NonFiniteState(
+          f"step {step}: loss {float(loss)}, gradient norm {'n/a' if grad is None else float(grad)}; stopped "
+          "before any checkpoint of a non-finite state; lower learning_rate or set gradient_clipping_threshold")
+
+
+def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
+  try:
+    return json.loads((run.run_dir / lifecycle.RUN_FILES / "effective_config.json").read_text())["upstream_overrides"]
+  except (FileNotFoundError, KeyError, json.JSONDecodeError):
+    return {}
+
+
+def _changed_keys(before: dict[str, Any], now: dict[str, Any]) -> str:
+  keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ("steps", "run_name"))
+  return ", ".join(f"{k} {before.get(k, '(default)')} -> {now.get(k, '(default)')}" for k in keys[:6])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +182,7 @@ class Prepared:
   run: fork_config.RunConfig
   env: dict[str, str]
   composed: xla_presets.Composed
+  abort_on_nonfinite: bool  # upstream's abort_on_nan/inf_loss, done by our step hook (ABORT_KEYS)
 
 
 def prepare_environment(run: fork_config.RunConfig, extra_xla_flags: str = "") -> Prepared:
@@ -140,11 +193,14 @@ def prepare_environment(run: fork_config.RunConfig, extra_xla_flags: str = "") -
   """
   composed = xla_presets.compose_for(run, dict(os.environ))
   run = xla_presets.with_upstream_defaults(run, composed)
+  abort_on_nonfinite = all(run.upstream.get(k, True) for k in ABORT_KEYS)
+  run = fork_config.RunConfig(run.config_path, run.fork, {**run.upstream, **{k: False for k in ABORT_KEYS}},
+                              run.explicit)
   env = run_environment(run, dict(os.environ), composed)
   if extra_xla_flags:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))} {extra_xla_flags}".strip()
   os.environ.update(env)  # XLA reads these once, when the backend starts
-  return Prepared(run, env, composed)
+  return Prepared(run, env, composed, abort_on_nonfinite)
 
 
 def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
@@ -155,17 +211,24 @@ def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
   return applied, validate_with_upstream(run)
 
 
-def run_training(run: fork_config.RunConfig, dry_run: bool = False) -> dict[str, Any]:
-  """Trains; with `dry_run`, stops after every check, before writing or compiling."""
+def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
+                 dry_run: bool = False) -> dict[str, Any]:
+  """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
+  `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
 
+  stop = stop or lifecycle.StopRequest()
+  config_checks.check_fork(run)
   prepared = prepare_environment(run)
   run, env, composed = prepared.run, prepared.env, prepared.composed
   process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
-  tracker: list[metrics.ProgressTracker] = []
-  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0].on_train_step(step, scalars),
-                        on_expert_counts=lambda counts_E: tracker[0].on_expert_counts(counts_E))
+  tracker: list[_StepHook] = []
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
+                        on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
+                        stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars)
   applied, config = apply_patches_and_validate(run, hooks)
+  config_checks.check_devices(run, config)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
   if dry_run:
     log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
@@ -175,36 +238,69 @@ def run_training(run: fork_config.RunConfig, dry_run: bool = False) -> dict[str,
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.
   lead = process.process_id == 0
-  tracker.append(metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every))
-  if lead:
-    write_run_files(run, env, applied, xla_presets.report(composed))
-  log(f"run directory {run.run_dir}")
-  log(f"patches applied: {', '.join(applied) or 'none'}")
-  log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
-  for line in xla_presets.summary_lines(composed, env):
-    log(line)
-  log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-
-  from absl import app  # pylint: disable=import-outside-toplevel
-  from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
-
-  logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every)
+  tracker.append(_StepHook(progress, prepared.abort_on_nonfinite))
+  lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
+  if lock:
+    lock.acquire()
   try:
-    # app.run parses absl flags (upstream's logging reads them) and calls main.
-    app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
-  except SystemExit as e:
-    if e.code not in (0, None):
+    resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change)
+    previous = _previous_overrides(run)
+    if lead:
+      write_run_files(run, env, applied, xla_presets.report(composed))
+      if resumed_from is None or warnings:  # a new run, or a schedule change the user allowed
+        lifecycle.record_schedule(run.run_dir, config)
+    log(f"run directory {run.run_dir}")
+    if resumed_from is not None:
+      log(f"resuming from checkpoint step {resumed_from}")
+    for line in warnings:
+      log(line)
+    log(f"patches applied: {', '.join(applied) or 'none'}")
+    log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
+    for line in xla_presets.summary_lines(composed, env):
+      log(line)
+    log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+    logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+    try:
+      # app.run parses absl flags (upstream's logging reads them) and calls main.
+      app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
+    except SystemExit as e:
+      if e.code not in (0, None):
+        raise
+    except fork_config.ConfigError as e:
+      if resumed_from is not None and _changed_keys(previous, run.upstream):
+        raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
       raise
-  summary = tracker[0].summary(run.run_dir, run.upstream)
+  finally:
+    if lock:
+      lock.release()
+  stopped = dict(checkpoint_guard.stopped)
+  if stopped and (not progress.records or progress.records[-1].step < stopped["step"]):
+    # The stop ended the loop before upstream's metric logger saw the saved step (it runs a step behind).
+    progress.on_train_step(stopped["step"], step_metrics.latest_scalars())
+  summary = progress.summary(run.run_dir, run.upstream)
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
+  summary["stopped"] = stopped or None
   if lead:
     metrics.write_summary(summary, run.run_dir)
   metrics.print_summary(summary)
+  if summary["stopped"]:
+    s = summary["stopped"]
+    saved = f"checkpoint of step {s['saved']} saved" if s["saved"] is not None else "checkpointing is off"
+    print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {saved}; run again with the same "
+          f"run_name to resume (exit {lifecycle.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
   return summary
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs; returns one of MaxText/lifecycle.py's exit codes (README "Exit codes")."""
+  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
   args = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in args):
     print(config_report.help_text())
@@ -219,19 +315,44 @@ def main(argv: list[str] | None = None) -> int:
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  stop = lifecycle.StopRequest()
+
+  def fail(code: int, message: str) -> int:
+    print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+    return code
+
   try:
+    stop.install(multi_process=launch.discover(os.environ).multi_process)
     run = fork_config.load(args)
     if "--print-config" in flags:
       print("\n".join(config_report.print_config(run)))
-    else:
-      run_training(run, dry_run="--dry-run" in flags)
+      return lifecycle.EXIT_OK
+    summary = run_training(run, stop, dry_run="--dry-run" in flags)
   except fork_config.ConfigError as e:
-    print(f"maxtext-moe: config error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return fail(lifecycle.EXIT_CONFIG, f"config error: {e}")
   except UpstreamMismatch as e:  # a patch refusing an upstream it was not written for
-    print(f"maxtext-moe: {e}", file=sys.stderr, flush=True)
-    return 3
-  return 0
+    return fail(lifecycle.EXIT_UPSTREAM, str(e))
+  except lifecycle.FinishedRun as e:
+    return fail(lifecycle.EXIT_OK, str(e))
+  except lifecycle.RunLocked as e:
+    return fail(lifecycle.EXIT_LOCKED, f"run directory locked: {e}")
+  except checkpoint_guard.NonFiniteState as e:
+    return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
+  except checkpoint_guard.SaveFailed as e:
+    _exit_now(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
+  except KeyboardInterrupt:
+    _exit_now(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
+  return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
+
+
+def _exit_now(code: int, message: str) -> None:
+  """Exits without waiting for orbax's writer threads, which a failed or
+  interrupted save leaves mid-write (a normal exit would print their errors
+  after our line); a partial step directory is never resumed from."""
+  print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  logging.shutdown()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def cli() -> None:

@@ -24,6 +24,9 @@ from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_ma
 SEAM_MODULES = (
     "patches.config_errors",  # upstream config errors reach our one-line reporter
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
+    "patches.step_metrics",  # keeps the latest train step's scalars (device arrays) for the checkpoint guard
+    "patches.checkpoint_guard",  # no non-finite state saved; stop signals save at the step boundary; full disks
+    "patches.checkpoint_restore",  # a resume after a model-shape change names the first array that differs
     "patches.tensorboard",  # event files in the run directory in decoupled mode
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
@@ -40,6 +43,10 @@ class Hooks:
   on_train_step: Callable[[int, dict[str, Any]], None] = lambda step, scalars: None
   # Tokens per expert of one MoE layer call (moe_log_expert_load; host numpy array [experts]).
   on_expert_counts: Callable[[Any], None] = lambda counts_E: None
+  # The stop request's signal name (SIGTERM, SIGUSR1, SIGINT) or None; read at each step boundary.
+  stop_signal: Callable[[], str | None] = lambda: None
+  # The latest train step's scalars on the host (patches/step_metrics.py), for error messages.
+  step_scalars: Callable[[], dict[str, Any]] = dict
 
 
 def _modules():

@@ -1,0 +1,104 @@
+"""Value checks upstream MaxText 0.2.5 leaves to a traceback.
+
+Upstream's validation (pyconfig + validate_train_config) accepts each of these
+and the run then fails with a traceback: some after the first compile (49 s
+for `checkpoint_period=0` on the tiny config), some inside jnp shape code. Each
+check here runs on upstream's resolved config (model_name and derived keys
+applied), before anything is compiled or written, and raises a ConfigError
+whose one line names the key and the value.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from MaxText.config import ConfigError, RunConfig
+
+# The kernels upstream's attention_op.py (0.2.5) dispatches on; anything else
+# raises ValueError only when the model is traced.
+ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "paged",
+                     "vllm_rpa", "vllm_batched_rpa")
+
+# Keys that must be > 0 (upstream types them as plain ints / numbers).
+POSITIVE = ("per_device_batch_size", "vocab_size", "max_target_length", "base_emb_dim", "base_num_decoder_layers",
+            "base_num_query_heads", "base_num_kv_heads")
+
+
+def _origin(run: RunConfig, key: str) -> str:
+  return "as set" if key in run.explicit else "upstream default"
+
+
+def check_fork(run: RunConfig) -> None:
+  """Our keys against this machine, before patches apply (routed_moe would refuse with a RuntimeError)."""
+  if run.fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
+    raise ConfigError("config key 'moe_block' = 'te' needs Transformer Engine, which is not installed: "
+                      "pip install 'maxtext-moe[te]' on a CUDA machine, or use moe_block=ours")
+
+
+def check_upstream_values(run: RunConfig, config: Any) -> None:
+  """Checks upstream's resolved config (a pyconfig.HyperParameters)."""
+  for key in POSITIVE:
+    value = getattr(config, key, None)
+    if value is not None and not value > 0:
+      raise ConfigError(f"config key '{key}' = {value!r} ({_origin(run, key)}): must be > 0")
+  if config.attention not in ATTENTION_KERNELS:
+    raise ConfigError(f"config key 'attention' = {config.attention!r}: not an attention kernel upstream MaxText "
+                      f"knows; one of {', '.join(ATTENTION_KERNELS)}")
+  if config.num_experts > 1 and config.num_experts_per_tok > config.num_experts:
+    raise ConfigError(f"config key 'num_experts_per_tok' = {config.num_experts_per_tok} is more than "
+                      f"num_experts = {config.num_experts}: a token cannot be routed to more experts than exist")
+  if config.enable_checkpointing and config.checkpoint_period <= 0:
+    raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
+                      "(or enable_checkpointing=false)")
+  check_output_directory(Path(config.base_output_directory))
+
+
+def _writable(directory: Path) -> bool:
+  """By trying (os.access says yes to root even on a read-only mount); leaves nothing behind."""
+  try:
+    with tempfile.TemporaryFile(dir=directory):
+      return True
+  except OSError:
+    return False
+
+
+def check_output_directory(base: Path) -> None:
+  """base_output_directory: writable, and (when missing) with an existing parent.
+
+  A missing directory is created, as upstream does, but only under an existing
+  parent: a mistyped mount point (/mnt/lustr/...) must not silently become a
+  directory tree on the node's local disk.
+  """
+  if base.is_dir():
+    if not _writable(base):
+      raise ConfigError(f"config key 'base_output_directory' = '{base}': not writable here")
+    return
+  if base.exists():
+    raise ConfigError(f"config key 'base_output_directory' = '{base}': exists and is not a directory")
+  if not base.parent.is_dir():
+    raise ConfigError(f"config key 'base_output_directory' = '{base}': neither it nor its parent '{base.parent}' "
+                      "exists; create it, or fix the path")
+  if not _writable(base.parent):
+    raise ConfigError(f"config key 'base_output_directory' = '{base}': does not exist, and its parent "
+                      f"'{base.parent}' is not writable here")
+
+
+def check_devices(run: RunConfig, config: Any) -> None:
+  """The hardware key and the global batch against the devices jax found (needs a backend)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  backend = jax.default_backend()
+  hardware = str(config.hardware)
+  wants = "gpu" if hardware.startswith("gpu") else hardware
+  if wants != backend:
+    raise ConfigError(f"config key 'hardware' = '{hardware}' ({_origin(run, 'hardware')}), but jax found "
+                      f"{jax.device_count()} {backend.upper()} device(s) here; set hardware={backend} or run "
+                      f"on a {wants.upper()} machine")
+  global_batch = config.per_device_batch_size * jax.device_count()
+  if global_batch < 1 or global_batch != int(global_batch):
+    raise ConfigError(f"config key 'per_device_batch_size' = {config.per_device_batch_size}: times the "
+                      f"{jax.device_count()} device(s) gives a global batch of {global_batch:g}, which must be a "
+                      "whole number >= 1")

@@ -1,0 +1,211 @@
+"""A run's lifecycle without training: config values upstream accepts, the
+run-directory lock, what a resume may change, stop signals, storage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from MaxText import config as fork_config
+from MaxText import lifecycle, train
+from patches import checkpoint_guard, checkpoint_restore
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs/deepseek3-tiny.yml")
+
+
+@pytest.fixture(scope="module")
+def upstream_patched():
+  from patches import config_errors  # pylint: disable=import-outside-toplevel
+
+  config_errors.apply()  # upstream's config errors raise instead of exiting
+  yield
+  config_errors.undo()
+
+
+# Each: an override upstream 0.2.5 accepts (the run then fails with a
+# traceback, at the earliest after compiling), and what our line must say.
+BAD_VALUES = {
+    "per_device_batch_size=0": "'per_device_batch_size' = 0",
+    "per_device_batch_size=-2": "'per_device_batch_size' = -2",
+    "num_experts_per_tok=16": "'num_experts_per_tok' = 16 is more than num_experts = 8",
+    "attention=nosuch": "'attention' = 'nosuch'",
+    "vocab_size=-1": "'vocab_size' = -1",
+    "max_target_length=0": "'max_target_length' = 0",
+    "checkpoint_period=0": "'checkpoint_period' = 0",
+    "base_output_directory=/proc/maxtext-out": "'base_output_directory' = '/proc/maxtext-out'",
+    "base_output_directory=/no/such/parent/out": "neither it nor its parent '/no/such/parent' exists",
+}
+
+
+@pytest.mark.parametrize("override", sorted(BAD_VALUES))
+def test_values_upstream_accepts_are_refused_with_the_key(override, upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
+  args = [TINY, f"base_output_directory={tmp_path}", override]
+  run = fork_config.load(args)
+  with pytest.raises(fork_config.ConfigError, match=BAD_VALUES[override].replace("(", r"\(").replace(")", r"\)")):
+    train.validate_with_upstream(run)
+
+
+def test_the_tiny_config_itself_passes_the_value_checks(upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
+  train.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}/new"]))
+  assert not (tmp_path / "new").exists()  # checked, not created
+
+
+def test_base_config_on_the_command_line_is_refused():
+  with pytest.raises(fork_config.ConfigError, match="'base_config=models/deepseek3-tiny.yml' on the command line"):
+    fork_config.load([TINY, "base_config=models/deepseek3-tiny.yml"])
+
+
+def test_a_dispatch_backend_without_our_block_is_refused():
+  with pytest.raises(fork_config.ConfigError, match="'moe_dispatch_backend' = 'te_ncclep' is used only by moe_block=ours"):
+    fork_config.load([TINY, "moe_dispatch_backend=te_ncclep"])
+  fork_config.load([TINY, "moe_dispatch_backend=te_ncclep", "moe_block=ours"])  # the pair is fine
+
+
+# --- the lock ---
+
+
+def test_a_second_job_is_refused_with_the_holder_named(tmp_path):
+  first = lifecycle.RunLock.for_run(tmp_path)
+  first.acquire()
+  try:
+    held = json.loads(first.path.read_text())
+    assert held["host"] == socket.gethostname() and held["pid"] == os.getpid() and held["started"]
+    with pytest.raises(lifecycle.RunLocked, match=f"in use by host {socket.gethostname()} pid {os.getpid()} since"):
+      lifecycle.RunLock.for_run(tmp_path).acquire()
+  finally:
+    first.release()
+  assert not first.path.exists()
+  second = lifecycle.RunLock.for_run(tmp_path)
+  second.acquire()  # free again once released
+  second.release()
+
+
+def test_a_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                        check=True)
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  lock.path.parent.mkdir(parents=True)
+  lock.path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "started": "then"}))
+  lock.acquire()
+  lock.release()
+  assert f"its process {int(dead.stdout)} on this host is gone" in capsys.readouterr().out
+
+
+def test_a_lock_not_refreshed_from_another_host_goes_stale(tmp_path):
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  lock.path.parent.mkdir(parents=True)
+  lock.path.write_text(json.dumps({"host": "node-that-died", "pid": 1, "started": "then"}))
+  with pytest.raises(lifecycle.RunLocked, match="node-that-died"):
+    lifecycle.RunLock.for_run(tmp_path).acquire()  # fresh: refused
+  old = time.time() - lifecycle.STALE_AFTER_S - 1
+  os.utime(lock.path, (old, old))
+  lock.acquire()
+  lock.release()
+
+
+# --- resume ---
+
+
+def _config(**kw):
+  values = {"steps": 10, "learning_rate": 1e-3, "learning_rate_schedule_steps": 10, "warmup_steps_fraction": 0.1}
+  return types.SimpleNamespace(**{**values, **kw})
+
+
+def _with_checkpoints(run_dir: Path, *steps: int) -> None:
+  for step in steps:
+    (run_dir / "checkpoints" / str(step)).mkdir(parents=True)
+  (run_dir / "checkpoints" / f"{max(steps) + 1}.orbax-checkpoint-tmp-123").mkdir()  # unfinished: not a checkpoint
+
+
+def test_resume_refuses_a_changed_schedule_and_names_the_pin(tmp_path):
+  lifecycle.record_schedule(tmp_path, _config())
+  _with_checkpoints(tmp_path, 0, 4)
+  assert lifecycle.check_resume(tmp_path, _config(), False) == (4, [])
+  with pytest.raises(fork_config.ConfigError, match=r"learning_rate_schedule_steps 10 -> 20\).*pin "
+                                                    r"learning_rate_schedule_steps=10"):
+    lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), False)
+  step, warnings = lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), True)
+  assert step == 4 and "WARNING" in warnings[0]
+  lifecycle.check_resume(tmp_path, _config(steps=20), False)  # more steps on the pinned schedule: fine
+
+
+def test_rerunning_a_finished_run_says_so(tmp_path):
+  _with_checkpoints(tmp_path, 0, 9)
+  with pytest.raises(lifecycle.FinishedRun, match="already finished: its last checkpoint is step 9 and steps=10"):
+    lifecycle.check_resume(tmp_path, _config(), False)
+  assert lifecycle.check_resume(tmp_path / "new", _config(), False) == (None, [])
+
+
+def test_shape_difference_names_the_first_array():
+  recorded = {"params/emb": [[1024, 64], "float32"], "params/out": [[64, 1024], "float32"]}
+  assert checkpoint_restore.first_difference(recorded, recorded) is None
+  assert checkpoint_restore.first_difference(recorded, {**recorded, "params/out": [[32, 1024], "float32"]}) == (
+      "'params/out' is (64, 1024) float32 in the checkpoint but (32, 1024) float32 in the state this config builds")
+  assert "'params/new' is in the state this config builds but not" in checkpoint_restore.first_difference(
+      recorded, {**recorded, "params/new": [[1], "float32"]})
+
+
+# --- the guard's pieces ---
+
+
+def test_the_finite_check_names_params_and_optimizer_state_and_the_step_scalars(monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  state = {"params": {"a": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])},
+           "opt_state": {"mu": jnp.array([jnp.inf])}, "step": jnp.array(3)}
+  monkeypatch.setattr(checkpoint_guard, "_step_scalars",
+                      lambda: {"learning/loss": 7.5, "learning/raw_grad_norm": float("inf")})
+  with pytest.raises(checkpoint_guard.NonFiniteState) as e:
+    checkpoint_guard.check_finite(state, 12, last_saved=10)
+  assert str(e.value).startswith("step 12: non-finite values after the update in 1 parameter arrays (first params/b)"
+                                 " and 1 optimizer-state arrays (first opt_state/mu); this step's loss 7.5, gradient "
+                                 "norm inf"), e.value
+  assert "the last checkpoint, step 10, is finite" in str(e.value)
+  checkpoint_guard.check_finite({"params": {"a": jnp.ones(3)}}, 12, 10)  # finite: no error
+
+
+def test_storage_errors_are_recognised_through_tensorstore_wrappers():
+  inner = ValueError('RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database')
+  try:
+    try:
+      raise inner
+    except ValueError as e:
+      raise RuntimeError("Checkpointing failed.") from e
+  except RuntimeError as outer:
+    assert checkpoint_guard.no_space_reason(outer) == "no space left on the device"
+  assert checkpoint_guard.no_space_reason(OSError(28, "No space left on device", "/ckpt")).startswith("No space")
+  assert checkpoint_guard.no_space_reason(RuntimeError("shape mismatch")) is None
+
+
+def test_first_sigint_requests_a_stop_and_the_second_aborts():
+  stop = lifecycle.StopRequest()
+  previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+  try:
+    stop.install(multi_process=False)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+    assert stop.signal_name == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.01)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def test_exit_codes_are_documented():
+  doc = lifecycle.__doc__
+  for name in ("EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_LOCKED", "EXIT_SAVE_FAILED", "EXIT_PREEMPTED"):
+    assert f"{getattr(lifecycle, name):>3}  {name}" in doc
+  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  for value in (2, 4, 5, 6, 75, 130):
+    assert f"| {value} |" in readme, value

@@ -1,0 +1,162 @@
+"""What clusters do to a run, on the tiny config: divergence, preemption,
+a twin job, a full disk, bad input on the command line, resumes that change
+the model or the schedule."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TrainResult, run_train
+
+TINY = "configs/deepseek3-tiny.yml"
+
+
+def _one_line(result: TrainResult, code: int, expected: str) -> str:
+  """Exactly one `maxtext-moe:` line on stderr, no Python traceback, the documented code."""
+  lines = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe:")]
+  assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+  assert len(lines) == 1 and expected in lines[0], result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  return lines[0]
+
+
+def _checkpoints(result: TrainResult) -> list[int]:
+  root = result.run_dir / "checkpoints"
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+@pytest.mark.slow
+def test_a_diverging_run_never_saves_a_non_finite_state_and_resumes_from_the_last_finite(tmp_path):
+  args = (TINY, "learning_rate=1e6", "checkpoint_period=1", "steps=6", "learning_rate_schedule_steps=6")
+  first = run_train(tmp_path, *args)
+  line = _one_line(first, 4, "non-finite state: step ")
+  assert "loss" in line and "gradient norm" in line and "is finite" in line
+  saved = _checkpoints(first)
+  assert saved and max(saved) < 5, saved
+  # Every checkpoint on disk restores to a finite state: rerun resumes from the last and stops at the same step.
+  again = run_train(tmp_path, *args)
+  assert f"resuming from checkpoint step {max(saved)}" in again.stdout
+  assert _one_line(again, 4, "non-finite state: step ") == line
+  assert _checkpoints(again) == saved
+
+
+def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, run_name: str = "run"):
+  """Starts a run, sends `sig` `times` when `[progress] step at_step/` appears."""
+  out_dir = tmp_path / "outputs"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}",
+                           f"run_name={run_name}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  stdout = []
+  for line in proc.stdout:
+    stdout.append(line)
+    if f"[progress] step {at_step}/" in line:
+      for _ in range(times):
+        proc.send_signal(sig)
+        time.sleep(0.2)
+      break
+  rest, stderr = proc.communicate(timeout=300)
+  return TrainResult(proc.returncode, "".join(stdout) + rest, stderr, out_dir / run_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_at_the_next_step_and_the_resume_is_exact(tmp_path, sig):
+  common = (TINY, "checkpoint_period=100", "learning_rate_schedule_steps=12")
+  stopped = _train_and_signal(tmp_path, sig, 1, *common, "steps=12", run_name="stopped")
+  line = _one_line(stopped, 75, f"stopped by {sig.name} after step ")
+  step = stopped.summary["stopped"]["saved"]
+  assert f"checkpoint of step {step} saved" in line and step < 11
+  assert max(_checkpoints(stopped)) == step  # the step the signal arrived in, not the last periodic one (0)
+  stopped_losses = stopped.losses()  # summary.json describes the latest invocation
+  assert max(stopped_losses) == step  # the summary holds every step trained
+  resumed = run_train(tmp_path, *common, "steps=12", run_name="stopped")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert min(resumed.losses()) == step + 1  # no step lost, none repeated
+  unbroken = run_train(tmp_path, *common, "steps=12", run_name="unbroken")
+  assert {**stopped_losses, **resumed.losses()} == unbroken.losses()  # bit-identical on CPU
+
+
+@pytest.mark.slow
+def test_first_sigint_stops_cleanly_and_a_second_aborts(tmp_path):
+  once = _train_and_signal(tmp_path, signal.SIGINT, 1, TINY, "steps=30", "checkpoint_period=100", run_name="once")
+  _one_line(once, 75, "stopped by SIGINT")
+  twice = _train_and_signal(tmp_path, signal.SIGINT, 2, TINY, "steps=30", "checkpoint_period=100", run_name="twice")
+  _one_line(twice, 130, "aborted by a second SIGINT")
+  assert not (twice.run_dir / "maxtext-moe" / "lock.json").exists()
+
+
+@pytest.mark.slow
+def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
+  out_dir = tmp_path / "outputs"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", TINY, "steps=100000", "checkpoint_period=100000",
+                            f"base_output_directory={out_dir}", "run_name=twin"], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  try:
+    for line in first.stdout:
+      if "[progress] step 2/" in line:
+        break
+    second = run_train(tmp_path, TINY, "steps=200", run_name="twin")
+    _one_line(second, 5, f"in use by host {os.uname().nodename} pid {first.pid} since")
+  finally:
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=300)
+  assert first.returncode == 75  # the first job was never disturbed
+
+
+@pytest.mark.slow
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_how_much_was_needed(tmp_path):
+  """A 6 MiB tmpfs holds one checkpoint (3.3 MB) of the tiny model, not two."""
+  if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], check=False).returncode:
+    pytest.skip("needs `unshare -m` (a private mount namespace) to mount a small tmpfs")
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  train = (f"mount -t tmpfs -o size=6m tmpfs {disk} && exec {sys.executable} -m MaxText.train {TINY} steps=6 "
+           f"checkpoint_period=2 base_output_directory={disk} run_name=full jax_cache_dir={tmp_path}/jax_cache "
+           f"&& true; ls {disk}/full/checkpoints")
+  proc = subprocess.run(["unshare", "-m", "sh", "-c", train], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  result = TrainResult(proc.returncode, proc.stdout, proc.stderr, disk / "full")
+  line = _one_line(result, 6, f"checkpoint of step 2 not written to {disk}/full/checkpoints: it needs about ")
+  assert "MiB are free; the last complete checkpoint (step 0) is kept" in line
+
+
+@pytest.mark.slow
+def test_bad_input_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
+  cases = {
+      "per_device_batch_size=0.5": "global batch of 0.5",
+      "hardware=tpu": "config key 'hardware' = 'tpu' (as set), but jax found 1 CPU device(s)",
+      "moe_block=te": "'moe_block' = 'te' needs Transformer Engine",
+      "checkpoint_period=0": "'checkpoint_period' = 0",
+  }
+  for arg, expected in cases.items():
+    started = time.monotonic()
+    result = run_train(tmp_path, TINY, arg, run_name="bad")
+    _one_line(result, 2, expected)
+    assert not result.run_dir.exists(), arg
+    assert time.monotonic() - started < 60, arg  # before any compile (checkpoint_period=0 took 49 s + a traceback)
+
+
+@pytest.mark.slow
+def test_resumes_that_change_the_model_or_the_schedule_are_refused(tmp_path):
+  first = run_train(tmp_path, TINY, "steps=3", "checkpoint_period=2")
+  assert first.returncode == 0, first.stderr[-3000:]
+  _one_line(run_train(tmp_path, TINY, "steps=3"), 0, "already finished: its last checkpoint is step 2 and steps=3")
+  line = _one_line(run_train(tmp_path, TINY, "steps=6"), 2, "would change its learning-rate schedule")
+  assert "learning_rate_schedule_steps 3 -> 6" in line and "pin learning_rate_schedule_steps=3" in line
+  line = _one_line(run_train(tmp_path, TINY, "steps=6", "learning_rate_schedule_steps=3", "base_emb_dim=32"), 2,
+                   "the model's shape changed: '")
+  assert "(64,) float32 in the checkpoint but (32,) float32" in line and "base_emb_dim 64 -> 32" in line
+  resumed = run_train(tmp_path, TINY, "steps=5", "learning_rate_schedule_steps=3")  # pinned: continues
+  assert resumed.returncode == 0 and sorted(resumed.losses()) == [3, 4], resumed.stderr[-3000:]
+  assert all(math.isfinite(v) for v in resumed.losses().values())
