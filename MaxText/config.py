@@ -96,14 +96,6 @@ class ForkConfig(pydantic.BaseModel):
       description="te_ncclep: rows each local expert's zone is padded to, a power of two (TE's moe.py uses 128 "
       "for NCCL EP).")
 
-  @pydantic.model_validator(mode="after")
-  def _dispatch_needs_our_block(self):
-    # Only our block dispatches: with any other block the key would be silently ignored.
-    if self.moe_dispatch_backend != "auto" and self.moe_block != "ours":
-      raise ValueError(f"config key 'moe_dispatch_backend' = {self.moe_dispatch_backend!r} is used only by moe_block=ours "
-                       f"(moe_block is {self.moe_block}); set moe_block=ours, or drop moe_dispatch_backend")
-    return self
-
   @pydantic.field_validator("moe_te_ncclep_alignment")
   @classmethod
   def _alignment_is_a_power_of_two(cls, value: int) -> int:
@@ -361,7 +353,9 @@ def _router_checks(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str
       raise error("topk_routing_group", "set both n_routing_groups and topk_routing_group, or neither")
     if groups > 0 and (experts % groups or experts // groups < 2):
       raise error("n_routing_groups", f"must split num_experts={experts} into groups of 2 or more experts")
-    if groups > 0 and not (get("num_experts_per_tok") <= top_groups * (experts // groups) and top_groups <= groups):
+    fits = get("num_experts_per_tok") <= top_groups * (experts // groups) and top_groups <= groups
+    # More experts per token than exist: config_checks names num_experts_per_tok itself.
+    if groups > 0 and get("num_experts_per_tok") <= experts and not fits:
       raise error("topk_routing_group", f"its groups must hold num_experts_per_tok={get('num_experts_per_tok')} "
                   f"experts, at most n_routing_groups={groups}")
   bias_moves = fork.moe_router == "deepseek_v3" or upstream_v3
