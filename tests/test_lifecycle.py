@@ -146,7 +146,7 @@ def test_rerunning_a_finished_run_says_so(tmp_path):
 
 
 def test_a_negative_skip_count_is_one_line_naming_the_key():
-  with pytest.raises(fork_config.ConfigError, match=r"nonfinite_skip_batches"):
+  with pytest.raises(fork_config.ConfigError, match=r"config key 'nonfinite_skip_batches' = -1 \(command line\)"):
     fork_config.load(["configs/deepseek3-tiny.yml", "nonfinite_skip_batches=-1"])
 
 
