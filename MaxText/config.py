@@ -50,6 +50,11 @@ class ForkConfig(pydantic.BaseModel):
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
       "MaxText/lifecycle.py).")
+  nonfinite_skip_batches: int = pydantic.Field(
+      default=0, ge=0,
+      description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "
+      "skips this many batches after C, and never fewer than the N-C through the one that went non-finite "
+      "(0: replay them; MaxText/lifecycle.py).")
 
   # --- MoE (MaxText/moe) ---
   moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = pydantic.Field(

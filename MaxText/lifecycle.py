@@ -240,3 +240,43 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
   except (FileNotFoundError, json.JSONDecodeError):
     return None
+
+
+# --- skipping the batches of a non-finite stop --------------------------------
+#
+# `<run_dir>/maxtext-moe/nonfinite.json`, written when a run stops at a
+# non-finite step (exit 4): {"step": N, "checkpoint": C, "batches_past_checkpoint": B}.
+# C is the last (finite) checkpoint at the stop, B how many batches the data
+# iterator had read past C's position when step N's batch was the latest: N - C,
+# plus any batches an earlier skip from the same C had already passed over.
+# On the next resume from C with nonfinite_skip_batches=K > 0,
+# patches/checkpoint_restore.py advances the restored iterator by max(K, B)
+# batches, so the batch that went non-finite is never trained on again. Keyed on
+# C: once the resumed run saves a later checkpoint (whose iterator position
+# already includes the skip), the record no longer applies.
+
+NONFINITE_RECORD = "nonfinite.json"
+
+
+def record_nonfinite(run_dir: Path, step: int, skipped_since: tuple[int, int] | None) -> dict[str, Any]:
+  """Writes the record atomically. `skipped_since`: (checkpoint, batches) of a skip this run applied."""
+  steps = checkpoint_steps(run_dir)
+  last = steps[-1] if steps else None
+  past = None
+  if last is not None:
+    past = step - last + (skipped_since[1] if skipped_since and skipped_since[0] == last else 0)
+  record = {"step": int(step), "checkpoint": last, "batches_past_checkpoint": past}
+  path = run_dir / RUN_FILES / NONFINITE_RECORD
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".tmp{os.getpid()}")
+  tmp.write_text(json.dumps(record))
+  os.replace(tmp, path)
+  return record
+
+
+def batches_to_skip(run_dir: Path, restored: int, skip_at_least: int) -> tuple[int, dict[str, Any]] | None:
+  """(batches, record) to skip after restoring checkpoint `restored`; None when no record applies."""
+  record = _read_json(run_dir / RUN_FILES / NONFINITE_RECORD)
+  if skip_at_least <= 0 or not record or record.get("checkpoint") != restored:
+    return None
+  return max(skip_at_least, int(record["batches_past_checkpoint"])), record

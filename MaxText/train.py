@@ -154,7 +154,8 @@ class _StepHook:
       grad = scalars.get("learning/raw_grad_norm")
       raise checkpoint_guard.NonFiniteState(
           f"step {step}: loss {float(loss)}, gradient norm {'n/a' if grad is None else float(grad)}; stopped "
-          "before any checkpoint of a non-finite state; lower learning_rate or set gradient_clipping_threshold")
+          "before any checkpoint of a non-finite state; lower learning_rate or set gradient_clipping_threshold",
+          step=step)
 
 
 def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
@@ -216,7 +217,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
   `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
-  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, checkpoint_restore, step_metrics  # pylint: disable=import-outside-toplevel
 
   stop = stop or lifecycle.StopRequest()
   config_checks.check_fork(run)
@@ -253,6 +254,9 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     log(f"run directory {run.run_dir}")
     if resumed_from is not None:
       log(f"resuming from checkpoint step {resumed_from}")
+      if not run.fork.nonfinite_skip_batches and lifecycle.batches_to_skip(run.run_dir, resumed_from, 1):
+        log("this run last stopped at a non-finite step after this checkpoint and replays its batches; "
+            "nonfinite_skip_batches=K skips them")
     for line in warnings:
       log(line)
     log(f"patches applied: {', '.join(applied) or 'none'}")
@@ -271,6 +275,11 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     except SystemExit as e:
       if e.code not in (0, None):
         raise
+    except checkpoint_guard.NonFiniteState as e:
+      if lead and e.step is not None:  # what the next resume skips with nonfinite_skip_batches
+        skip = checkpoint_restore.skipped
+        lifecycle.record_nonfinite(run.run_dir, e.step, (skip["checkpoint"], skip["batches"]) if skip else None)
+      raise
     except fork_config.ConfigError as e:
       if resumed_from is not None and _changed_keys(previous, run.upstream):
         raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e

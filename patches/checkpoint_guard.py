@@ -46,7 +46,11 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, 
 
 
 class NonFiniteState(RuntimeError):
-  """The state about to be saved holds NaN or Inf; it was not saved."""
+  """The state about to be saved holds NaN or Inf (or the step's loss is); it was not saved."""
+
+  def __init__(self, message: str, step: int | None = None):
+    super().__init__(message)
+    self.step = step  # the step that went non-finite (MaxText/lifecycle.record_nonfinite)
 
 
 class SaveFailed(RuntimeError):
@@ -119,7 +123,7 @@ def check_finite(state, step: int, last_saved: int | None) -> None:
   raise NonFiniteState(
       f"step {step}: non-finite values after the update in {' and '.join(parts)}; this step's loss "
       f"{_scalar(s, 'learning/loss')}, gradient norm {_scalar(s, 'learning/raw_grad_norm')} (after clipping "
-      f"{_scalar(s, 'learning/grad_norm')}); not saved, {kept}; lower learning_rate or set gradient_clipping_threshold")
+      f"{_scalar(s, 'learning/grad_norm')}); not saved, {kept}; lower learning_rate or set gradient_clipping_threshold", step=step)
 
 
 def _state_nbytes(state) -> int:

@@ -145,6 +145,29 @@ def test_rerunning_a_finished_run_says_so(tmp_path):
   assert lifecycle.check_resume(tmp_path / "new", _config(), False) == (None, [])
 
 
+def test_a_negative_skip_count_is_one_line_naming_the_key():
+  with pytest.raises(fork_config.ConfigError, match=r"config key 'nonfinite_skip_batches' = -1 \(command line\)"):
+    fork_config.load(["configs/deepseek3-tiny.yml", "nonfinite_skip_batches=-1"])
+
+
+def test_the_skip_covers_the_non_finite_batch_and_follows_the_data_across_resumes(tmp_path):
+  """Checkpoints 0 and 4, step 7 went non-finite: the batches of steps 5..7 must go."""
+  _with_checkpoints(tmp_path, 0, 4)
+  assert lifecycle.record_nonfinite(tmp_path, 7, None) == {"step": 7, "checkpoint": 4, "batches_past_checkpoint": 3}
+  assert lifecycle.batches_to_skip(tmp_path, 4, 0) is None  # the option is off: replay
+  assert lifecycle.batches_to_skip(tmp_path, 4, 1)[0] == 3  # never fewer than through the non-finite batch
+  assert lifecycle.batches_to_skip(tmp_path, 4, 10)[0] == 10
+  assert lifecycle.batches_to_skip(tmp_path, 0, 10) is None  # the record is for checkpoint 4's position only
+  # Resumed from 4 skipping 10 batches, it went non-finite again at step 6 before a new save: the data
+  # iterator had read 6 - 4 + 10 = 12 batches past checkpoint 4's position.
+  assert lifecycle.record_nonfinite(tmp_path, 6, (4, 10))["batches_past_checkpoint"] == 12
+  # After a save at 8 (its iterator position includes the skip), a stop at 9 is 1 batch past it.
+  _with_checkpoints(tmp_path, 8)
+  assert lifecycle.record_nonfinite(tmp_path, 9, (4, 10)) == {"step": 9, "checkpoint": 8, "batches_past_checkpoint": 1}
+  assert lifecycle.batches_to_skip(tmp_path, 4, 10) is None
+  assert not list((tmp_path / lifecycle.RUN_FILES).glob("*.tmp*"))  # written atomically (temp file, then rename)
+
+
 def test_shape_difference_names_the_first_array():
   recorded = {"params/emb": [[1024, 64], "float32"], "params/out": [[64, 1024], "float32"]}
   assert checkpoint_restore.first_difference(recorded, recorded) is None

@@ -10,6 +10,7 @@ import pytest
 
 import text_fixture
 from conftest import run_train
+from MaxText import lifecycle
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -51,3 +52,25 @@ def test_resume_restores_the_data_iterator_bit_identically(tmp_path, corpus):
   assert second.returncode == 0, second.stderr[-3000:]
   assert sorted(second.losses()) == [3, 4, 5]
   assert {**first_losses, **second.losses()} == losses  # the same batches, bit-identical losses
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_non_finite_stop_skips_its_batches(tmp_path, corpus):
+  """learning_rate=0 and routed_bias_update_rate=0 (the router's bias moves with the load, not the learning
+  rate) keep every weight at its init, so a step's loss is a function of its batch alone: the resumed step j
+  matches the unbroken run's step j + skipped exactly when it trains on that batch."""
+  args = (*_grain(corpus), "learning_rate=0", "routed_bias_update_rate=0", "learning_rate_schedule_steps=10")
+  unbroken = run_train(tmp_path, *args, "steps=10", run_name="unbroken")
+  assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+  losses = unbroken.losses()
+  assert len(set(losses.values())) == 10  # one loss per batch: the losses name the batches
+
+  first = run_train(tmp_path, *args, "steps=3", run_name="skipped")  # checkpoint 2
+  assert first.returncode == 0, first.stderr[-3000:]
+  # As MaxText/train.py records an exit-4 stop at step 4 (tests/test_train_lifecycle.py: a real one, synthetic).
+  assert lifecycle.record_nonfinite(first.run_dir, 4, None)["batches_past_checkpoint"] == 2
+  resumed = run_train(tmp_path, *args, "steps=7", "nonfinite_skip_batches=3", run_name="skipped")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert ("step 4 went non-finite after checkpoint 2; nonfinite_skip_batches=3: skipped 3 batches, those an "
+          "unbroken run reads at steps 3..5; step 3 trains on the batch of step 6") in resumed.stdout
+  assert {step: resumed.losses()[step] for step in (3, 4, 5, 6)} == {step: losses[step + 3] for step in (3, 4, 5, 6)}

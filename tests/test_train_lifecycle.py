@@ -4,6 +4,7 @@ the model or the schedule."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -46,6 +47,14 @@ def test_a_diverging_run_never_saves_a_non_finite_state_and_resumes_from_the_las
   assert f"resuming from checkpoint step {max(saved)}" in again.stdout
   assert _one_line(again, 4, "non-finite state: step ") == line
   assert _checkpoints(again) == saved
+  # The stop is recorded for nonfinite_skip_batches; on synthetic data (one fixed batch) there is nothing to skip.
+  step = int(line.split("non-finite state: step ")[1].split(":")[0])
+  record = json.loads((first.run_dir / "maxtext-moe" / "nonfinite.json").read_text())
+  assert record == {"step": step, "checkpoint": max(saved), "batches_past_checkpoint": step - max(saved)}
+  assert "nonfinite_skip_batches=K skips them" in again.stdout
+  skip = run_train(tmp_path, *args, "nonfinite_skip_batches=1")
+  assert "no batches skipped: synthetic data is one fixed batch, so skipping changes nothing" in skip.stdout
+  assert _one_line(skip, 4, "non-finite state: step ") == line
 
 
 def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, run_name: str = "run"):
