@@ -1,0 +1,123 @@
+"""MoE observability (issue 18): routing statistics computed in the step, their TensorBoard output,
+and that turning them off compiles nothing extra."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_rejected
+
+TINY = "configs/deepseek3-tiny.yml"
+
+
+def test_layer_stats_against_a_hand_computed_routing():
+  import jax.numpy as jnp
+
+  from MaxText.moe import stats
+
+  # 4 experts, top-2, 3 tokens: expert 0 chosen 3 times, 1 twice, 2 once, 3 never.
+  ids_TK = jnp.array([[0, 1], [0, 2], [1, 0]], jnp.int32)
+  scores_TE = jnp.array([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]])
+  bias_E = jnp.array([-3.0, 0.0, 4.0, 0.0])
+  got = stats.layer_stats(ids_TK, scores_TE, bias_E, 4, overflow=jnp.bool_(False))
+  np.testing.assert_array_equal(got[stats.COUNTS], [3, 2, 1, 0])
+  # entropies: ln 2, ln 4, 0 -> mean
+  assert float(got[stats.ENTROPY]) == pytest.approx((math.log(2) + math.log(4)) / 3, rel=1e-5)
+  np.testing.assert_allclose(got[stats.BIAS], [-3.0, 4.0, 5.0])
+  assert float(got[stats.OVERFLOW]) == 0.0
+
+  # second layer perfectly balanced; summarize over both
+  counts_LE = np.array([[3, 2, 1, 0], [2, 2, 2, 2]], np.float32)
+  s = stats.summarize(counts_LE, [0.5, 1.5], [[-3, 4, 5], [-1, 1, 2]], [0.0, 1.0])
+  mean0 = 1.5
+  std0 = math.sqrt(((3 - mean0) ** 2 + (2 - mean0) ** 2 + (1 - mean0) ** 2 + mean0**2) / 4)
+  assert float(s["moe/layer_000/tokens_per_expert_min"]) == 0
+  assert float(s["moe/layer_000/tokens_per_expert_max"]) == 3
+  assert float(s["moe/layer_000/max_over_mean"]) == pytest.approx(2.0)
+  assert float(s["moe/layer_000/cv"]) == pytest.approx(std0 / mean0, rel=1e-5)
+  assert float(s["moe/layer_000/experts_without_tokens"]) == 1
+  assert float(s["moe/layer_001/max_over_mean"]) == pytest.approx(1.0)
+  assert float(s["moe/layer_001/cv"]) == 0.0
+  assert float(s["moe/max_over_mean"]) == pytest.approx(2.0)
+  assert float(s["moe/max_over_mean_avg"]) == pytest.approx(1.5)
+  assert float(s["moe/worst_layer"]) == 0
+  assert float(s["moe/tokens_per_expert_mean"]) == pytest.approx(1.75)
+  assert float(s["moe/experts_without_tokens"]) == 1
+  assert float(s["moe/router_entropy"]) == pytest.approx(1.0)
+  assert (float(s["moe/bias_min"]), float(s["moe/bias_max"]), float(s["moe/bias_norm"])) == (-3, 4, 5)
+  assert float(s["moe/overflow_layers"]) == 1
+
+
+def test_heatmap_colours_load_relative_to_the_layer_mean():
+  from MaxText import moe_tensorboard
+
+  img = moe_tensorboard.heatmap_HWC(np.array([[0, 2, 4, 2]], np.float32))  # mean 2: idle, mean, 2x, mean
+  scale = img.shape[1] // 4
+  assert img.shape == (scale, 4 * scale, 3)
+  cells = [tuple(img[0, i * scale]) for i in range(4)]
+  assert cells == [(0, 0, 255), (255, 255, 255), (255, 0, 0), (255, 255, 255)]
+
+
+@pytest.mark.parametrize("value", ["-1", "two"])
+@pytest.mark.parametrize("key", ["moe_metrics_every_n_steps", "moe_metrics_heatmap_every_n_steps"])
+def test_bad_interval_is_one_config_error_line(tmp_path, key, value):
+  result = run_rejected(tmp_path, TINY, f"{key}={value}")
+  assert result.returncode == 2
+  lines = [line for line in result.stderr.splitlines() if key in line]
+  assert len(lines) == 1, result.stderr[-2000:]
+
+
+def _lowered(tmp_path, *args: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  cmd = [sys.executable, str(REPO / "tests/lower_train_step.py"), TINY, "steps=1", "enable_checkpointing=false",
+         f"base_output_directory={tmp_path}", "moe_block=ours", "moe_gmm_backend=xla", *args]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def _ops(hlo: str) -> int:
+  return len(re.findall(r"= stablehlo\.\w+|= \"?mhlo\.|stablehlo\.\w+\(", hlo))
+
+
+@pytest.mark.slow
+def test_metrics_off_compiles_no_extra_work(tmp_path):
+  """Off (0) must lower the step without the statistics: fewer ops than on, and no moe/ outputs."""
+  off = _lowered(tmp_path, "moe_metrics_every_n_steps=0", "run_name=off")
+  on = _lowered(tmp_path, "moe_metrics_every_n_steps=1", "run_name=on")
+  assert _ops(off) < _ops(on)
+  assert "moe/" not in off and "moe/max_over_mean" in on  # jax names the outputs by their pytree path
+  # Off lowers the step exactly as before the feature: no op is added anywhere for it.
+  assert "moe_stats" not in off
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  result = train(TINY, "steps=4", "enable_checkpointing=false", "moe_block=ours", "moe_metrics_every_n_steps=2",
+                 "moe_metrics_heatmap_every_n_steps=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  events = glob.glob(str(result.run_dir / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
+  acc = EventAccumulator(events[0], size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+  acc.Reload()
+  tags = acc.Tags()
+  for name in ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max", "max_over_mean", "cv",
+               "experts_without_tokens", "router_entropy", "bias_min", "bias_max", "bias_norm", "overflow_layers"):
+    assert f"moe/{name}" in tags["scalars"], name
+  assert "moe/layer_000/max_over_mean" in tags["scalars"]
+  assert [e.step for e in acc.Scalars("moe/max_over_mean")] == [1, 3]  # every 2nd step (counted from 1)
+  tokens = acc.Scalars("moe/tokens_per_expert_mean")[0].value
+  assert tokens > 0
+  assert "moe/tokens_per_expert/layer_000" in tags["histograms"]
+  assert tags["images"] == ["moe/load_over_mean"] and [e.step for e in acc.Images("moe/load_over_mean")] == [3]
+  summary = result.summary["moe_load"]
+  assert summary["step"] == 3 and summary["worst_layer"] >= 0 and summary["max_over_mean"] >= 1.0
