@@ -91,8 +91,8 @@ def _ops(hlo: str) -> int:
 @pytest.mark.slow
 def test_metrics_off_compiles_no_extra_work(tmp_path):
   """Off (0) must lower the step without the statistics: fewer ops than on, and no moe/ outputs."""
-  off = _lowered(tmp_path, "moe_metrics_every_n_steps=0", "run_name=off")
-  on = _lowered(tmp_path, "moe_metrics_every_n_steps=1", "run_name=on")
+  off = _lowered(tmp_path, "moe_metrics_every_n_steps=0", "run_name=metrics_off")
+  on = _lowered(tmp_path, "moe_metrics_every_n_steps=1", "run_name=metrics_on")
   assert _ops(off) < _ops(on)
   assert "moe/" not in off and "moe/max_over_mean" in on  # jax names the outputs by their pytree path
   # Off lowers the step exactly as before the feature: no op is added anywhere for it.
