@@ -46,6 +46,10 @@ class ForkConfig(pydantic.BaseModel):
   # --- run (MaxText/train.py) ---
   progress_every: int = pydantic.Field(
       default=1, ge=0, description='Print our "[progress]" line every N train steps (0 turns it off).')
+  mfu_peak_tflops: float | None = pydantic.Field(
+      default=None, gt=0,
+      description="Dense bf16 peak TF/s per device that MFU is measured against (progress line, perf/mfu); unset: "
+      "the GPU's datasheet figure (MaxText/hardware.py PEAK_BF16_FLOPS), n/a on unknown devices and CPU.")
   allow_schedule_change: bool = pydantic.Field(
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "

@@ -52,6 +52,8 @@ class ProgressTracker:
   expert_load: list[float] = field(default_factory=list)  # max/mean tokens per expert, per MoE layer call
   moe_load: dict[str, Any] | None = None  # the last kept step's moe/ statistics (moe_metrics_every_n_steps)
   started: float = field(default_factory=time.monotonic)
+  peak_flops: float | None = None  # per device, for MFU (MaxText/hardware.py mfu_peak); None: n/a
+  peak_label: str = "n/a"
 
   def on_train_step(self, step: int, scalars: dict[str, Any]) -> None:
     def scalar(name):
@@ -123,10 +125,18 @@ class ProgressTracker:
     remaining = max(self.total_steps - done, 0)
     per_step = statistics.median(self.steady_step_times())
     pct = 100.0 * done / max(self.total_steps, 1)
+    mfu = self.mfu(record)
+    mfu_text = f"MFU {100 * mfu:.1f}% of {self.peak_label}" if mfu is not None else f"MFU {self.peak_label}"
     return (
         f"[progress] step {done}/{self.total_steps} ({pct:.0f}%) loss {record.loss:.4f} "
-        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)}"
+        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)} {mfu_text}"
     )
+
+  def mfu(self, record: StepRecord) -> float | None:
+    """Upstream's model TFLOP/s per device over the dense bf16 peak (None: peak unknown, e.g. CPU)."""
+    if self.peak_flops is None or not record.tflops_per_device:
+      return None
+    return record.tflops_per_device * 1e12 / self.peak_flops
 
   def summary(self, run_dir: Path, upstream: dict[str, Any]) -> dict[str, Any]:
     steady = self.steady_step_times()

@@ -29,6 +29,11 @@ SEAM = Seam(
 # Called with (step, scalars) for each train step; set by apply().
 _observer: Callable[[int, dict[str, Any]], None] | None = None
 _moe = {"every": 0, "heatmap_every": 0}
+_mfu_peak_flops: list[float | None] = [None]  # per device; set by MaxText/train.py once devices are known
+
+
+def set_mfu_peak(peak_flops: float | None) -> None:
+  _mfu_peak_flops[0] = peak_flops
 
 
 def _keep_moe(step: int) -> bool:
@@ -44,6 +49,9 @@ def _wrap(original):
       if not _keep_moe(int(step)):
         counts_LE = None
         metrics["scalar"] = {k: v for k, v in metrics["scalar"].items() if not k.startswith("moe/")}
+    tflops = (metrics or {}).get("scalar", {}).get("perf/per_device_tflops_per_sec")
+    if metric_type == "train" and _mfu_peak_flops[0] and tflops is not None:  # perf/mfu next to upstream's TFLOP/s
+      metrics = {**metrics, "scalar": {**metrics["scalar"], "perf/mfu": float(tflops) * 1e12 / _mfu_peak_flops[0]}}
     original(self, metrics, step, metric_type)
     if counts_LE is not None and getattr(self, "writer", None) is not None and hasattr(self.writer, "add_histogram"):
       from MaxText import moe_tensorboard  # pylint: disable=import-outside-toplevel

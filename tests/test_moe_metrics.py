@@ -119,5 +119,29 @@ def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
   assert tokens > 0
   assert "moe/tokens_per_expert/layer_000" in tags["histograms"]
   assert tags["images"] == ["moe/load_over_mean"] and [e.step for e in acc.Images("moe/load_over_mean")] == [3]
+  assert "MFU n/a" in [line for line in result.stdout.splitlines() if line.startswith("[progress]")][-1]
+  assert "MoE load" in result.stdout
   summary = result.summary["moe_load"]
   assert summary["step"] == 3 and summary["worst_layer"] >= 0 and summary["max_over_mean"] >= 1.0
+
+
+def test_mfu_peak_from_the_gpu_table_or_the_override():
+  from MaxText import hardware, metrics
+
+  assert hardware.mfu_peak("NVIDIA H200") == (989e12, "H200 dense bf16 989 TF/s")
+  assert hardware.mfu_peak("NVIDIA B200")[0] == 2250e12
+  assert hardware.mfu_peak("NVIDIA H100 80GB HBM3", 500.0) == (500e12, "500 TF/s (mfu_peak_tflops)")
+  peak, label = hardware.mfu_peak("cpu")
+  assert peak is None and label.startswith("n/a")
+  tracker = metrics.ProgressTracker(total_steps=2, print_every=0, peak_flops=989e12, peak_label="H200 dense bf16 989 TF/s")
+  tracker.on_train_step(0, {"learning/loss": 1.0, "perf/step_time_seconds": 1.0, "perf/per_device_tflops_per_sec": 494.5})
+  assert tracker.progress_line(tracker.records[0]).endswith("MFU 50.0% of H200 dense bf16 989 TF/s")
+  cpu = metrics.ProgressTracker(total_steps=2, print_every=0, peak_label=label)
+  cpu.on_train_step(0, {"learning/loss": 1.0, "perf/per_device_tflops_per_sec": 1.0})
+  assert cpu.progress_line(cpu.records[0]).endswith(f"MFU {label}")
+
+
+def test_bad_mfu_peak_is_one_config_error_line(tmp_path):
+  result = run_rejected(tmp_path, TINY, "mfu_peak_tflops=-5")
+  assert result.returncode == 2
+  assert len([line for line in result.stderr.splitlines() if "mfu_peak_tflops" in line]) == 1, result.stderr[-2000:]
