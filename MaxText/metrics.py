@@ -85,9 +85,10 @@ class ProgressTracker:
     self.moe_load = {name[len("moe/"):]: float(v) for name, v in scalars.items()
                      if name.startswith("moe/") and not name.startswith("moe/layer_")}
     self.moe_load.update(step=step, worst_layer=worst, worst_layer_max_over_mean=layers.get(worst))
-    if self.moe_load.get("overflow_layers", 0) > 0:
-      print(f"[maxtext-moe] WARNING step {step + 1}: {int(self.moe_load['overflow_layers'])} MoE layer(s) "
-            "overflowed their bounded dispatch buffer: tokens were DROPPED (raise the capacity factor)",
+    if self.moe_load.get("overflow_layers", 0) > 0 or self.moe_load.get("dropped_tokens", 0) > 0:
+      print(f"[maxtext-moe] WARNING step {step + 1}: {int(self.moe_load.get('overflow_layers', 0))} MoE layer(s) "
+            f"overflowed their bounded dispatch buffer, {int(self.moe_load.get('dropped_tokens', 0))} token-expert "
+            "rows were DROPPED (raise the capacity factor)",
             file=sys.stderr, flush=True)
 
   def on_expert_counts(self, counts_E) -> None:

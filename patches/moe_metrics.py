@@ -59,7 +59,7 @@ def _gather(intermediate_outputs) -> dict | None:
           intermediate_outputs, name, ravel=False)])
   return {"counts_LE": jnp.concatenate([c.reshape(-1, num_experts) for c in counts]),
           "entropy_L": per(stats.ENTROPY, 1)[:, 0], "bias_L3": per(stats.BIAS, 3),
-          "overflow_L": per(stats.OVERFLOW, 1)[:, 0]}
+          "overflow_L": per(stats.OVERFLOW, 1)[:, 0], "buffer_L2": per(stats.BUFFER, 2)}
 
 
 def _wrap_record(original):
@@ -73,7 +73,7 @@ def _wrap_record(original):
     got = _gather(intermediate_outputs)
     if got is not None:
       output_metrics["scalar"].update(stats.summarize(got["counts_LE"], got["entropy_L"], got["bias_L3"],
-                                                      got["overflow_L"]))
+                                                      got["overflow_L"], got["buffer_L2"]))
       output_metrics[COUNTS_KEY] = got["counts_LE"]
     if flat[_MARKER]:
       return original(output_metrics, intermediate_outputs, config)

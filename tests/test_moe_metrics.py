@@ -111,7 +111,8 @@ def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
   acc.Reload()
   tags = acc.Tags()
   for name in ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max", "max_over_mean", "cv",
-               "experts_without_tokens", "router_entropy", "bias_min", "bias_max", "bias_norm", "overflow_layers"):
+               "experts_without_tokens", "router_entropy", "bias_min", "bias_max", "bias_norm", "overflow_layers",
+               "capacity_used_pct", "dropped_tokens"):
     assert f"moe/{name}" in tags["scalars"], name
   assert "moe/layer_000/max_over_mean" in tags["scalars"]
   assert [e.step for e in acc.Scalars("moe/max_over_mean")] == [1, 3]  # every 2nd step (counted from 1)
@@ -145,3 +146,50 @@ def test_bad_mfu_peak_is_one_config_error_line(tmp_path):
   result = run_rejected(tmp_path, TINY, "mfu_peak_tflops=-5")
   assert result.returncode == 2
   assert len([line for line in result.stderr.splitlines() if "mfu_peak_tflops" in line]) == 1, result.stderr[-2000:]
+
+
+def test_bounded_buffer_fill_and_dropped_rows_from_the_dispatch_meta():
+  import types
+
+  import jax.numpy as jnp
+
+  from MaxText.moe import block, stats
+
+  # a2a_padded's meta: rows bound for each of 3 peers, capacity C = 4: fullest 6/4, 2 + 1 rows beyond C.
+  meta = types.SimpleNamespace(capacity=4, send_P=jnp.array([6, 4, 5], jnp.int32))
+  np.testing.assert_allclose(block._buffer_12(meta), [[1.5, 3.0]])  # pylint: disable=protected-access
+  np.testing.assert_array_equal(block._buffer_12(types.SimpleNamespace()), [[0.0, 0.0]])  # pylint: disable=protected-access
+  s = stats.summarize(np.ones((2, 4)), [0, 0], np.zeros((2, 3)), [1.0, 0.0], [[1.5, 3.0], [0.5, 0.0]])
+  assert float(s["moe/capacity_used_pct"]) == pytest.approx(150.0)
+  assert float(s["moe/layer_001/capacity_used_pct"]) == pytest.approx(50.0)
+  assert float(s["moe/dropped_tokens"]) == 3.0
+
+
+@pytest.mark.slow
+def test_a2a_padded_reports_fill_and_drops_over_two_devices(tmp_path):
+  """Two simulated devices, EP 2, capacity factor 0.5 with on_overflow=flag: rows are dropped and counted."""
+  code = """
+import jax, jax.numpy as jnp, numpy as np
+from MaxText.moe import block, dispatch, routing
+mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+T, D, E, K, F = 16, 8, 4, 2, 8
+cfg = block.BlockConfig(router=routing.RouterConfig(num_experts=E, top_k=K, score_func="softmax",
+                        bias_selects_only=False, deepseek_weights=False))
+k = jax.random.split(jax.random.PRNGKey(0), 5)
+kernel = jnp.zeros((D, E)).at[:, 0].set(1.0).at[:, 1].set(0.5)  # everyone picks experts 0 and 1 (peer 0)
+x = jax.random.normal(k[1], (T, D)) ** 2
+ex = block.Experts(*(jax.random.normal(kk, s) for kk, s in zip(k[2:], [(E, D, F), (E, D, F), (E, F, D)])))
+disp = dispatch.make("a2a_padded", num_experts=E, axis_name="expert", ep_size=2, capacity_factor=0.5,
+                     on_overflow="flag")
+sharding = block.Sharding(mesh=mesh, token_axes=("expert",), expert_axis="expert")
+overflow, buf = jax.jit(lambda x: block.moe_block_with_buffer(x, block.Router(kernel), ex, cfg, disp,
+                                                              sharding)[2:])(x)
+print("RESULT", bool(overflow), float(buf[0]), float(buf[1]))
+"""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  overflow, fill, dropped = proc.stdout.split("RESULT")[1].split()
+  # each shard: 8 tokens x 2 = 16 rows, all for peer 0; capacity ceil(0.5 * 16 / 2) = 4 -> fill 4x, 12 dropped each
+  assert overflow == "True" and float(fill) == pytest.approx(4.0) and float(dropped) == 24.0

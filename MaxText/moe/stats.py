@@ -17,9 +17,10 @@ COUNTS = "moe_stats_counts_E"
 ENTROPY = "moe_stats_entropy"
 BIAS = "moe_stats_bias3"
 OVERFLOW = "moe_stats_overflow"
+BUFFER = "moe_stats_buffer2"
 
 
-def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None) -> dict:
+def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buffer_2=None) -> dict:
   """One MoE layer's statistics from its routing.
 
   counts_E: float32 assignments per expert (a token counts once per chosen expert).
@@ -27,6 +28,8 @@ def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None) -> d
     (softmax scores as they are; sigmoid scores divided by their sum): log(E) is uniform, 0 is one expert.
   bias3: the routing bias' [min, max, L2 norm] (zeros without a bias).
   overflow: 1.0 where a bounded dispatch buffer (a2a_padded) overflowed, i.e. rows were dropped (0 dropless).
+  buffer2: [fullest per-peer buffer's fill (fraction of capacity), rows beyond capacity (dropped)] of a bounded
+    dispatch (MaxText/moe/block.py moe_block_with_buffer); zeros on dispatchers without such a buffer.
   """
   counts_E = jnp.zeros((num_experts,), jnp.float32).at[ids_TK.reshape(-1)].add(1.0, mode="drop")
   s_TE = scores_TE.astype(jnp.float32)
@@ -38,7 +41,8 @@ def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None) -> d
     b = bias_E.astype(jnp.float32)
     bias3 = jnp.stack([jnp.min(b), jnp.max(b), jnp.sqrt(jnp.sum(b * b))])
   overflow = jnp.zeros((), jnp.float32) if overflow is None else jnp.asarray(overflow, jnp.float32)
-  return {COUNTS: counts_E, ENTROPY: entropy, BIAS: bias3, OVERFLOW: overflow}
+  buffer_2 = jnp.zeros((2,), jnp.float32) if buffer_2 is None else jnp.asarray(buffer_2, jnp.float32)
+  return {COUNTS: counts_E, ENTROPY: entropy, BIAS: bias3, OVERFLOW: overflow, BUFFER: buffer_2}
 
 
 def load_stats_L(counts_LE) -> dict:
@@ -56,7 +60,7 @@ def load_stats_L(counts_LE) -> dict:
   }
 
 
-def summarize(counts_LE, entropy_L, bias_L3, overflow_L) -> dict:
+def summarize(counts_LE, entropy_L, bias_L3, overflow_L, buffer_L2=None) -> dict:
   """The `moe/` scalars: per layer (moe/layer_NNN/...) and aggregated over the layers.
 
   Aggregates: min/max over layers of the extremes, the mean of the means, the worst (largest) max/mean
@@ -67,6 +71,8 @@ def summarize(counts_LE, entropy_L, bias_L3, overflow_L) -> dict:
   bias = jnp.asarray(bias_L3, jnp.float32)
   per["bias_min"], per["bias_max"], per["bias_norm"] = bias[:, 0], bias[:, 1], bias[:, 2]
   per["overflow"] = jnp.asarray(overflow_L, jnp.float32)
+  buffer = jnp.zeros((per["overflow"].shape[0], 2)) if buffer_L2 is None else jnp.asarray(buffer_L2, jnp.float32)
+  per["capacity_used_pct"], per["dropped_tokens"] = 100 * buffer[:, 0], buffer[:, 1]
   out = {}
   for name, v_L in per.items():
     for layer in range(v_L.shape[0]):
@@ -86,5 +92,7 @@ def summarize(counts_LE, entropy_L, bias_L3, overflow_L) -> dict:
       "moe/bias_max": jnp.max(per["bias_max"]),
       "moe/bias_norm": jnp.max(per["bias_norm"]),
       "moe/overflow_layers": jnp.sum(per["overflow"]),  # > 0: rows were dropped (never on dropless)
+      "moe/capacity_used_pct": jnp.max(per["capacity_used_pct"]),  # 0 without a bounded buffer
+      "moe/dropped_tokens": jnp.sum(per["dropped_tokens"]),  # token-expert rows beyond capacity
   })
   return out
