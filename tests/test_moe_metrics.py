@@ -115,6 +115,8 @@ def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
                "capacity_used_pct", "dropped_tokens"):
     assert f"moe/{name}" in tags["scalars"], name
   assert "moe/layer_000/max_over_mean" in tags["scalars"]
+  # the config view turns on upstream's hook only for train_step: the model's layers sow no activation stats
+  assert not [tag for tag in tags["scalars"] if tag.startswith("activ_")]
   assert [e.step for e in acc.Scalars("moe/max_over_mean")] == [1, 3]  # every 2nd step (counted from 1)
   tokens = acc.Scalars("moe/tokens_per_expert_mean")[0].value
   assert tokens > 0
