@@ -46,6 +46,10 @@ class ForkConfig(pydantic.BaseModel):
   # --- run (MaxText/train.py) ---
   progress_every: int = pydantic.Field(
       default=1, ge=0, description='Print our "[progress]" line every N train steps (0 turns it off).')
+  mfu_peak_tflops: float | None = pydantic.Field(
+      default=None, gt=0,
+      description="Dense bf16 peak TF/s per device that MFU is measured against (progress line, perf/mfu); unset: "
+      "the GPU's datasheet figure (MaxText/hardware.py PEAK_BF16_FLOPS), n/a on unknown devices and CPU.")
   allow_schedule_change: bool = pydantic.Field(
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
@@ -92,6 +96,15 @@ class ForkConfig(pydantic.BaseModel):
       default=False,
       description="Our block reports each MoE layer's tokens per expert to the host (max/mean in the run summary); "
       "a jax.debug.callback per layer call: for measurements, not for production runs.")
+  moe_metrics_every_n_steps: int = pydantic.Field(
+      default=1, ge=0,
+      description="Our block's routing statistics (tokens per expert, load ratio, CV, idle experts, router "
+      "entropy, bias, overflow) as moe/ TensorBoard scalars, a histogram and a heatmap every N steps; 0 turns "
+      "them off and compiles nothing extra. Computed in the step, no host callback; cost not yet measured on GPU.")
+  moe_metrics_heatmap_every_n_steps: int = pydantic.Field(
+      default=100, ge=0,
+      description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps (0: none); "
+      "needs moe_metrics_every_n_steps > 0.")
   moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(
       default=None, ge=1,
       description="te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound "

@@ -94,6 +94,26 @@ GPUS: dict[str, Gpu] = {
 DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
+# Model FLOPs utilization (MFU) is measured against the datasheet dense bf16 peak (the convention of
+# MFU figures elsewhere), not the measured GEMM rate above.
+PEAK_BF16_FLOPS: dict[str, Figure] = {
+    "h100": Figure(989e12, "datasheet: H100 SXM dense bf16"),
+    "h200": Figure(989e12, "datasheet: H200 SXM dense bf16"),
+    "b200": Figure(2250e12, "datasheet: B200 dense bf16"),
+}
+
+
+def mfu_peak(device_kind: str, override_tflops: float | None = None) -> tuple[float | None, str]:
+  """(peak FLOP/s per device or None, the words the progress line uses for it)."""
+  if override_tflops:
+    return override_tflops * 1e12, f"{override_tflops:g} TF/s (mfu_peak_tflops)"
+  gpu = gpu_from_device_name(device_kind)
+  if gpu is None:
+    return None, f"n/a: no dense bf16 peak known for {device_kind!r}; set mfu_peak_tflops"
+  peak = PEAK_BF16_FLOPS[gpu]
+  return peak.value, f"{GPUS[gpu].name.split()[0]} dense bf16 {peak.value / 1e12:g} TF/s"
+
+
 def gpu_from_device_name(name: str) -> str | None:
   """'NVIDIA H200' -> 'h200' (None: not one we know)."""
   lowered = name.lower()

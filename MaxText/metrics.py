@@ -50,7 +50,10 @@ class ProgressTracker:
   print_every: int = 1
   records: list[StepRecord] = field(default_factory=list)
   expert_load: list[float] = field(default_factory=list)  # max/mean tokens per expert, per MoE layer call
+  moe_load: dict[str, Any] | None = None  # the last kept step's moe/ statistics (moe_metrics_every_n_steps)
   started: float = field(default_factory=time.monotonic)
+  peak_flops: float | None = None  # per device, for MFU (MaxText/hardware.py mfu_peak); None: n/a
+  peak_label: str = "n/a"
 
   def on_train_step(self, step: int, scalars: dict[str, Any]) -> None:
     def scalar(name):
@@ -66,8 +69,27 @@ class ProgressTracker:
         moe={name: scalar(name) for name in MOE_SCALARS if scalars.get(name) is not None},
     )
     self.records.append(record)
+    self._on_moe_stats(step, scalars)
     if self.print_every and ((step + 1) % self.print_every == 0 or step + 1 == self.total_steps):
       print(self.progress_line(record), file=sys.stdout, flush=True)
+
+  def _on_moe_stats(self, step: int, scalars: dict[str, Any]) -> None:
+    """Keeps the latest moe/ statistics (patches/moe_metrics.py); warns loudly when rows were dropped."""
+    if "moe/max_over_mean" not in scalars:
+      return
+    layers = {}
+    for name, value in scalars.items():
+      if name.startswith("moe/layer_") and name.endswith("/max_over_mean"):
+        layers[int(name.split("/")[1][len("layer_"):])] = float(value)
+    worst = max(layers, key=layers.get) if layers else None
+    self.moe_load = {name[len("moe/"):]: float(v) for name, v in scalars.items()
+                     if name.startswith("moe/") and not name.startswith("moe/layer_")}
+    self.moe_load.update(step=step, worst_layer=worst, worst_layer_max_over_mean=layers.get(worst))
+    if self.moe_load.get("overflow_layers", 0) > 0 or self.moe_load.get("dropped_tokens", 0) > 0:
+      print(f"[maxtext-moe] WARNING step {step + 1}: {int(self.moe_load.get('overflow_layers', 0))} MoE layer(s) "
+            f"overflowed their bounded dispatch buffer, {int(self.moe_load.get('dropped_tokens', 0))} token-expert "
+            "rows were DROPPED (raise the capacity factor)",
+            file=sys.stderr, flush=True)
 
   def on_expert_counts(self, counts_E) -> None:
     """One MoE layer call's tokens per expert (moe_log_expert_load), in arrival order."""
@@ -104,10 +126,18 @@ class ProgressTracker:
     remaining = max(self.total_steps - done, 0)
     per_step = statistics.median(self.steady_step_times())
     pct = 100.0 * done / max(self.total_steps, 1)
+    mfu = self.mfu(record)
+    mfu_text = f"MFU {100 * mfu:.1f}% of {self.peak_label}" if mfu is not None else f"MFU {self.peak_label}"
     return (
         f"[progress] step {done}/{self.total_steps} ({pct:.0f}%) loss {record.loss:.4f} "
-        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)}"
+        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)} {mfu_text}"
     )
+
+  def mfu(self, record: StepRecord) -> float | None:
+    """Upstream's model TFLOP/s per device over the dense bf16 peak (None: peak unknown, e.g. CPU)."""
+    if self.peak_flops is None or not record.tflops_per_device:
+      return None
+    return record.tflops_per_device * 1e12 / self.peak_flops
 
   def summary(self, run_dir: Path, upstream: dict[str, Any]) -> dict[str, Any]:
     steady = self.steady_step_times()
@@ -128,6 +158,7 @@ class ProgressTracker:
         "losses": {r.step: r.loss for r in self.records},
         "moe_scalars": {r.step: r.moe for r in self.records if r.moe},
         "expert_load": self.expert_load_summary(),
+        "moe_load": self.moe_load,
     }
 
 
@@ -158,6 +189,10 @@ def print_summary(summary: dict[str, Any]) -> None:
       *([f"  expert load         max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} (first tenth of "
          f"{load['layer_calls']} MoE layer calls) -> {load['max_over_mean_last_tenth']:.2f} (last tenth)"]
         if (load := summary.get("expert_load")) else []),
+      *([f"  MoE load            step {m['step'] + 1}: max/mean {m['max_over_mean']:.2f} (worst layer "
+         f"{m.get('worst_layer')}), CV {m['cv']:.2f}, {int(m['experts_without_tokens'])} idle expert(s), "
+         f"router entropy {m['router_entropy']:.2f}, {int(m['overflow_layers'])} overflowed layer(s)"]
+        if (m := summary.get("moe_load")) else []),
       f"  run directory       {summary['run_dir']}",
       f"  checkpoints         {summary['checkpoints'] or 'disabled'}",
       f"  tensorboard         tensorboard --logdir {summary['tensorboard']}",

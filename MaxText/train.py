@@ -22,6 +22,7 @@ from MaxText import checkpoint_compat
 from MaxText import config as fork_config
 from MaxText import config_checks
 from MaxText import config_report
+from MaxText import hardware
 from MaxText import launch
 from MaxText import lifecycle
 from MaxText import metrics
@@ -217,7 +218,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
   `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
-  from patches import checkpoint_guard, checkpoint_restore, step_metrics  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, checkpoint_restore, metric_logger, step_metrics  # pylint: disable=import-outside-toplevel
 
   stop = stop or lifecycle.StopRequest()
   config_checks.check_fork(run)
@@ -239,7 +240,12 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   # Every process trains and prints its progress (as upstream logs per
   # process); only the first writes the run's own files.
   lead = process.process_id == 0
-  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every)
+  import jax  # pylint: disable=import-outside-toplevel
+
+  peak_flops, peak_label = hardware.mfu_peak(jax.devices()[0].device_kind, run.fork.mfu_peak_tflops)
+  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every,
+                                     peak_flops=peak_flops, peak_label=peak_label)
+  metric_logger.set_mfu_peak(peak_flops)
   tracker.append(_StepHook(progress, prepared.abort_on_nonfinite))
   lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
   if lock:

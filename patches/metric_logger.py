@@ -3,8 +3,14 @@
 Every train step's scalars pass through `write_metrics(metrics, step, "train")`
 once they are materialized (upstream defers them one step so the host never
 blocks the device). We observe them there, after upstream has logged them, to
-drive our progress line and run summary (MaxText/metrics.py). Upstream's
-behaviour is unchanged.
+drive our progress line and run summary (MaxText/metrics.py).
+
+Our `moe/` statistics (patches/moe_metrics.py) are computed every step in the
+jitted function; here the host keeps them only every moe_metrics_every_n_steps
+steps (dropped from what upstream logs otherwise), and on those steps writes
+the tokens-per-expert histograms and, every moe_metrics_heatmap_every_n_steps,
+the layers x experts heatmap (MaxText/moe_tensorboard.py) into upstream's own
+TensorBoard writer. Upstream's behaviour is otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -22,11 +28,36 @@ SEAM = Seam(
 
 # Called with (step, scalars) for each train step; set by apply().
 _observer: Callable[[int, dict[str, Any]], None] | None = None
+_moe = {"every": 0, "heatmap_every": 0}
+_mfu_peak_flops: list[float | None] = [None]  # per device; set by MaxText/train.py once devices are known
+
+
+def set_mfu_peak(peak_flops: float | None) -> None:
+  _mfu_peak_flops[0] = peak_flops
+
+
+def _keep_moe(step: int) -> bool:
+  return _moe["every"] > 0 and (step + 1) % _moe["every"] == 0
 
 
 def _wrap(original):
   def write_metrics(self, metrics, step, metric_type="train"):
+    counts_LE = None
+    if metric_type == "train" and metrics and "moe_expert_counts_LE" in metrics:
+      metrics = dict(metrics)
+      counts_LE = metrics.pop("moe_expert_counts_LE")
+      if not _keep_moe(int(step)):
+        counts_LE = None
+        metrics["scalar"] = {k: v for k, v in metrics["scalar"].items() if not k.startswith("moe/")}
+    tflops = (metrics or {}).get("scalar", {}).get("perf/per_device_tflops_per_sec")
+    if metric_type == "train" and _mfu_peak_flops[0] and tflops is not None:  # perf/mfu next to upstream's TFLOP/s
+      metrics = {**metrics, "scalar": {**metrics["scalar"], "perf/mfu": float(tflops) * 1e12 / _mfu_peak_flops[0]}}
     original(self, metrics, step, metric_type)
+    if counts_LE is not None and getattr(self, "writer", None) is not None and hasattr(self.writer, "add_histogram"):
+      from MaxText import moe_tensorboard  # pylint: disable=import-outside-toplevel
+
+      heatmap = _moe["heatmap_every"] > 0 and (int(step) + 1) % _moe["heatmap_every"] == 0
+      moe_tensorboard.write(self.writer, counts_LE, int(step), heatmap=heatmap)
     if metric_type == "train" and metrics and _observer is not None:
       _observer(int(step), metrics.get("scalar", {}))
 
@@ -38,13 +69,16 @@ def wanted(fork) -> bool:  # pylint: disable=unused-argument
   return True
 
 
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
+def apply(fork=None, hooks=None) -> None:
   global _observer
   _observer = hooks.on_train_step if hooks is not None else None
+  _moe["every"] = getattr(fork, "moe_metrics_every_n_steps", 0) or 0
+  _moe["heatmap_every"] = getattr(fork, "moe_metrics_heatmap_every_n_steps", 0) or 0
   SEAM.apply(_wrap)
 
 
 def undo() -> None:
   global _observer
   _observer = None
+  _moe.update(every=0, heatmap_every=0)
   SEAM.undo()

@@ -170,8 +170,15 @@ def _ours(layer, inputs, settings: dict):
   sharding = _sharding(layer, batch * seq, ep_size)
   _CALLS[backend] += 1
   _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {block_cfg.gmm_backend}, EP {ep_size})")
-  y_TD, r, overflow = block.moe_block(x_TD, router, experts, block_cfg, disp, sharding)
+  y_TD, r, overflow, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
+  if settings.get("moe_metrics"):  # moe_metrics_every_n_steps > 0: small arrays, read in the step (moe_metrics.py)
+    from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
+
+    bias_E = None if layer.gate.bias is None else layer.gate.bias[...]
+    for name, value in stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, layer.num_experts, overflow,
+                                              buffer_2).items():
+      layer.sow(nnx.Intermediate, name, jax.lax.stop_gradient(value))
   if settings["on_expert_counts"] is not None:  # moe_log_expert_load: global counts, outside the shard_map
     jax.debug.callback(settings["on_expert_counts"], routing.expert_counts_E(r.ids_TK, layer.num_experts))
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
@@ -224,6 +231,7 @@ def settings_from(fork, hooks=None) -> dict:
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
       "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
+      "moe_metrics": fork.moe_metrics_every_n_steps > 0,
       "on_expert_counts": hooks.on_expert_counts if hooks is not None and fork.moe_log_expert_load else None,
   }
 

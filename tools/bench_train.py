@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "upstream_capacity": (["sparse_matmul=false", "capacity_factor=1.0"], False),
     # moe_block=ours alone: grouped GEMM auto (mgpu on Hopper), dispatch auto (local without EP).
     "ours": (["moe_block=ours"], True),
+    # The cost of the in-step MoE statistics (moe_metrics_every_n_steps, default 1): "ours" has them on.
+    "ours_no_moe_metrics": (["moe_block=ours", "moe_metrics_every_n_steps=0"], True),
     # The proxy config pins remat_policy=full, which would win over the preset's custom.
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),

@@ -97,15 +97,27 @@ def _tag(y, name: str):
 def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
   """Per-shard part of the block: tokens and routing in, weighted expert sum out.
 
-  Returns (y_TD, overflow): overflow is a bool[1], True where a bounded
-  dispatch buffer (a2a_padded) could not hold every row; False otherwise.
+  Returns (y_TD, overflow, buffer_12): overflow is a bool[1], True where a
+  bounded dispatch buffer (a2a_padded) could not hold every row; False
+  otherwise. buffer_12: this shard's [largest rows sent to a peer / capacity,
+  rows over capacity (dropped)], zeros for dispatchers without such a buffer.
   """
   with jax.named_scope("dispatch"):
     x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
   y_MD = expert_ffn(x_MD, meta, experts, cfg)
   with jax.named_scope("combine"):
     y_TD = dispatcher.combine(y_MD, weights_TK, meta)
-  return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,))
+  return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
+
+
+def _buffer_12(meta):
+  """[fill of the fullest per-peer buffer, rows beyond capacity] of a bounded dispatch (a2a_padded's send_P, C)."""
+  capacity, send_P = getattr(meta, "capacity", None), getattr(meta, "send_P", None)
+  if not isinstance(capacity, int) or send_P is None:
+    return jnp.zeros((1, 2), jnp.float32)
+  fill = jnp.max(send_P).astype(jnp.float32) / capacity
+  over = jnp.sum(jnp.maximum(send_P - capacity, 0)).astype(jnp.float32)
+  return jnp.stack([fill, over])[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,20 +167,29 @@ def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatch
   With `sharding`, `experts` holds every expert (global view) and the shard_map
   hands each expert shard its slice.
   """
+  return moe_block_with_buffer(x_TD, router, experts, cfg, dispatcher, sharding)[:3]
+
+
+def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
+                          sharding: Sharding | None = None):
+  """moe_block, plus the bounded dispatch buffer's use: f32[2] = [fullest per-peer buffer's fill (fraction of
+  capacity, max over shards), rows beyond capacity, i.e. dropped (sum over shards)]; zeros when unbounded."""
   with jax.named_scope("route"):
     r = routing_lib.route(x_TD, router.kernel_DE, router.bias_E, cfg.router, dtype=cfg.gate_dtype)
   if getattr(dispatcher, "global_view", False):
     y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, r.weights_TK, experts, cfg, dispatcher,
                                                       sharding)
-    return y_TD.astype(cfg.dtype), r, jnp.any(overflow)
+    return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jnp.zeros((2,), jnp.float32)
   body = lambda x, ids, w, e: dispatch_ffn_combine(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
     exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
     every_shard = P(tuple(sharding.mesh.axis_names))  # one overflow flag per device
-    body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp), out_specs=(tok, every_shard))
-  y_TD, overflow = body(x_TD, r.ids_TK, r.weights_TK, experts)
-  return y_TD.astype(cfg.dtype), r, jnp.any(overflow)
+    body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp),
+                         out_specs=(tok, every_shard, every_shard))
+  y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, r.weights_TK, experts)
+  buffer_2 = jnp.stack([jnp.max(buffer_S2[:, 0]), jnp.sum(buffer_S2[:, 1])])
+  return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jax.lax.stop_gradient(buffer_2)
 
 
 jax.tree_util.register_dataclass(Experts, data_fields=["w0_EDF", "w1_EDF", "wo_EFD"], meta_fields=[])

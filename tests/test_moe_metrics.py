@@ -1,0 +1,197 @@
+"""MoE observability (issue 18): routing statistics computed in the step, their TensorBoard output,
+and that turning them off compiles nothing extra."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_rejected
+
+TINY = "configs/deepseek3-tiny.yml"
+
+
+def test_layer_stats_against_a_hand_computed_routing():
+  import jax.numpy as jnp
+
+  from MaxText.moe import stats
+
+  # 4 experts, top-2, 3 tokens: expert 0 chosen 3 times, 1 twice, 2 once, 3 never.
+  ids_TK = jnp.array([[0, 1], [0, 2], [1, 0]], jnp.int32)
+  scores_TE = jnp.array([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]])
+  bias_E = jnp.array([-3.0, 0.0, 4.0, 0.0])
+  got = stats.layer_stats(ids_TK, scores_TE, bias_E, 4, overflow=jnp.bool_(False))
+  np.testing.assert_array_equal(got[stats.COUNTS], [3, 2, 1, 0])
+  # entropies: ln 2, ln 4, 0 -> mean
+  assert float(got[stats.ENTROPY]) == pytest.approx((math.log(2) + math.log(4)) / 3, rel=1e-5)
+  np.testing.assert_allclose(got[stats.BIAS], [-3.0, 4.0, 5.0])
+  assert float(got[stats.OVERFLOW]) == 0.0
+
+  # second layer perfectly balanced; summarize over both
+  counts_LE = np.array([[3, 2, 1, 0], [2, 2, 2, 2]], np.float32)
+  s = stats.summarize(counts_LE, [0.5, 1.5], [[-3, 4, 5], [-1, 1, 2]], [0.0, 1.0])
+  mean0 = 1.5
+  std0 = math.sqrt(((3 - mean0) ** 2 + (2 - mean0) ** 2 + (1 - mean0) ** 2 + mean0**2) / 4)
+  assert float(s["moe/layer_000/tokens_per_expert_min"]) == 0
+  assert float(s["moe/layer_000/tokens_per_expert_max"]) == 3
+  assert float(s["moe/layer_000/max_over_mean"]) == pytest.approx(2.0)
+  assert float(s["moe/layer_000/cv"]) == pytest.approx(std0 / mean0, rel=1e-5)
+  assert float(s["moe/layer_000/experts_without_tokens"]) == 1
+  assert float(s["moe/layer_001/max_over_mean"]) == pytest.approx(1.0)
+  assert float(s["moe/layer_001/cv"]) == 0.0
+  assert float(s["moe/max_over_mean"]) == pytest.approx(2.0)
+  assert float(s["moe/max_over_mean_avg"]) == pytest.approx(1.5)
+  assert float(s["moe/worst_layer"]) == 0
+  assert float(s["moe/tokens_per_expert_mean"]) == pytest.approx(1.75)
+  assert float(s["moe/experts_without_tokens"]) == 1
+  assert float(s["moe/router_entropy"]) == pytest.approx(1.0)
+  assert (float(s["moe/bias_min"]), float(s["moe/bias_max"]), float(s["moe/bias_norm"])) == (-3, 4, 5)
+  assert float(s["moe/overflow_layers"]) == 1
+
+
+def test_heatmap_colours_load_relative_to_the_layer_mean():
+  from MaxText import moe_tensorboard
+
+  img = moe_tensorboard.heatmap_HWC(np.array([[0, 2, 4, 2]], np.float32))  # mean 2: idle, mean, 2x, mean
+  scale = img.shape[1] // 4
+  assert img.shape == (scale, 4 * scale, 3)
+  cells = [tuple(img[0, i * scale]) for i in range(4)]
+  assert cells == [(0, 0, 255), (255, 255, 255), (255, 0, 0), (255, 255, 255)]
+
+
+@pytest.mark.parametrize("value", ["-1", "two"])
+@pytest.mark.parametrize("key", ["moe_metrics_every_n_steps", "moe_metrics_heatmap_every_n_steps"])
+def test_bad_interval_is_one_config_error_line(tmp_path, key, value):
+  result = run_rejected(tmp_path, TINY, f"{key}={value}")
+  assert result.returncode == 2
+  lines = [line for line in result.stderr.splitlines() if key in line]
+  assert len(lines) == 1, result.stderr[-2000:]
+
+
+def _lowered(tmp_path, *args: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  cmd = [sys.executable, str(REPO / "tests/lower_train_step.py"), TINY, "steps=1", "enable_checkpointing=false",
+         f"base_output_directory={tmp_path}", "moe_block=ours", "moe_gmm_backend=xla", *args]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def _ops(hlo: str) -> int:
+  return len(re.findall(r"= stablehlo\.\w+|= \"?mhlo\.|stablehlo\.\w+\(", hlo))
+
+
+@pytest.mark.slow
+def test_metrics_off_compiles_no_extra_work(tmp_path):
+  """Off (0) must lower the step without the statistics: fewer ops than on, and no moe/ outputs."""
+  off = _lowered(tmp_path, "moe_metrics_every_n_steps=0", "run_name=metrics_off")
+  on = _lowered(tmp_path, "moe_metrics_every_n_steps=1", "run_name=metrics_on")
+  assert _ops(off) < _ops(on)
+  assert "moe/" not in off and "moe/max_over_mean" in on  # jax names the outputs by their pytree path
+  # Off lowers the step exactly as before the feature: no op is added anywhere for it.
+  assert "moe_stats" not in off
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  result = train(TINY, "steps=4", "enable_checkpointing=false", "moe_block=ours", "moe_metrics_every_n_steps=2",
+                 "moe_metrics_heatmap_every_n_steps=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  events = glob.glob(str(result.run_dir / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
+  acc = EventAccumulator(events[0], size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+  acc.Reload()
+  tags = acc.Tags()
+  for name in ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max", "max_over_mean", "cv",
+               "experts_without_tokens", "router_entropy", "bias_min", "bias_max", "bias_norm", "overflow_layers",
+               "capacity_used_pct", "dropped_tokens"):
+    assert f"moe/{name}" in tags["scalars"], name
+  assert "moe/layer_000/max_over_mean" in tags["scalars"]
+  # the config view turns on upstream's hook only for train_step: the model's layers sow no activation stats
+  assert not [tag for tag in tags["scalars"] if tag.startswith("activ_")]
+  assert [e.step for e in acc.Scalars("moe/max_over_mean")] == [1, 3]  # every 2nd step (counted from 1)
+  tokens = acc.Scalars("moe/tokens_per_expert_mean")[0].value
+  assert tokens > 0
+  assert "moe/tokens_per_expert/layer_000" in tags["histograms"]
+  assert tags["images"] == ["moe/load_over_mean"] and [e.step for e in acc.Images("moe/load_over_mean")] == [3]
+  assert "MFU n/a" in [line for line in result.stdout.splitlines() if line.startswith("[progress]")][-1]
+  assert "MoE load" in result.stdout
+  summary = result.summary["moe_load"]
+  assert summary["step"] == 3 and summary["worst_layer"] >= 0 and summary["max_over_mean"] >= 1.0
+
+
+def test_mfu_peak_from_the_gpu_table_or_the_override():
+  from MaxText import hardware, metrics
+
+  assert hardware.mfu_peak("NVIDIA H200") == (989e12, "H200 dense bf16 989 TF/s")
+  assert hardware.mfu_peak("NVIDIA B200")[0] == 2250e12
+  assert hardware.mfu_peak("NVIDIA H100 80GB HBM3", 500.0) == (500e12, "500 TF/s (mfu_peak_tflops)")
+  peak, label = hardware.mfu_peak("cpu")
+  assert peak is None and label.startswith("n/a")
+  tracker = metrics.ProgressTracker(total_steps=2, print_every=0, peak_flops=989e12, peak_label="H200 dense bf16 989 TF/s")
+  tracker.on_train_step(0, {"learning/loss": 1.0, "perf/step_time_seconds": 1.0, "perf/per_device_tflops_per_sec": 494.5})
+  assert tracker.progress_line(tracker.records[0]).endswith("MFU 50.0% of H200 dense bf16 989 TF/s")
+  cpu = metrics.ProgressTracker(total_steps=2, print_every=0, peak_label=label)
+  cpu.on_train_step(0, {"learning/loss": 1.0, "perf/per_device_tflops_per_sec": 1.0})
+  assert cpu.progress_line(cpu.records[0]).endswith(f"MFU {label}")
+
+
+def test_bad_mfu_peak_is_one_config_error_line(tmp_path):
+  result = run_rejected(tmp_path, TINY, "mfu_peak_tflops=-5")
+  assert result.returncode == 2
+  assert len([line for line in result.stderr.splitlines() if "mfu_peak_tflops" in line]) == 1, result.stderr[-2000:]
+
+
+def test_bounded_buffer_fill_and_dropped_rows_from_the_dispatch_meta():
+  import types
+
+  import jax.numpy as jnp
+
+  from MaxText.moe import block, stats
+
+  # a2a_padded's meta: rows bound for each of 3 peers, capacity C = 4: fullest 6/4, 2 + 1 rows beyond C.
+  meta = types.SimpleNamespace(capacity=4, send_P=jnp.array([6, 4, 5], jnp.int32))
+  np.testing.assert_allclose(block._buffer_12(meta), [[1.5, 3.0]])  # pylint: disable=protected-access
+  np.testing.assert_array_equal(block._buffer_12(types.SimpleNamespace()), [[0.0, 0.0]])  # pylint: disable=protected-access
+  s = stats.summarize(np.ones((2, 4)), [0, 0], np.zeros((2, 3)), [1.0, 0.0], [[1.5, 3.0], [0.5, 0.0]])
+  assert float(s["moe/capacity_used_pct"]) == pytest.approx(150.0)
+  assert float(s["moe/layer_001/capacity_used_pct"]) == pytest.approx(50.0)
+  assert float(s["moe/dropped_tokens"]) == 3.0
+
+
+@pytest.mark.slow
+def test_a2a_padded_reports_fill_and_drops_over_two_devices(tmp_path):
+  """Two simulated devices, EP 2, capacity factor 0.5 with on_overflow=flag: rows are dropped and counted."""
+  code = """
+import jax, jax.numpy as jnp, numpy as np
+from MaxText.moe import block, dispatch, routing
+mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+T, D, E, K, F = 16, 8, 4, 2, 8
+cfg = block.BlockConfig(router=routing.RouterConfig(num_experts=E, top_k=K, score_func="softmax",
+                        bias_selects_only=False, deepseek_weights=False))
+k = jax.random.split(jax.random.PRNGKey(0), 5)
+kernel = jnp.zeros((D, E)).at[:, 0].set(1.0).at[:, 1].set(0.5)  # everyone picks experts 0 and 1 (peer 0)
+x = jax.random.normal(k[1], (T, D)) ** 2
+ex = block.Experts(*(jax.random.normal(kk, s) for kk, s in zip(k[2:], [(E, D, F), (E, D, F), (E, F, D)])))
+disp = dispatch.make("a2a_padded", num_experts=E, axis_name="expert", ep_size=2, capacity_factor=0.5,
+                     on_overflow="flag")
+sharding = block.Sharding(mesh=mesh, token_axes=("expert",), expert_axis="expert")
+overflow, buf = jax.jit(lambda x: block.moe_block_with_buffer(x, block.Router(kernel), ex, cfg, disp,
+                                                              sharding)[2:])(x)
+print("RESULT", bool(overflow), float(buf[0]), float(buf[1]))
+"""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  overflow, fill, dropped = proc.stdout.split("RESULT")[1].split()
+  # each shard: 8 tokens x 2 = 16 rows, all for peer 0; capacity ceil(0.5 * 16 / 2) = 4 -> fill 4x, 12 dropped each
+  assert overflow == "True" and float(fill) == pytest.approx(4.0) and float(dropped) == 24.0
