@@ -57,6 +57,7 @@ def test_keys_validate():
 
 def test_plan_derives_the_dropless_capacity_or_takes_the_key():
   from MaxText.moe.dispatch import te_ncclep  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
   from patches import routed_moe, te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
 
   cfg, mesh = _fake_config(), {"data": 2, "fsdp": 1, "expert": 2}
@@ -67,9 +68,8 @@ def test_plan_derives_the_dropless_capacity_or_takes_the_key():
   # eval's microbatch counts when eval runs (upstream's maybe_bootstrap_te_moe rule)
   assert te_ncclep_bootstrap.plan(_fake_config(eval_interval=5), mesh, recv_capacity_per_rank=None,
                                   alignment=8).max_tokens_per_rank == 256
-  fork = routed_moe.settings_from(types.SimpleNamespace(
-      moe_block="ours", moe_dispatch_backend="te_ncclep", moe_gmm_backend="xla", moe_a2a_padded_capacity_factor=2.0,
-      moe_a2a_padded_on_overflow="error", moe_ragged_a2a_capacity_factor=None,
+  fork = routed_moe.settings_from(fork_config.ForkConfig(
+      moe_block="ours", moe_dispatch_backend="te_ncclep", moe_gmm_backend="xla",
       moe_te_ncclep_recv_capacity_per_rank=640, moe_te_ncclep_alignment=64))
   assert fork["te_ncclep_options"] == {"recv_capacity_per_rank": 640, "alignment": 64}
   assert te_ncclep_bootstrap.plan(cfg, mesh, **fork["te_ncclep_options"]).dispatch_options() == \
