@@ -259,7 +259,7 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
 
 def child_main(request_path: str, result_path: str) -> int:
   """Compiles one request (written by MaxText/plan.py) and writes its result JSON."""
-  from MaxText import hlo_inventory, train  # pylint: disable=import-outside-toplevel
+  from MaxText import hardware, hlo_inventory, train  # pylint: disable=import-outside-toplevel
 
   request = json.loads(Path(request_path).read_text())
   topology = Topology(**request["topology"])
@@ -282,11 +282,13 @@ def child_main(request_path: str, result_path: str) -> int:
     from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
     model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
+    recompute, recompute_note = hardware.recompute_flops(step.config)
     result.update(
         compile_seconds=step.seconds,
         memory=memory_bytes(step.compiled),
         mesh={k: int(v) for k, v in step.mesh.shape.items()},
         model_tflops_per_device=float(model_tflops),
+        recompute_flops=float(recompute), recompute_note=recompute_note,
         tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
         **inventory,
     )

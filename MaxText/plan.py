@@ -156,7 +156,8 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   gpu = hardware.GPUS[gpu_key]
   prepared_env = train.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
-  est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"])
+  est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"],
+                               child.get("recompute_flops", 0.0), child.get("recompute_note", ""))
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -179,6 +180,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
           "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
           "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
           "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
+          "recompute_flops": child.get("recompute_flops", 0.0),
           "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
       },
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
@@ -226,7 +228,8 @@ def print_report(r: dict[str, Any]) -> None:
   print(f"\nestimate: step {e['step_s'] * 1e3:.2f} ms (compute {e['compute_s'] * 1e3:.2f} + collectives "
         f"{e['collectives_s'] * 1e3:.2f}, none overlapped; fully overlapped {e['overlapped_step_s'] * 1e3:.2f} ms)")
   print(f"  FLOPs/device {e['flops_per_device'] / 1e12:.4g} T from {e['flops_from']} (model "
-        f"{e['model_tflops_per_device']:.4g} T, HLO dots {e['hlo_dot_flops'] / 1e12:.4g} T)")
+        f"{e['model_tflops_per_device']:.4g} T, recompute {e['recompute_flops'] / 1e12:.4g} T, "
+        f"HLO dots {e['hlo_dot_flops'] / 1e12:.4g} T)")
   print(f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}")
   print("constants:")
   for k, c in r["constants"].items():

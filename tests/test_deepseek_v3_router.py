@@ -177,3 +177,24 @@ def test_both_blocks_give_the_same_v3_layer_output(v3_config):  # pylint: disabl
     want, got = up(x), ours(x)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [(8, 4), (4, 1), (2, 1)])
+def test_group_mask_equals_top_k_order_with_ties(groups):
+  """The sort-free group mask keeps exactly the groups `lax.top_k` keeps, ties included (lower index first)."""
+  n_groups, topk_groups = groups
+  rng = np.random.default_rng(1)
+  scores = rng.integers(0, 3, size=(256, 32)).astype(np.float32)  # small integers: many tied groups and experts
+  cfg = routing.RouterConfig(num_experts=32, top_k=4, n_groups=n_groups, topk_groups=topk_groups)
+  grouped = jnp.asarray(scores).reshape(256, n_groups, -1)
+  top2 = jax.lax.top_k(grouped, 2)[0].sum(-1)
+  kept = jax.lax.top_k(top2, topk_groups)[1]
+  want = np.repeat(np.asarray(jax.nn.one_hot(kept, n_groups).sum(-2) > 0), 32 // n_groups, axis=-1)
+  np.testing.assert_array_equal(np.asarray(routing._group_mask_TE(jnp.asarray(scores), cfg)), want)
+
+
+def test_expert_counts_match_bincount():
+  ids = np.random.default_rng(2).integers(0, 16, size=(100, 6)).astype(np.int32)
+  counts = routing.expert_counts_E(jnp.asarray(ids), 16)
+  np.testing.assert_array_equal(np.asarray(counts), np.bincount(ids.reshape(-1), minlength=16))
+  assert counts.dtype == jnp.int32

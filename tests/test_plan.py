@@ -153,6 +153,31 @@ def test_estimate_is_flops_at_gemm_rate_plus_wire_bytes_at_link_rate():
   assert est.flops_from == "MaxText's model count"
 
 
+def test_recompute_term_follows_the_remat_policy(monkeypatch):
+  """Full remat re-runs the layers' forward (a third of all but the head); custom with the expert
+  up-projections kept skips the routed GEMMs; policies that save matmuls add nothing."""
+  import types
+
+  from maxtext.utils import maxtext_utils
+
+  monkeypatch.setattr(maxtext_utils, "calculate_tflops_training_per_device", lambda c, log=False: (600.0, 0, 0))
+  cfg = dict(per_device_batch_size=2, max_target_length=10, emb_dim=4, vocab_size=1000, num_experts=8,
+             num_experts_per_tok=2, moe_mlp_dim=5, num_decoder_layers=3, first_num_dense_layers=1)
+  head = 2 * 20 * 4 * 1000 * 3
+  full, _ = hardware.recompute_flops(types.SimpleNamespace(remat_policy="full", **cfg))
+  assert full == (600e12 - head) / 3
+  routed = 2 * 20 * 2 * 3 * 4 * 5 * 2
+  custom, note = hardware.recompute_flops(types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="offload",
+                                                                moe_mlpwi_1="device", **cfg))
+  assert custom == full - routed and "routed experts" in note
+  remat_all, _ = hardware.recompute_flops(types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="remat",
+                                                                moe_mlpwi_1="offload", **cfg))
+  assert remat_all == full
+  assert hardware.recompute_flops(types.SimpleNamespace(remat_policy="minimal", **cfg))[0] == 0.0
+  est = hardware.estimate_step(hardware.GPUS["h200"], 648e12, 1e12, [], recompute=216e12, recompute_note="x")
+  assert est.compute_s == pytest.approx(864e12 / 648e12) and "recompute (x)" in est.flops_from
+
+
 # --- bad input: one line naming the key, exit 2, nothing compiled ----------------------------
 
 

@@ -88,13 +88,33 @@ def _score(logits, score_func: ScoreFunc):
   return logits
 
 
+def _top2_sum(x_TGN):
+  """Sum of the two largest of each group's N scores (f32), as `top_k(x, 2)[0].sum(-1)`.
+
+  Max, then max with the first argmax masked out: element-wise work that fuses
+  into one kernel, where `lax.top_k` on a 4- or 32-wide axis is a sort.
+  """
+  x = x_TGN.astype(jnp.float32)
+  first_TG = jnp.argmax(x, axis=-1)
+  rest = jnp.where(jnp.arange(x.shape[-1]) == first_TG[..., None], -jnp.inf, x)
+  return jnp.max(x, axis=-1) + jnp.max(rest, axis=-1)
+
+
 def _group_mask_TE(scores_TE, cfg: RouterConfig):
-  """1 for experts in each token's best `topk_groups` groups (top-2 sum), else 0."""
-  grouped = scores_TE.reshape(*scores_TE.shape[:-1], cfg.n_groups, -1)
-  top2_TG = jax.lax.top_k(grouped, 2)[0].astype(jnp.float32).sum(-1)
-  _, best_TK = jax.lax.top_k(top2_TG, cfg.topk_groups)
-  keep_TG = jax.nn.one_hot(best_TK, cfg.n_groups, dtype=jnp.float32).sum(-2)  # [T, groups]: small
-  return jnp.repeat(keep_TG, cfg.num_experts // cfg.n_groups, axis=-1)
+  """True for experts in each token's best `topk_groups` groups (scored by their top-2 sum).
+
+  A group is kept when fewer than `topk_groups` groups beat it, ties going to
+  the lower index, which is `lax.top_k`'s order. Counting over [T, G, G]
+  (G = 8 for V3) replaces two small top-k sorts per routing call, which cost
+  V3's router 1.2% of the proxy's step on the H200 (BENCHMARKS.md, session 7).
+  """
+  g = cfg.n_groups
+  score_TG = _top2_sum(scores_TE.reshape(*scores_TE.shape[:-1], g, -1))
+  mine, other = score_TG[..., :, None], score_TG[..., None, :]
+  lower = jnp.arange(g)[None, :] < jnp.arange(g)[:, None]  # [g, h]: h has the lower index
+  beaten_by_TG = jnp.sum((other > mine) | ((other == mine) & lower), axis=-1)
+  keep_TG = beaten_by_TG < cfg.topk_groups
+  return jnp.repeat(keep_TG, cfg.num_experts // g, axis=-1)
 
 
 def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routing:
@@ -116,7 +136,7 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
   select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(dtype)
   aux_scores_TE = scores_TE if cfg.bias_selects_only else select_TE  # upstream's probs for the aux loss
   if cfg.bias_selects_only and cfg.n_groups > 0:
-    select_TE = jnp.where(_group_mask_TE(select_TE, cfg) > 0, select_TE, -jnp.inf)
+    select_TE = jnp.where(_group_mask_TE(select_TE, cfg), select_TE, -jnp.inf)
   _, ids_TK = jax.lax.top_k(select_TE, cfg.top_k)
   weights_TK = jnp.take_along_axis(scores_TE if cfg.bias_selects_only else select_TE, ids_TK, axis=-1)
   if cfg.deepseek_weights:
@@ -130,9 +150,15 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
   return Routing(weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32), scores_TE=aux_scores_TE)
 
 
-def expert_counts_E(ids_TK, num_experts: int):
-  """Assignments per expert (int32). Feeds the aux-loss-free bias update."""
-  return jnp.zeros((num_experts,), jnp.int32).at[ids_TK.reshape(-1)].add(1, mode="drop")
+def expert_counts_E(ids_TK, num_experts: int, dtype=jnp.int32):
+  """Assignments per expert. Feeds the aux-loss-free bias update and the MoE statistics.
+
+  A one-hot sum (iota compares fused into one reduction) rather than a
+  scatter-add of T*K ones into E bins, which serializes on atomics on a GPU.
+  Ids outside [0, E) count nowhere, as the scatter's mode="drop" did.
+  """
+  hits = ids_TK.reshape(-1, 1) == jnp.arange(num_experts, dtype=ids_TK.dtype)
+  return jnp.sum(hits, axis=0, dtype=dtype)
 
 
 def bias_update_E(counts_E, rate: float):
@@ -148,11 +174,9 @@ def load_balance_loss(ids_BSK, probs_BSE, weight: float):
   normalized sigmoid scores for Megatron's seq_aux_loss).
   """
   num_experts, top_k = probs_BSE.shape[-1], ids_BSK.shape[-1]
-  hits_BSE = jnp.zeros(probs_BSE.shape, jnp.int32)
-  hits_BSE = hits_BSE.at[
-      jnp.arange(ids_BSK.shape[0])[:, None, None], jnp.arange(ids_BSK.shape[1])[None, :, None], ids_BSK
-  ].add(1)
-  density_BE = jnp.mean(hits_BSE, axis=1) / top_k
+  # Hits per (sequence, expert) as one fused one-hot reduction over S and K, not a [B, S, E] scatter.
+  hits_BSKE = ids_BSK[..., None] == jnp.arange(num_experts, dtype=ids_BSK.dtype)
+  density_BE = jnp.sum(hits_BSKE, axis=(1, 2), dtype=jnp.float32) / (ids_BSK.shape[1] * top_k)
   return jnp.mean(density_BE * jnp.mean(probs_BSE, axis=1)) * num_experts**2 * weight
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from MaxText.moe import routing
+
 # Names the layers sow under (suffixes of the intermediates' paths).
 COUNTS = "moe_stats_counts_E"
 ENTROPY = "moe_stats_entropy"
@@ -31,7 +33,7 @@ def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buff
   buffer2: [fullest per-peer buffer's fill (fraction of capacity), rows beyond capacity (dropped)] of a bounded
     dispatch (MaxText/moe/block.py moe_block_with_buffer); zeros on dispatchers without such a buffer.
   """
-  counts_E = jnp.zeros((num_experts,), jnp.float32).at[ids_TK.reshape(-1)].add(1.0, mode="drop")
+  counts_E = routing.expert_counts_E(ids_TK, num_experts, jnp.float32)
   s_TE = scores_TE.astype(jnp.float32)
   p_TE = s_TE / (jnp.sum(s_TE, axis=-1, keepdims=True) + 1e-20)
   entropy = -jnp.mean(jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-20)), axis=-1))
