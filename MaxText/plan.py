@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,6 +86,18 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
   return {k: v for k, v in out.items() if up.get(k) != v}
 
 
+_FATAL = re.compile(r"^(F\d{4} |\*\*\* |.*Check failed|.*Fatal Python error|terminate called|.*what\(\):|"
+                    r".*(RESOURCE_EXHAUSTED|INTERNAL|Out of memory))")
+
+
+def _crash_reason(log: str) -> str:
+  """The lines that say why a compile process died (absl's F-lines, a failed CHECK, an uncaught C++
+  exception), else its last lines: an abort's last lines are the stack trace, which says nothing."""
+  lines = log.strip().splitlines()
+  fatal = [line.strip() for line in lines if _FATAL.match(line)]
+  return " | ".join(fatal[:3] or lines[-3:])[-700:]
+
+
 def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None) -> dict[str, Any]:
   """One compile in a fresh process: its result, or PlanError naming what ran out."""
   with tempfile.TemporaryDirectory(prefix="maxtext-plan-") as tmp:
@@ -109,8 +122,7 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
       raise aot.PlanError("compile was killed (host out of memory?): free host memory, or plan with scan_layers=true "
                           "and fewer devices per compile")
     if rc != 0 or not result.exists():
-      tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
-      raise aot.PlanError(f"compile process failed (exit {rc}): {tail[-500:]}")
+      raise aot.PlanError(f"compile process failed (exit {rc}): {_crash_reason(log_path.read_text(errors='replace'))}")
     return json.loads(result.read_text())
 
 
