@@ -4,7 +4,8 @@ The planner's analytic cross-check (`python -m MaxText.plan <config>` prints it
 under the compiler's figure); the compiler's own figure needs a GPU compile
 (an AOT compile for CPU devices reports CPU buffers). It counts
   params      every weight, by dtype (weight_dtype), sharded over all devices
-              (upstream's logical rules shard every weight over fsdp x expert)
+              but the data-parallel replicas (upstream's logical rules shard
+              every weight over fsdp x expert; data axes replicate it: HSDP)
   grads       same count, in grad_dtype
   optimizer   AdamW mu + nu (mu_dtype, which defaults to weight_dtype; nu too)
   activations what the remat policy keeps per layer for the backward pass:
@@ -122,20 +123,23 @@ def estimate(c: Mapping[str, Any], num_devices: int) -> tuple[ParamCount, Memory
   attn_ws = act * 8 * t * h * qk
   tiles = int(c.get("num_vocab_tiling", 1))
   logits_ws = t * c["vocab_size"] * (act + 4) / tiles
+  replicas = max(1, int(c.get("ici_data_parallelism", 1))) * max(1, int(c.get("dcn_data_parallelism", 1)))
+  shards = max(1, num_devices // replicas)
   est = MemoryEstimate(
-      params=n * w / num_devices,
-      grads=n * g / num_devices,
-      optimizer=2 * n * mu / num_devices,
+      params=n * w / shards,
+      grads=n * g / shards,
+      optimizer=2 * n * mu / shards,
       activations=kept,
       transient=max(moe_ws, attn_ws, logits_ws),
       host_offloaded=offloaded,
   )
   device_kept = ", ".join(name for name, v in placement.items() if v == "device")
   host_kept = ", ".join(name for name, v in placement.items() if v == "offload") or "none"
+  over = f"{shards} GPUs" + (f" ({replicas} data-parallel replicas)" if replicas > 1 else "")
   lines = [
-      f"params      {n / 1e9:.2f}B x {w} B / {num_devices} GPUs = {est.params / GB:.2f} GB",
-      f"grads       {n / 1e9:.2f}B x {g} B / {num_devices} GPUs = {est.grads / GB:.2f} GB",
-      f"optimizer   AdamW mu+nu 2 x {n / 1e9:.2f}B x {mu} B / {num_devices} GPUs = {est.optimizer / GB:.2f} GB",
+      f"params      {n / 1e9:.2f}B x {w} B / {over} = {est.params / GB:.2f} GB",
+      f"grads       {n / 1e9:.2f}B x {g} B / {over} = {est.grads / GB:.2f} GB",
+      f"optimizer   AdamW mu+nu 2 x {n / 1e9:.2f}B x {mu} B / {over} = {est.optimizer / GB:.2f} GB",
       f"activations {device_kept}: {layers} layers x {t} tokens/GPU x {act} B = {est.activations / GB:.2f} GB",
       f"transient   max(MoE {moe_ws / GB:.2f}, MLA {attn_ws / GB:.2f}, logits/{tiles} tiles {logits_ws / GB:.2f})"
       f" = {est.transient / GB:.2f} GB",

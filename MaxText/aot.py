@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,7 +46,9 @@ from MaxText import config as fork_config
 # The GPU mock hangs in sharded autotuning (measured on one H200; upstream's
 # train_compile.py sets the same flag).
 GPU_AOT_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
-# Simulated CPU devices past this many compile too slowly on a small host to be useful.
+# Simulated CPU devices past this many compile too slowly on a small host to be useful; past it a CPU
+# plan only lowers (traces the step and checks every sharding, ~15 s for 1,024 devices of the 671B
+# recipe on 2 cores): enough to catch a mesh the parameters cannot be split over.
 MAX_CPU_DEVICES = 64
 
 
@@ -62,12 +65,14 @@ class Topology:
     num_devices: devices in the planned job.
     gpus_per_node: devices sharing one NVLink domain (a slice to jax).
     local_gpus: GPUs on this machine (0 on CPU).
+    lower_only: trace and lower, do not compile (CPU, more than MAX_CPU_DEVICES).
   """
 
   platform: Literal["gpu", "cpu"]
   num_devices: int
   gpus_per_node: int
   local_gpus: int
+  lower_only: bool = False
 
   @property
   def nodes(self) -> int:
@@ -102,12 +107,7 @@ def local_gpu_count(environ: dict[str, str] | None = None) -> int:
 def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int) -> Topology:
   """The mocked GPU topology, or simulated CPU devices without a GPU; PlanError if neither can be built."""
   if local_gpus == 0:
-    if num_devices > MAX_CPU_DEVICES:
-      raise PlanError(
-          f"recipe_num_gpus={num_devices}: more than {MAX_CPU_DEVICES} simulated CPU devices is too slow to "
-          "compile here; plan on a machine with a GPU (any count that divides gpus_per_node)"
-      )
-    return Topology("cpu", num_devices, gpus_per_node, 0)
+    return Topology("cpu", num_devices, gpus_per_node, 0, lower_only=num_devices > MAX_CPU_DEVICES)
   per_node = min(num_devices, gpus_per_node)
   if num_devices % per_node or per_node % local_gpus:
     raise PlanError(
@@ -185,18 +185,21 @@ def start_upstream(run: fork_config.RunConfig) -> Any:
   upstream's config. tests/test_plan.py checks the result compiles to the trainer's HLO."""
   from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText import config_checks, train  # pylint: disable=import-outside-toplevel
 
+  config_checks.check_fork(run)  # as the trainer does, before the patches
   train.apply_patches_and_validate(run)
   config, _ = upstream_train.initialize(run.upstream_argv())
   return config
 
 
-def compile_train_step(run: fork_config.RunConfig) -> Compiled:
+def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False) -> Compiled:
   """Patches, upstream validation, and the AOT compile of upstream's train step.
 
   Call after train.prepare_environment (the environment is the run's) and
   configure_backend; compiles over all the devices configure_backend set up.
+  lower_only: stop after lowering (`compiled` is jax's Lowered): the shardings
+  are checked against every array's shape, nothing is partitioned or compiled.
   """
   import jax  # pylint: disable=import-outside-toplevel
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
@@ -208,6 +211,12 @@ def compile_train_step(run: fork_config.RunConfig) -> Compiled:
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
   with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
     step = train_step(config, mesh)
+    if lower_only:
+      with mesh, axis_rules(config.logical_axis_rules):
+        lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
+                          static_argnums=step.static_argnums, donate_argnums=step.donate_argnums,
+                          ).lower(*step.args, **step.kwargs)
+      return Compiled(lowered, mesh, config, time.perf_counter() - start)
     compiled = train_compile.jit_and_compile(
         step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
         step.donate_argnums, config, axis_rules(config.logical_axis_rules),
@@ -254,12 +263,27 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   return [i // topology.gpus_per_node for i in range(len(flat))]
 
 
+_INDIVISIBLE = re.compile(r"key path (?P<path>.+?) was given the sharding .*?spec=(?P<spec>P\(.*?\)), memory_kind.*?"
+                         r"array axis (?P<axis>\d+) is partitioned (?P<ways>\d+) times, but the dimension size is "
+                         r"(?P<size>\d+) \(full shape: (?P<shape>\([^)]*\))", re.S)
+
+
+def indivisible_message(error: str) -> str | None:
+  """jax's IndivisibleError in one line naming the array, its dimension and the split (None: another error)."""
+  m = _INDIVISIBLE.search(error)
+  if not m:
+    return None
+  path = m["path"].replace("\\'", "'")
+  return (f"{path} {m['shape']}: dimension {m['axis']} ({m['size']}) cannot be split {m['ways']} ways ({m['spec']}); "
+          "use a mesh whose FSDP x EP product divides it, e.g. data parallelism across nodes (dcn_data_parallelism)")
+
+
 # --- the child process -------------------------------------------------------------
 
 
 def child_main(request_path: str, result_path: str) -> int:
   """Compiles one request (written by MaxText/plan.py) and writes its result JSON."""
-  from MaxText import hardware, hlo_inventory, train  # pylint: disable=import-outside-toplevel
+  from MaxText import train  # pylint: disable=import-outside-toplevel
 
   request = json.loads(Path(request_path).read_text())
   topology = Topology(**request["topology"])
@@ -271,33 +295,43 @@ def child_main(request_path: str, result_path: str) -> int:
     prepared = train.prepare_environment(run, extra_xla_flags=extra)
     configure_backend(topology)
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-    step = compile_train_step(prepared.run)
+    step = compile_train_step(prepared.run, lower_only=topology.lower_only)
   except fork_config.ConfigError as e:
     result["config_error"] = str(e)
   except Exception as e:  # pylint: disable=broad-exception-caught  # the compiler's word, reported in one line
-    result["compile_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
+    result["compile_error"] = indivisible_message(str(e)) or f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
   else:
-    hlo = step.compiled.as_text()
-    inventory = hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology))
-    from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
-
-    model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
-    recompute, recompute_note = hardware.recompute_flops(step.config)
-    result.update(
-        compile_seconds=step.seconds,
-        memory=memory_bytes(step.compiled),
-        mesh={k: int(v) for k, v in step.mesh.shape.items()},
-        model_tflops_per_device=float(model_tflops),
-        recompute_flops=float(recompute), recompute_note=recompute_note,
-        tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
-        **inventory,
-    )
-    if request.get("hlo_path"):
-      Path(request["hlo_path"]).write_text(hlo)
+    if topology.lower_only:
+      result.update(lowered_only=True, compile_seconds=step.seconds,
+                    mesh={k: int(v) for k, v in step.mesh.shape.items()})
+    else:
+      result.update(_compiled_result(step, topology, request.get("hlo_path")))
   tmp = Path(result_path + ".tmp")
   tmp.write_text(json.dumps(result, indent=2))  # insertion order: the mesh axes in mesh order
   tmp.rename(result_path)
   return 0
+
+
+def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -> dict[str, Any]:
+  """Memory, collectives and FLOPs of a compiled step (and its HLO text, kept at hlo_path)."""
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  from MaxText import hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
+
+  hlo = step.compiled.as_text()
+  if hlo_path:
+    Path(hlo_path).write_text(hlo)
+  model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
+  recompute, recompute_note = hardware.recompute_flops(step.config)
+  return dict(
+      compile_seconds=step.seconds,
+      memory=memory_bytes(step.compiled),
+      mesh={k: int(v) for k, v in step.mesh.shape.items()},
+      model_tflops_per_device=float(model_tflops),
+      recompute_flops=float(recompute), recompute_note=recompute_note,
+      tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
+      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology)),
+  )
 
 
 if __name__ == "__main__":

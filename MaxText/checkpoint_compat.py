@@ -6,7 +6,8 @@ gate bias is a non-trained variable (upstream's MoEBiasVar): orbax stores it und
 parameter: `params/params/.../gate/bias`, shaped [experts, layers], with AdamW moments. Upstream
 0.2.5 resumes either checkpoint under either semantics without a word (measured: an old tiny
 checkpoint resumed under the V3 router, the bias silently left at its initial value). So the run
-stops first, with one line naming the bias, before anything is compiled.
+stops first, with one line naming the bias, before anything is compiled. The same holds for
+the parameters a new run starts from (`load_parameters_path`).
 """
 
 from __future__ import annotations
@@ -60,3 +61,39 @@ def check_resume(run: RunConfig) -> None:
     raise ConfigError(
         f"checkpoint {step} holds the MoE routing bias ({'/'.join(variable[0])}) as DeepSeek-V3's non-trained "
         "variable; resume it with moe_router=deepseek_v3, or start a new run (another run_name)")
+
+
+def _metadata_at(path: str) -> Path | None:
+  """The `_METADATA` of a local checkpoint directory (`.../checkpoints/N/items`, or `.../checkpoints/N`)."""
+  if "://" in path:  # object storage: orbax reads it; nothing to check before the run
+    return None
+  for candidate in (Path(path) / "_METADATA", Path(path) / "items" / "_METADATA"):
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+def check_load_parameters(run: RunConfig) -> None:
+  """ConfigError if `load_parameters_path` holds the routing bias the other way.
+
+  Upstream restores only the `params` subtree from it: a trained bias there would be dropped under
+  V3's router (its bias is a variable, left at zero), and a V3 checkpoint's bias is not in `params`.
+  """
+  path = str(run.upstream.get("load_parameters_path") or "")
+  if not path or not run.upstream.get("routed_bias", False):
+    return
+  metadata = _metadata_at(path)
+  if metadata is None:
+    return
+  paths = _gate_bias_paths(metadata)
+  trained = [p for p in paths if p[0] == "params"]
+  if bias_is_a_variable(run) and trained:
+    raise ConfigError(
+        f"config key 'load_parameters_path' = {path!r} holds the MoE routing bias ({'/'.join(trained[0])}) as a "
+        "trained parameter, from before moe_router=deepseek_v3 made it a non-trained variable: DeepSeek-V3's "
+        "router would start from a zero bias; load it with moe_router=upstream")
+  if not bias_is_a_variable(run) and paths and not trained:
+    raise ConfigError(
+        f"config key 'load_parameters_path' = {path!r} holds the MoE routing bias as DeepSeek-V3's non-trained "
+        f"variable ({'/'.join(paths[0])}), outside the parameters this run loads: load it with "
+        "moe_router=deepseek_v3")

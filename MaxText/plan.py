@@ -13,7 +13,9 @@ full GPU count (`recipe_num_gpus`) on this machine, and prints
 On a GPU machine the GPU client is mocked to the recipe's topology. Without a
 GPU, simulated CPU devices stand in (up to 64): the collectives are the
 program's, but there is no GPU memory figure and GPU-only kernels are swapped
-for CPU ones (each swap is printed).
+for CPU ones (each swap is printed). Past 64 simulated devices the step is only
+lowered: every sharding is checked against its array (a mesh a parameter cannot
+be split over is an error naming the parameter), nothing is compiled.
 
 Options:
   --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
@@ -199,6 +201,16 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   }
 
 
+def lowered_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
+  """A CPU plan past aot.MAX_CPU_DEVICES: the step traced and lowered (every sharding checked), not compiled."""
+  return {
+      "config": str(run.config_path), "num_gpus": num_gpus, "gpus_per_node": run.fork.gpus_per_node,
+      "platform": topology.platform, "mock_topology": None, "cpu_substitutes": substitutes, "lowered_only": True,
+      "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": None,
+      "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
+  }
+
+
 def _gib(x: float) -> str:
   """Bytes in the largest binary unit that keeps them >= 1."""
   for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
@@ -212,10 +224,20 @@ def print_report(r: dict[str, Any]) -> None:
   where = f"mocked GPU topology {r['mock_topology']}" if r["mock_topology"] else f"{r['platform']}, real devices"
   if r["platform"] == "cpu":
     where = f"{r['num_gpus']} simulated CPU devices"
+  verb = "lowered" if r.get("lowered_only") else "compiled"
   print(f"\n== plan: {r['config']}\n{r['num_gpus']} GPUs ({r['gpus_per_node']} per node), mesh {mesh}; "
-        f"compiled on {where} in {r['compile_seconds']:.1f} s")
+        f"{verb} on {where} in {r['compile_seconds']:.1f} s")
   for k, v in r["cpu_substitutes"].items():
     print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the mock'}: {k}={v}")
+  if r.get("lowered_only"):
+    print(f"  lowered only (more than {aot.MAX_CPU_DEVICES} simulated CPU devices): every parameter, optimizer and "
+          "batch sharding fits its array's shape.\n  Memory, collectives and the step estimate need the compile: "
+          "plan on a machine with one GPU (mocked topology).")
+    a = r["analytic_memory"]
+    if a:
+      print(f"  analytic memory {_gib(a['device_total_bytes'])} per GPU (MaxText/analytic_memory.py; no compiler "
+            "temporaries)")
+    return
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
   m = r.get("memory", {})
   print("\nmemory per device (compiler):" if r["platform"] == "gpu" else
@@ -277,6 +299,8 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   if "compile_error" in child:
     hint = "; XLA:CPU cannot compile it, plan on a GPU" if "XLA:CPU" in child["compile_error"] else ""
     raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
+  if child.get("lowered_only"):
+    return lowered_report(run, num_gpus, topology, child, substitutes)
   return build_report(run, num_gpus, topology, child, substitutes)
 
 

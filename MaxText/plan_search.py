@@ -91,6 +91,9 @@ def main(args: list[str], timeout_s: float, json_path: str | None) -> int:
       print(f"  {label:60s} refused: {r['error'][:100]}")
       continue
     rep = r["report"]
+    if rep.get("lowered_only"):
+      print(f"  {label:60s} lowered only: shardings valid; rank it on a machine with a GPU")
+      continue
     fits = rep["verdict"]["fits"] if rep["verdict"] else None
     gib = rep["memory"]["device_total"] / plan.GiB if rep["verdict"] else float("nan")  # CPU: no GPU figure
     est = rep["estimate"]

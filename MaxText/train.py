@@ -232,6 +232,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   applied, config = apply_patches_and_validate(run, hooks)
   config_checks.check_devices(run, config)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
+  checkpoint_compat.check_load_parameters(run)
   if dry_run:
     log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
         f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")

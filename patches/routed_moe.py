@@ -28,7 +28,6 @@ refused with a message naming them, never silently sent to upstream.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import math
 
 import jax
@@ -251,9 +250,7 @@ def _check_te_ncclep_runs_here() -> None:
 
 
 def apply(fork, hooks=None) -> None:
-  if fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
-    raise RuntimeError("moe_block=te needs Transformer Engine with JAX MoE support: "
-                       "pip install 'transformer_engine[jax]' on a CUDA machine (or use moe_block=ours)")
+  # moe_block=te without TE is refused before this, by config_checks.check_fork (trainer and planner).
   if fork.moe_block == "ours" and fork.moe_dispatch_backend == "te_ncclep":
     _check_te_ncclep_runs_here()
   settings = settings_from(fork, hooks)

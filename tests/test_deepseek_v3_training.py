@@ -74,3 +74,42 @@ def test_resuming_a_checkpoint_with_a_trained_bias_stops_naming_the_bias(train):
   assert len(errors) == 1 and "gate/bias" in errors[0] and "trained parameter" in errors[0], new.stderr[-2000:]
   assert "completed step" not in new.stdout + new.stderr
   assert sorted(p.name for p in (old.run_dir / "checkpoints").iterdir()) == steps_before  # nothing written
+
+
+def _metadata(directory, *paths):
+  import json  # pylint: disable=import-outside-toplevel
+
+  directory.mkdir(parents=True)
+  (directory / "_METADATA").write_text(json.dumps({"tree_metadata": {str(p): {} for p in paths}}))
+  return directory
+
+
+def test_load_parameters_path_with_the_other_bias_semantics_is_one_config_error(tmp_path):
+  from MaxText import checkpoint_compat, config as fork_config  # pylint: disable=import-outside-toplevel
+
+  layer = ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate")
+  old = _metadata(tmp_path / "old" / "items", ("params", "params", *layer, "bias"), ("params", "params", *layer, "kernel"))
+  new = _metadata(tmp_path / "new" / "items", ("nnx_aux", "model", *layer, "bias"), ("params", "params", *layer, "kernel"))
+  v3 = lambda p: fork_config.load(["configs/deepseek3-tiny.yml", f"load_parameters_path={p}"])  # noqa: E731
+  upstream = lambda p: fork_config.load(["configs/deepseek3-tiny.yml", *OLD_ROUTER,  # noqa: E731
+                                         f"load_parameters_path={p}"])
+  with pytest.raises(fork_config.ConfigError, match="load_parameters_path.*gate/bias.*trained parameter"):
+    checkpoint_compat.check_load_parameters(v3(old))
+  with pytest.raises(fork_config.ConfigError, match="load_parameters_path.*non-trained variable"):
+    checkpoint_compat.check_load_parameters(upstream(new.parent))  # .../N as well as .../N/items
+  checkpoint_compat.check_load_parameters(v3(new))  # the same semantics: fine
+  checkpoint_compat.check_load_parameters(upstream(old))
+  checkpoint_compat.check_load_parameters(v3("gs://bucket/ckpt/0/items"))  # remote: orbax's to read
+
+
+@pytest.mark.slow
+def test_loading_parameters_with_a_trained_bias_stops_naming_the_key(train):
+  old = train("steps=1", "checkpoint_period=1", *OLD_ROUTER, run_name="old")
+  assert old.returncode == 0, old.stderr[-3000:]
+  items = old.run_dir / "checkpoints" / "0" / "items"
+  assert (items / "_METADATA").is_file()
+  new = train("steps=1", f"load_parameters_path={items}", run_name="new")  # the tiny config: V3's router
+  assert new.returncode == 2
+  errors = [line for line in new.stderr.splitlines() if "config error" in line]
+  assert len(errors) == 1 and "load_parameters_path" in errors[0] and "gate/bias" in errors[0], new.stderr[-2000:]
+  assert "completed step" not in new.stdout + new.stderr

@@ -229,11 +229,9 @@ def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypat
 
 
 def test_te_block_without_te_says_what_to_install():
-  from MaxText.config import ForkConfig
-  from maxtext.layers import moe
-  from patches import routed_moe
+  """Refused by the check the trainer and the planner both run before any patch (config_checks.check_fork)."""
+  from MaxText import config as fork_config, config_checks
 
-  before = moe.RoutedMoE
-  with pytest.raises(RuntimeError, match=r"pip install 'transformer_engine\[jax\]'"):
-    routed_moe.apply(ForkConfig(moe_block="te"))
-  assert moe.RoutedMoE is before
+  run = fork_config.load(["moe_block=te"])
+  with pytest.raises(fork_config.ConfigError, match=r"pip install 'maxtext-moe\[te\]'"):
+    config_checks.check_fork(run)
