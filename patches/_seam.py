@@ -76,7 +76,7 @@ class Seam:
           f"patch '{self.name}' targets maxtext {self.version} ({where}), but maxtext {have} is installed; "
           f"install maxtext=={self.version} (see requirements/lock.txt) or port the patch"
       )
-    if self.sha256 is None:
+    if self.sha256 is None or self.applied:  # applied: checked then; the attribute is now ours
       return
     try:
       got = source_sha256(self.target())

@@ -1,6 +1,7 @@
 """Seams: maxtext.trainers.pre_train.train.train_step and .record_activation_metrics (maxtext 0.2.5).
 
-Our block's layers sow small routing statistics (MaxText/moe/stats.py) as
+Our block's layers, and upstream's (patches/routed_moe.py recomputes its routing
+in the global view), sow small routing statistics (MaxText/moe/stats.py) as
 intermediates. Upstream's train_step gathers the intermediates (`aux
 ["intermediate_outputs"]`, after the backward pass) but hands them to only one
 function that may add metrics: `record_activation_metrics(metrics,
@@ -93,7 +94,7 @@ def _wrap_step(train_step):
 
 
 def wanted(fork) -> bool:
-  return fork.moe_block == "ours" and fork.moe_metrics_every_n_steps > 0
+  return fork.moe_block in ("ours", "upstream") and fork.moe_metrics_every_n_steps > 0
 
 
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument

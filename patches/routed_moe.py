@@ -18,6 +18,8 @@ changes, by `moe_block`:
   te        upstream's own `_te_moe_block` (TE's fused MoEBlock); needs TE and
             upstream's te_moe_block=true (+ prefuse_moe_weights=true,
             te_gmm_quantization); refused with what to set otherwise.
+  upstream  (only with moe_metrics_every_n_steps > 0) upstream's block unchanged,
+            after sowing the MoE statistics from its own gate and get_topk.
 
 Settings that our block does not implement (quantization, hash or random
 routing, forced experts, biases in the expert MLPs, per-expert scales,
@@ -194,11 +196,40 @@ def _te_ncclep_options(layer, num_tokens: int, te_options: dict) -> dict:
   return p.dispatch_options()
 
 
+def _sow_upstream_stats(layer, inputs, input_ids, gate_inputs, forced_routed_experts) -> None:
+  """MoE statistics for upstream's own block: its gate and get_topk again, in the global view.
+
+  Upstream routes inside its sparse path's shard_map, where nothing can be sown; the gate's matmul
+  on the same inputs is the one the block runs (XLA merges the two) and top-k over [T, E] is small.
+  Gradients do not flow through this copy. Random routing draws keys we would not reproduce: skipped.
+  """
+  from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
+
+  cfg = layer.config
+  if cfg.use_random_routing:
+    return
+  gate_dtype = jnp.float32 if cfg.float32_gate_logits else cfg.dtype
+  x = jax.lax.stop_gradient(inputs if gate_inputs is None else gate_inputs.astype(gate_dtype))
+  logits, pre_bias_logits = layer.gate(x)
+  _, ids_BSK = layer.get_topk(logits, pre_bias_logits, None, input_ids, forced_routed_experts)
+  scores = pre_bias_logits if pre_bias_logits is not None else logits
+  if not layer.gate.score_func:  # raw logits: upstream's softmax in get_topk makes them a distribution
+    scores = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+  bias_E = None if layer.gate.bias is None else layer.gate.bias[...]
+  num_experts = layer.num_experts
+  for name, value in stats.layer_stats(ids_BSK.reshape(-1, ids_BSK.shape[-1]), scores.reshape(-1, num_experts),
+                                       bias_E, num_experts).items():
+    layer.sow(nnx.Intermediate, name, jax.lax.stop_gradient(value))
+
+
 def _subclass(upstream_cls, settings: dict):
   class RoutedMoE(upstream_cls):  # pylint: disable=missing-class-docstring
     __doc__ = f"upstream RoutedMoE with moe_block={settings['block']} (patches/routed_moe.py)"
 
     def __call__(self, inputs, input_ids=None, gate_inputs=None, out_sharding=None, forced_routed_experts=None):
+      if settings["block"] == "upstream":  # only for the statistics (wanted): upstream's block runs unchanged
+        _sow_upstream_stats(self, inputs, input_ids, gate_inputs, forced_routed_experts)
+        return super().__call__(inputs, input_ids, gate_inputs, out_sharding, forced_routed_experts)
       if settings["block"] == "te":
         if not self.config.te_moe_block:
           raise ValueError("moe_block=te runs upstream's TE MoE block: also set te_moe_block=true "
@@ -236,7 +267,8 @@ def settings_from(fork, hooks=None) -> dict:
 
 
 def wanted(fork) -> bool:
-  return fork.moe_block != "upstream"
+  """Our block or TE's, or upstream's when its MoE statistics are on (moe_metrics_every_n_steps > 0)."""
+  return fork.moe_block != "upstream" or fork.moe_metrics_every_n_steps > 0
 
 
 def _check_te_ncclep_runs_here() -> None:

@@ -195,3 +195,53 @@ print("RESULT", bool(overflow), float(buf[0]), float(buf[1]))
   overflow, fill, dropped = proc.stdout.split("RESULT")[1].split()
   # each shard: 8 tokens x 2 = 16 rows, all for peer 0; capacity ceil(0.5 * 16 / 2) = 4 -> fill 4x, 12 dropped each
   assert overflow == "True" and float(fill) == pytest.approx(4.0) and float(dropped) == 24.0
+
+
+def test_upstream_block_sows_the_statistics_of_its_own_routing():
+  """moe_block=upstream with statistics on: counts from upstream's gate and get_topk, the block's output unchanged."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from maxtext.configs import pyconfig
+  from maxtext.layers import initializers, moe
+  from maxtext.utils import maxtext_utils
+
+  from MaxText import config as fork_config
+  from MaxText.moe import stats
+  from patches import deepseek_v3_router, routed_moe
+
+  run = fork_config.load([TINY, "steps=1", "enable_checkpointing=false", "dtype=float32", "float32_gate_logits=true"])
+  cfg = pyconfig.initialize(run.upstream_argv())
+  mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
+  layers = {}
+  for metrics in (1, 0):
+    fork = fork_config.ForkConfig(**{**run.fork.model_dump(), "moe_block": "upstream", "moe_gmm_backend": None,
+                                     "moe_metrics_every_n_steps": metrics})
+    assert routed_moe.wanted(fork) == bool(metrics)
+    try:
+      deepseek_v3_router.apply(fork)
+      if routed_moe.wanted(fork):
+        routed_moe.apply(fork)
+      with jax.set_mesh(mesh):
+        layers[metrics] = moe.RoutedAndSharedMoE(
+            config=cfg, mesh=mesh, kernel_axes=("embed", None), rngs=nnx.Rngs(0), dtype=jnp.float32,
+            weight_dtype=jnp.float32, kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+        ).MoeBlock_0
+    finally:
+      routed_moe.undo()
+      deepseek_v3_router.undo()
+  x = jax.random.normal(jax.random.key(1), (2, 16, cfg.emb_dim))
+  with jax.set_mesh(mesh):
+    out_on = layers[1](x)[0]
+    out_off = layers[0](x)[0]
+    logits, pre_bias = layers[1].gate(x)
+    _, ids = layers[1].get_topk(logits, pre_bias)
+  np.testing.assert_allclose(np.asarray(out_on), np.asarray(out_off), rtol=1e-6, atol=1e-6)
+  sown = nnx.state(layers[1], nnx.Intermediate)
+  counts = [v for path, v in nnx.to_flat_state(sown) if stats.COUNTS in str(path)]
+  assert len(counts) == 1, sown
+  want = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
+  np.testing.assert_array_equal(np.asarray(counts[0].get_value()).reshape(-1), want)
+  off = nnx.to_flat_state(nnx.state(layers[0], nnx.Intermediate))  # off: upstream's own flag only
+  assert not [path for path, _ in off if "moe_stats" in str(path)]
