@@ -17,7 +17,8 @@ steps, with the Profiler's own ProfileOptions, after upstream's call:
     reads it: `tensorboard --logdir <run>/moe_profile`); the newest KEEP stay;
   - a subprocess (`python -m MaxText.moe.time_split`) turns it into the split,
     so xprof's converter logs and memory stay out of the trainer and a failure
-    costs one warning line, never the run; the moe_time/ scalars join the
+    costs one warning line, never the run; the result (with the largest
+    ops left in "rest") is kept as step_<s>/time_split.json; the moe_time/ scalars join the
     step's own metrics (patches/metric_logger.add_scalars), which upstream
     writes one step later, and a one-line log is printed.
 
@@ -125,6 +126,7 @@ def report(step: int, out: Path) -> dict | None:
     _log(f"WARNING: MoE time split, step {step}: {found[-1]} not converted: {why[:300]}")
     return None
   result = json.loads(proc.stdout.strip().splitlines()[-1])
+  (out / "time_split.json").write_text(json.dumps(result, indent=1))  # with the largest ops left in rest
   metric_logger.add_scalars(step, time_split.scalars(result))
   _log(f"{time_split.format_line(result, step)} [{time.monotonic() - began:.1f} s to convert]")
   _prune(out.parent)

@@ -229,21 +229,25 @@ def trace_rows(xplane: Path) -> list[OpRow]:
   return out
 
 
-def split_trace(xplane: Path) -> dict:
-  """The step's split from one trace: xprof's op statistics, else (CPU) the trace's op events."""
+def split_trace(xplane: Path, top: int = 10) -> dict:
+  """The step's split from one trace: xprof's op statistics, else (CPU) the trace's op events; with the
+  `top` largest ops left in "rest" ([name, op_name, first frame, ms]) so a misclassification shows."""
   source, rows = "xprof hlo_stats", step_rows(xprof_rows(xplane))
   if not rows:
     source, rows = "trace events, no op names", step_rows(trace_rows(xplane))
   if not rows:
     raise ValueError(f"no op of {STEP_MODULE} in {xplane}")
-  return {**split(rows), "source": source, "xplane": str(xplane)}
+  rest = sorted((r for r in rows if classify_row(r) == "rest"), key=lambda r: -r.self_us)[:top]
+  top_rest = [[r.name, r.op_name[-100:], (r.frames or ("",))[0][-80:], r.self_us / 1e3] for r in rest]
+  return {**split(rows), "source": source, "xplane": str(xplane), "top_rest": top_rest}
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description="The MoE time split of a one-step trace, as JSON.")
   parser.add_argument("xplane", type=Path)
+  parser.add_argument("--top", type=int, default=10, help="largest ops left in rest to list")
   args = parser.parse_args(argv)
-  print(json.dumps(split_trace(args.xplane)))
+  print(json.dumps(split_trace(args.xplane, args.top)))
   return 0
 
 
