@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 PARTS = ("route", "dispatch", "gmm", "combine", "attention")
 MAX_REST_SHARE = 0.5  # projections, dense layers, norms, optimizer, output head: a V3 proxy step's rest
 
@@ -37,8 +39,6 @@ def main(run_dir: str) -> int:
   events = glob.glob(str(run / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
   tags: list[str] = []
   if events:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # pylint: disable=import-outside-toplevel
-
     acc = EventAccumulator(events[0], size_guidance={"scalars": 0})
     acc.Reload()
     tags = [t for t in acc.Tags()["scalars"] if t.startswith("moe_time/")]
