@@ -84,7 +84,11 @@ def _wrap_start(original):
       return
     out = _state["run_dir"] / "moe_profile" / f"step_{int(step)}"
     jax.block_until_ready(state)  # the previous step's work stays out of the trace
-    jax.profiler.start_trace(str(out), profiler_options=self.profiling_options)
+    try:
+      jax.profiler.start_trace(str(out), profiler_options=self.profiling_options)
+    except RuntimeError as e:  # another trace running (a profiler server's capture): skip this one, go on
+      _log(f"WARNING: MoE time split, step {int(step)}: no trace: {str(e).splitlines()[0][:200]}")
+      return
     _state["tracing"] = (int(step), out)
 
   maybe_activate_profiler.__wrapped__ = original
@@ -119,13 +123,15 @@ def report(step: int, out: Path) -> dict | None:
     return None
   began = time.monotonic()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the converter needs no accelerator
-  proc = subprocess.run([sys.executable, "-m", "MaxText.moe.time_split", found[-1]], capture_output=True,
-                        text=True, env=env, timeout=CONVERT_TIMEOUT_S, check=False)
-  if proc.returncode != 0:
-    why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    _log(f"WARNING: MoE time split, step {step}: {found[-1]} not converted: {why[:300]}")
+  try:
+    proc = subprocess.run([sys.executable, "-m", "MaxText.moe.time_split", found[-1]], capture_output=True,
+                          text=True, env=env, timeout=CONVERT_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+      raise ValueError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+  except (subprocess.TimeoutExpired, ValueError, IndexError) as e:  # JSONDecodeError is a ValueError
+    _log(f"WARNING: MoE time split, step {step}: {found[-1]} not converted: {str(e)[:300]}")
     return None
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
   (out / "time_split.json").write_text(json.dumps(result, indent=1))  # with the largest ops left in rest
   metric_logger.add_scalars(step, time_split.scalars(result))
   _log(f"{time_split.format_line(result, step)} [{time.monotonic() - began:.1f} s to convert]")

@@ -143,3 +143,15 @@ def test_tiny_run_writes_the_time_split(train):
     assert acc.Scalars("moe_time/total_ms")[step_index].value > 0
   lines = [line for line in result.stdout.splitlines() if "MoE time split, step" in line]
   assert len(lines) == 2 and "trace events" in lines[0], result.stdout[-3000:]
+
+
+def test_an_unreadable_trace_costs_one_warning_not_the_run(tmp_path, capsys):
+  from patches import metric_logger, moe_profile
+
+  trace = tmp_path / "step_3" / "plugins" / "profile" / "x" / "host.xplane.pb"
+  trace.parent.mkdir(parents=True)
+  trace.write_bytes(b"not an XSpace")
+  assert moe_profile.report(3, tmp_path / "step_3") is None
+  lines = [line for line in capsys.readouterr().out.splitlines() if "MoE time split" in line]
+  assert len(lines) == 1 and "WARNING" in lines[0] and "not converted" in lines[0]
+  assert 3 not in metric_logger._extra  # no scalars queued for the step
