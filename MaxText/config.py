@@ -105,6 +105,12 @@ class ForkConfig(pydantic.BaseModel):
       default=100, ge=0,
       description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps (0: none); "
       "needs moe_metrics_every_n_steps > 0.")
+  moe_profile_every_n_steps: int = pydantic.Field(
+      default=0, ge=0,
+      description="The MoE time split live: every N steps (steps s with (s+1) % N == 0, never a process's first "
+      "step, which compiles) a jax.profiler trace of that one step into <run>/moe_profile/step_<s>/, classified "
+      "into route/dispatch/gmm/combine/attention/rest (xprof's per-op statistics) as moe_time/ TensorBoard "
+      "scalars and a log line. 0: off. Process 0 only; needs profiler unset (one trace at a time).")
   moe_te_ncclep_recv_capacity_per_rank: int | None = pydantic.Field(
       default=None, ge=1,
       description="te_ncclep: rows each rank receives (TE's recv_capacity_per_rank); unset: the dropless bound "
@@ -445,6 +451,10 @@ def load(args: list[str]) -> RunConfig:
     raise _fork_error(e, origins) from None
   check_moe_keys(fork, origins)
   _router_checks(fork, theirs, origins)
+  if fork.moe_profile_every_n_steps and theirs.get("profiler"):
+    raise ConfigError(f"config keys 'moe_profile_every_n_steps' = {fork.moe_profile_every_n_steps} "
+                      f"({origins['moe_profile_every_n_steps']}) and 'profiler' = {theirs['profiler']!r} "
+                      f"({origins['profiler']}) contradict each other: one profiler trace at a time; unset one")
   if fork.moe_log_expert_load and fork.moe_block != "ours":
     raise ConfigError(f"config key 'moe_log_expert_load' = True ({origins['moe_log_expert_load']}): "
                       "only our block reports the expert load; set moe_block=ours")

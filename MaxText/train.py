@@ -218,7 +218,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
   `dry_run`, stops after every check, before writing or compiling."""
   import patches  # pylint: disable=import-outside-toplevel
-  from patches import checkpoint_guard, checkpoint_restore, metric_logger, step_metrics  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, checkpoint_restore, metric_logger, moe_profile, step_metrics  # pylint: disable=import-outside-toplevel
 
   stop = stop or lifecycle.StopRequest()
   config_checks.check_fork(run)
@@ -247,6 +247,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every,
                                      peak_flops=peak_flops, peak_label=peak_label)
   metric_logger.set_mfu_peak(peak_flops)
+  moe_profile.set_run_dir(run.run_dir)  # moe_profile_every_n_steps's traces stay in the run directory
   tracker.append(_StepHook(progress, prepared.abort_on_nonfinite))
   lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
   if lock:

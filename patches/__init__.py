@@ -31,6 +31,7 @@ SEAM_MODULES = (
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
     "patches.train_schedule",  # token-count switches: bias-update rate -> 0, MTP loss weight (train_step)
+    "patches.moe_profile",  # upstream's profiler step hooks: a one-step trace every N steps -> moe_time/ scalars
     "patches.moe_metrics",  # train_step: our block's sown routing statistics -> moe/ scalars (no host callback)
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP

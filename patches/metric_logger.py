@@ -10,7 +10,9 @@ jitted function; here the host keeps them only every moe_metrics_every_n_steps
 steps (dropped from what upstream logs otherwise), and on those steps writes
 the tokens-per-expert histograms and, every moe_metrics_heatmap_every_n_steps,
 the layers x experts heatmap (MaxText/moe_tensorboard.py) into upstream's own
-TensorBoard writer. Upstream's behaviour is otherwise unchanged.
+TensorBoard writer. Scalars computed on the host for a step (add_scalars: the
+moe_time/ split of patches/moe_profile.py) join that step's metrics. Upstream's
+behaviour is otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ SEAM = Seam(
 _observer: Callable[[int, dict[str, Any]], None] | None = None
 _moe = {"every": 0, "heatmap_every": 0}
 _mfu_peak_flops: list[float | None] = [None]  # per device; set by MaxText/train.py once devices are known
+_extra: dict[int, dict[str, float]] = {}  # step -> scalars computed on the host (patches/moe_profile.py)
 
 
 def set_mfu_peak(peak_flops: float | None) -> None:
   _mfu_peak_flops[0] = peak_flops
+
+
+def add_scalars(step: int, scalars: dict[str, float]) -> None:
+  """Host-side scalars written with train step `step`'s own metrics (upstream writes a step one step later)."""
+  _extra.setdefault(int(step), {}).update(scalars)
 
 
 def _keep_moe(step: int) -> bool:
@@ -49,6 +57,9 @@ def _wrap(original):
       if not _keep_moe(int(step)):
         counts_LE = None
         metrics["scalar"] = {k: v for k, v in metrics["scalar"].items() if not k.startswith("moe/")}
+    extra = _extra.pop(int(step), None) if metric_type == "train" else None
+    if extra and metrics:
+      metrics = {**metrics, "scalar": {**metrics.get("scalar", {}), **extra}}
     tflops = (metrics or {}).get("scalar", {}).get("perf/per_device_tflops_per_sec")
     if metric_type == "train" and _mfu_peak_flops[0] and tflops is not None:  # perf/mfu next to upstream's TFLOP/s
       metrics = {**metrics, "scalar": {**metrics["scalar"], "perf/mfu": float(tflops) * 1e12 / _mfu_peak_flops[0]}}
@@ -81,4 +92,5 @@ def undo() -> None:
   global _observer
   _observer = None
   _moe.update(every=0, heatmap_every=0)
+  _extra.clear()
   SEAM.undo()

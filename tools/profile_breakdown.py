@@ -38,7 +38,7 @@ How time is attributed:
   with hlo_op/hlo_module stats; an "XLA Ops" line is used alone when present)
   but has not been checked against a real H200 trace yet.
 - The descriptor (op_name + custom-call target + event name) goes through
-  RULES below, first match wins.
+  MaxText/moe/time_split.py's RULES, first match wins.
 """
 
 from __future__ import annotations
@@ -54,71 +54,20 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's MaxText when run as a script
+from MaxText.moe import time_split  # noqa: E402
+from MaxText.moe.time_split import CONTROL_FLOW  # noqa: E402
+
+# The rules are MaxText/moe/time_split.py's, shared with the live split
+# (moe_profile_every_n_steps); here dispatch and combine stay one column.
 CATEGORIES = ("gmm", "dispatch_combine", "route", "attention", "rest", "unattributed")
-# HLO ops whose event spans other ops' events (CPU runs a while loop's body
-# inside the while's own event): counting them would count the body twice.
-CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start", "async-done"})
-
-
-@dataclass(frozen=True)
-class Rule:
-  """`scopes` match whole components of the op_name path (named scopes);
-  `substrings` match anywhere in the lowercased op_name/target/event name;
-  `sources` are regexes on one source frame, "path/file.py:function", lowercased."""
-
-  category: str
-  scopes: tuple[str, ...] = ()
-  substrings: tuple[str, ...] = ()
-  sources: tuple[str, ...] = ()
-
-
-# Order matters: the first rule that matches wins; named scopes and kernel
-# names are tried before source frames. Scopes come from our
-# MaxText/moe/block.py (route, dispatch, gmm, combine) and upstream 0.2.5's
-# layers/moe.py (sort_activations = the permute/unpermute gathers,
-# weight_sum = the weighted unpermute, wi_0/wi_1/wo = the capacity path's
-# expert einsums). Upstream's attention has no named scope and the backward of
-# an einsum loses its name (op_name ".../transpose"), so the source frames XLA
-# keeps with each op decide those: attention = the attention core
-# (layers/attention_op.py: scores, mask, softmax, PV, or the fused kernel);
-# the q/k/v/out projections stay in "rest".
-RULES: tuple[Rule, ...] = (
-    # Collectives of expert parallelism: dispatch/combine whatever scope they sit in.
-    Rule("dispatch_combine", substrings=("all-to-all", "all_to_all", "alltoall", "collective-permute",
-                                         "collective_permute", "sendrecv")),
-    Rule("gmm", scopes=("gmm", "gmm_dlhs", "gmm_drhs", "wi_0", "wi_1", "wo"),
-         # No bare "gmm": it is inside "wgmma", which most Hopper kernel names carry.
-         substrings=("ragged_dot", "ragged-dot", "megablox", "tokamax", "/gmm", "grouped_matmul",
-                     "grouped_gemm", "mosaic_gpu", "ragged_matmul"),
-         sources=(r"maxtext/moe/gmm/", r"layers/moe\.py:.*(gmm|ragged_dot)", r"megablox", r"tokamax")),
-    Rule("dispatch_combine", scopes=("dispatch", "combine", "sort_activations", "weight_sum", "permute",
-                                     "unpermute"),
-         sources=(r"maxtext/moe/dispatch/", r"layers/moe\.py:.*(permute|sort_activations|all_to_all|weight_sum)")),
-    Rule("route", scopes=("route",),
-         sources=(r"maxtext/moe/routing\.py", r"layers/moe\.py:.*(gatelogit|get_topk|routing|scale_weights)")),
-    Rule("attention", scopes=("attention", "self_attention", "attention_op", "dot_product_attention"),
-         substrings=("cudnn$fmha", "fmha", "flash", "dot_product_attention", "sdpa", "bkgts", "bkgtd", "splash"),
-         sources=(r"layers/attention_op\.py", r"jax/_src/cudnn/fused_attention")),
-)
+_MERGED = {"dispatch": "dispatch_combine", "combine": "dispatch_combine"}
 
 
 def classify(descriptor: str, frames: tuple[str, ...] = ()) -> str | None:
-  """Category of an op; None when no rule matches.
-
-  descriptor: op_name path (plus custom-call target / event name);
-  frames: its source frames innermost first, "path/file.py:function".
-  """
-  lowered = descriptor.lower()
-  components = set(re.split(r"[/ ;]", lowered))
-  for rule in RULES:
-    if components.intersection(rule.scopes) or any(s in lowered for s in rule.substrings):
-      return rule.category
-  for frame in frames:
-    frame = frame.lower()
-    for rule in RULES:
-      if any(re.search(pattern, frame) for pattern in rule.sources):
-        return rule.category
-  return None
+  """time_split.classify, with dispatch and combine merged; None when no rule matches."""
+  category = time_split.classify(descriptor, frames)
+  return _MERGED.get(category, category)
 
 
 # ---------------------------------------------------------------- HLO text
