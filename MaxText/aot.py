@@ -321,6 +321,8 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   hlo = step.compiled.as_text()
   if hlo_path:
     Path(hlo_path).write_text(hlo)
+  dump = step.config.dump_hlo_local_dir  # the planner's run directory lies in its temporary directory
+  buffers = hlo_inventory.largest_buffers(Path(dump), n=8) if step.config.dump_hlo and dump else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
   recompute, recompute_note = hardware.recompute_flops(step.config)
   return dict(
@@ -330,6 +332,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       model_tflops_per_device=float(model_tflops),
       recompute_flops=float(recompute), recompute_note=recompute_note,
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
+      largest_buffers=buffers,
       **hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology)),
   )
 

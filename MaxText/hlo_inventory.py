@@ -24,10 +24,12 @@ coordinates differ in; it crosses nodes when its members sit on two nodes.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import re
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -269,8 +271,32 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
   return {"collectives": collectives, "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
 
 
+def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:
+  """The n largest slices of the step's buffer assignment, from XLA's memory-usage report
+  (`*<module>*after_optimizations-memory-usage-report.txt`, written with every HLO dump):
+  size, and the shapes of the values that share the slice over the step."""
+  paths = sorted(glob.glob(str(run_dir / "**" / f"*{module}*after_optimizations-memory-usage-report.txt"),
+                           recursive=True))
+  if not paths:
+    return []
+  rows = []
+  for line in Path(paths[-1]).read_text().splitlines():
+    fields = [f.strip() for f in line.split(";")]
+    # "<cumulative>(<share>); <size>; <offset>; <used_by_n_values>; <shapes>"
+    if len(fields) == 5 and fields[2].isdigit():
+      rows.append({"size": fields[1], "bytes": _bytes(fields[1]), "values": int(fields[3]), "shapes": fields[4]})
+  return sorted(rows, key=lambda r: -r["bytes"])[:n]
+
+
+def _bytes(text: str) -> float:
+  units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+  match = re.fullmatch(r"([\d.]+)\s*([KMGT]?i?B)", text)
+  return float(match.group(1)) * units[match.group(2)] if match else 0.0
+
+
 if __name__ == "__main__":  # python -m MaxText.hlo_inventory HLO.txt '{"fsdp": 4}'
   import sys
 
   shape = json.loads(sys.argv[2])
   print(json.dumps(inventory(open(sys.argv[1]).read(), shape, [0] * math.prod(shape.values())), indent=2))
+

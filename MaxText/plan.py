@@ -106,7 +106,9 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
     request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
     # Outputs (compile cache, dumps) go to the temporary directory, never the user's run directory.
     request.write_text(json.dumps({
-        "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true"],
+        # dump_hlo: XLA's memory-usage report, for the largest buffers (into tmp, like every output).
+        "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true",
+                 "dump_hlo=true"],
         "topology": topology.__dict__, "hlo_path": hlo_path,
     }))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -190,6 +192,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.platform == "gpu" else "cpu_memory"): memory,
       "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
+      "largest_buffers": child.get("largest_buffers", []),
       "estimate": {
           "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
           "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
@@ -251,6 +254,10 @@ def print_report(r: dict[str, Any]) -> None:
   a = r["analytic_memory"]
   if a:
     print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/analytic_memory.py; no compiler temporaries)")
+  if r.get("largest_buffers") and r["platform"] == "gpu":
+    print("  largest buffers (XLA's memory-usage report: slice size, values sharing it over the step):")
+    for b in r["largest_buffers"]:
+      print(f"    {b['size']:>10} {b['values']:4d} values  {b['shapes'][:150]}")
   print("\ncollectives per step (per device):")
   print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s}")
   for c in r["collectives"]:

@@ -254,6 +254,8 @@ def test_tiny_plan_on_4_simulated_devices(tmp_path):
   assert sum(r["bytes"] for r in gathers) >= 2 * 100_000
   assert any(r["crosses_nodes"] for r in gathers)  # 4 devices, 2 per node
   assert report["estimate"]["step_s"] > 0 and report["estimate"]["model_tflops_per_device"] > 0
+  # XLA's memory-usage report, read from the compile's dump (printed for GPU compiles only).
+  assert report["largest_buffers"] and all(b["bytes"] > 0 and "[" in b["shapes"] for b in report["largest_buffers"])
   assert not (REPO / "outputs" / "plan").exists()  # the compile wrote only under a temporary directory
 
 

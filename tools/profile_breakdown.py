@@ -57,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's MaxText when run as a script
 from MaxText.moe import time_split  # noqa: E402
 from MaxText.moe.time_split import CONTROL_FLOW  # noqa: E402
+from MaxText.hlo_inventory import largest_buffers  # noqa: E402  # shared with the planner
 
 # The rules are MaxText/moe/time_split.py's, shared with the live split
 # (moe_profile_every_n_steps); here dispatch and combine stay one column.
@@ -288,29 +289,6 @@ def profiled_steps(run_dir: Path, events: list[OpEvent], module: str) -> int | N
 
 
 # ---------------------------------------------------------------- memory
-
-def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:
-  """The n largest slices of the step's buffer assignment, from XLA's memory-usage report
-  (`*<module>*after_optimizations-memory-usage-report.txt`, written with every HLO dump):
-  size, and the shapes of the values that share the slice over the step."""
-  paths = sorted(glob.glob(str(run_dir / "**" / f"*{module}*after_optimizations-memory-usage-report.txt"),
-                           recursive=True))
-  if not paths:
-    return []
-  rows = []
-  for line in Path(paths[-1]).read_text().splitlines():
-    fields = [f.strip() for f in line.split(";")]
-    # "<cumulative>(<share>); <size>; <offset>; <used_by_n_values>; <shapes>"
-    if len(fields) == 5 and fields[2].isdigit():
-      rows.append({"size": fields[1], "bytes": _bytes(fields[1]), "values": int(fields[3]), "shapes": fields[4]})
-  return sorted(rows, key=lambda r: -r["bytes"])[:n]
-
-
-def _bytes(text: str) -> float:
-  units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-  match = re.fullmatch(r"([\d.]+)\s*([KMGT]?i?B)", text)
-  return float(match.group(1)) * units[match.group(2)] if match else 0.0
-
 
 # ---------------------------------------------------------------- breakdown
 
