@@ -7,9 +7,11 @@ No container engine runs in CI, so the image is mirrored instead:
   nothing else leaks in (nothing the wheelhouse carries or leaves out);
 - the install step: scripts/wheelhouse builds the wheelhouse (the packages the
   image lacks, downloaded at the lock's versions, plus our own wheel), and
-  `pip install --no-index --no-deps --target` puts it beside the image, exactly as
-  INSTALL.txt tells a node to (the Dockerfile runs the same wheels through pip);
-- then, from a neutral directory: docker/check_image.py's checks (manifest pins,
+  `pip install --no-index --no-deps` puts it into that venv, which sees the image
+  beside it, as INSTALL.txt tells a node to (the Dockerfile runs the same wheels
+  through pip);
+- then, from a neutral directory: `scripts/wheelhouse --verify`, docker/check_image.py's
+  checks (manifest pins,
   MaxText resolving to the installed wheel, the training chain importing) and a
   2-step training run of the tiny config.
 A package the plan wrongly leaves out fails the import or the run. What this
@@ -96,9 +98,10 @@ def test_wheelhouse_on_a_mirror_of_the_image_imports_and_trains(tmp_path):
   assert not any(w.name.split("-")[0] in ("jax", "jaxlib", "flax", "numpy") for w in wheels)
   total = sum(w.stat().st_size for w in wheels)
   assert total <= MANIFEST["wheelhouse"]["max_mib"] * 2**20
-  assert "--no-index --no-deps" in (wheelhouse / "INSTALL.txt").read_text()
+  notes = (wheelhouse / "INSTALL.txt").read_text()
+  assert "--no-index --no-deps" in notes and "venv --system-site-packages" in notes
 
-  # The image: a fresh venv (no pip, no system site-packages) that sees only its packages.
+  # The node's venv (no pip, no system site-packages) that sees only the image's packages.
   node = tmp_path / "node"
   subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
   node_py = node / "bin" / "python"
@@ -111,10 +114,13 @@ def test_wheelhouse_on_a_mirror_of_the_image_imports_and_trains(tmp_path):
   mirror_image(tmp_path / "image", image)
   (site_dir / "image.pth").write_text(str(tmp_path / "image") + "\n")
 
-  # The install step, as on the node: no index, no dependency resolution.
-  target = tmp_path / "site"
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                  "--target", str(target), *map(str, wheels)], check=True, capture_output=True)
+  # The install step, as on the node: into the venv, no index, no dependency resolution.
+  subprocess.run([sys.executable, "-m", "pip", "--python", str(node_py), "install", "-q", "--no-index", "--no-deps",
+                  "--no-compile", *map(str, wheels)], check=True, capture_output=True)
+  env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path / "home"), "PYTHONNOUSERSITE": "1"}
+  proc = subprocess.run([node_py, str(REPO / "scripts" / "wheelhouse"), "--verify", "--out", str(wheelhouse)],
+                        env=env, capture_output=True, text=True, check=False)
+  assert proc.returncode == 0 and "verify: PASS" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
   run_dir = tmp_path / "run"
   run_dir.mkdir()
@@ -126,13 +132,11 @@ def test_wheelhouse_on_a_mirror_of_the_image_imports_and_trains(tmp_path):
       problems = check_image.problems(manifest, check_te=False)
       assert not problems, problems
       import MaxText
-      assert MaxText.__file__.startswith({str(target)!r}), MaxText.__file__
+      assert MaxText.__file__.startswith({str(site_dir)!r}), MaxText.__file__
       from MaxText import train
       sys.exit(train.main([{str(REPO / "configs" / "deepseek3-tiny.yml")!r}, "steps=2", "checkpoint_period=2",
                            "base_output_directory={run_dir / "out"}", "run_name=tiny"]))
   """)
-  env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path / "home"),
-         "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
   proc = subprocess.run([node_py, "-c", code], cwd=run_dir, env=env, capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   summary = json.loads((run_dir / "out" / "tiny" / "summary.json").read_text())

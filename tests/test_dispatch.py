@@ -58,9 +58,9 @@ def test_local_round_trip_is_the_weighted_sum(tokens, top_k):
     return d.combine(x_MD * 1.0, w, meta)
 
   want = lambda x, w: x * w.sum(-1, keepdims=True)  # noqa: E731
-  assert_close(f(x, w), want(x, w), 1e-6)
+  assert_close(jax.jit(f)(x, w), want(x, w), 1e-6)  # jitted: one compile, not one per eager op
   probe = jax.random.normal(jax.random.key(3), x.shape)
-  g = jax.grad(lambda x, w: jnp.sum(f(x, w) * probe), argnums=(0, 1))(x, w)
+  g = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * probe), argnums=(0, 1)))(x, w)
   g_ref = jax.grad(lambda x, w: jnp.sum(want(x, w) * probe), argnums=(0, 1))(x, w)
   for a, b in zip(g, g_ref):
     assert_close(a, b, 1e-5)

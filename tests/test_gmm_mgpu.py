@@ -112,9 +112,10 @@ def test_work_table_partitions_rows(sizes, offset, num_local, m, group_aligned):
   _check_schedule(sizes, offset, num_local, m, 128, group_aligned)
 
 
-def test_work_table_random_schedules():
+@pytest.mark.parametrize("cases", [pytest.param(20, marks=pytest.mark.slow), 8])  # fast tier: the first 8
+def test_work_table_random_schedules(cases):
   rng = np.random.default_rng(0)
-  for _ in range(20):
+  for _ in range(cases):
     g = int(rng.integers(1, 9))
     sizes = rng.integers(0, 300, g) * (rng.random(g) > 0.3)
     m = int(sizes.sum() + rng.integers(0, 200))

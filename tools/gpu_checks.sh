@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks recorded in BENCHMARKS.md, run on one H200 with the project's
-# wheelhouse installed (scripts/wheelhouse; the node's image provides JAX/CUDA).
+# wheelhouse installed (scripts/wheelhouse; the node's image provides JAX/CUDA)
+# into the venv that wheelhouse/INSTALL.txt makes, and that venv active:
+#   source /tmp/venv/bin/activate && bash tools/gpu_checks.sh ...
 #
 #   bash tools/gpu_checks.sh [tiny] [selftest] [offload] [ours] ...
 #
