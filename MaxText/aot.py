@@ -321,8 +321,8 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   hlo = step.compiled.as_text()
   if hlo_path:
     Path(hlo_path).write_text(hlo)
-  dump = step.config.dump_hlo_local_dir  # the planner's run directory lies in its temporary directory
-  buffers = hlo_inventory.largest_buffers(Path(dump), n=8) if step.config.dump_hlo and dump else []
+  dumps = re.findall(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))  # XLA takes the last one
+  buffers = hlo_inventory.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
   recompute, recompute_note = hardware.recompute_flops(step.config)
   return dict(

@@ -106,9 +106,10 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
     request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
     # Outputs (compile cache, dumps) go to the temporary directory, never the user's run directory.
     request.write_text(json.dumps({
-        # dump_hlo: XLA's memory-usage report, for the largest buffers (into tmp, like every output).
+        # dump_hlo: XLA's memory-usage report, for the largest buffers (into tmp, like every output),
+        # unless the user's XLA_FLAGS already dump somewhere: then the report is read there.
         "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true",
-                 "dump_hlo=true"],
+                 *([] if "--xla_dump_to" in os.environ.get("XLA_FLAGS", "") else ["dump_hlo=true"])],
         "topology": topology.__dict__, "hlo_path": hlo_path,
     }))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
