@@ -199,8 +199,9 @@ def _te_ncclep_options(layer, num_tokens: int, te_options: dict) -> dict:
 def _sow_upstream_stats(layer, inputs, input_ids, gate_inputs, forced_routed_experts) -> None:
   """MoE statistics for upstream's own block: its gate and get_topk again, in the global view.
 
-  Upstream routes inside its sparse path's shard_map, where nothing can be sown; the gate's matmul
-  on the same inputs is the one the block runs (XLA merges the two) and top-k over [T, E] is small.
+  Upstream routes inside its sparse path's shard_map, where nothing can be sown. The copy costs a
+  second gate matmul on the same inputs (XLA may merge the two; not measured) and a top-k over
+  [T, E], both small next to the experts.
   Gradients do not flow through this copy. Random routing draws keys we would not reproduce: skipped.
   """
   from MaxText.moe import stats  # pylint: disable=import-outside-toplevel

@@ -105,8 +105,9 @@ def _group_mask_TE(scores_TE, cfg: RouterConfig):
 
   A group is kept when fewer than `topk_groups` groups beat it, ties going to
   the lower index, which is `lax.top_k`'s order. Counting over [T, G, G]
-  (G = 8 for V3) replaces two small top-k sorts per routing call, which cost
-  V3's router 1.2% of the proxy's step on the H200 (BENCHMARKS.md, session 7).
+  (G = 8 for V3) replaces two small top-k sorts per routing call with
+  element-wise work. On the H200 proxy all of routing measured 1.4 ms, 0.2% of
+  the step, after this change (BENCHMARKS.md, session 8).
   """
   g = cfg.n_groups
   score_TG = _top2_sum(scores_TE.reshape(*scores_TE.shape[:-1], g, -1))
@@ -150,15 +151,15 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
   return Routing(weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32), scores_TE=aux_scores_TE)
 
 
-def expert_counts_E(ids_TK, num_experts: int, dtype=jnp.int32):
-  """Assignments per expert. Feeds the aux-loss-free bias update and the MoE statistics.
+def expert_counts_E(ids_TK, num_experts: int):
+  """Assignments per expert (int32). Feeds the aux-loss-free bias update and the MoE statistics.
 
   A one-hot sum (iota compares fused into one reduction) rather than a
   scatter-add of T*K ones into E bins, which serializes on atomics on a GPU.
   Ids outside [0, E) count nowhere, as the scatter's mode="drop" did.
   """
   hits = ids_TK.reshape(-1, 1) == jnp.arange(num_experts, dtype=ids_TK.dtype)
-  return jnp.sum(hits, axis=0, dtype=dtype)
+  return jnp.sum(hits, axis=0, dtype=jnp.int32)
 
 
 def bias_update_E(counts_E, rate: float):

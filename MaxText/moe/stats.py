@@ -33,7 +33,8 @@ def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buff
   buffer2: [fullest per-peer buffer's fill (fraction of capacity), rows beyond capacity (dropped)] of a bounded
     dispatch (MaxText/moe/block.py moe_block_with_buffer); zeros on dispatchers without such a buffer.
   """
-  counts_E = routing.expert_counts_E(ids_TK, num_experts, jnp.float32)
+  # The bias update's own int32 reduction on the same ids: XLA's CSE keeps one (checked on XLA:CPU).
+  counts_E = routing.expert_counts_E(ids_TK, num_experts).astype(jnp.float32)
   s_TE = scores_TE.astype(jnp.float32)
   p_TE = s_TE / (jnp.sum(s_TE, axis=-1, keepdims=True) + 1e-20)
   entropy = -jnp.mean(jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-20)), axis=-1))
