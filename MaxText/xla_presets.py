@@ -377,10 +377,25 @@ def describe() -> str:
   return "\n".join(lines)
 
 
+# The live MoE time split (moe_profile_every_n_steps) attributes device time per HLO op, but a CUDA
+# graph is one trace event: on the H200 proxy with XLA's default command buffers, xprof's op statistics
+# held 85 ops and 83 of the step's ~770 ms, the grouped GEMM 0.08 ms (2026-12-01). So a run that
+# profiles runs without them, as every recipe (deepseek_v3_reference) already does.
+PROFILE_PRESET = "no_command_buffers"
+
+
+def presets_for(run: RunConfig) -> list[str]:
+  """The run's presets: its xla_presets, plus PROFILE_PRESET when it takes the live MoE time split."""
+  names = list(run.fork.xla_presets)
+  if run.fork.moe_profile_every_n_steps > 0 and PROFILE_PRESET not in [p.name for p in expand(names)]:
+    names.append(PROFILE_PRESET)
+  return names
+
+
 def compose_for(run: RunConfig, environ: Mapping[str, str]) -> Composed:
-  """`compose` for a run: its presets, the user's env, the upstream keys the user set."""
+  """`compose` for a run: its presets (presets_for), the user's env, the upstream keys the user set."""
   user_keys = {k: v for k, v in run.upstream.items() if k in run.explicit}
-  return compose(run.fork.xla_presets, environ, user_keys)
+  return compose(presets_for(run), environ, user_keys)
 
 
 def with_upstream_defaults(run: RunConfig, composed: Composed) -> RunConfig:

@@ -117,6 +117,20 @@ def test_preset_upstream_keys_apply_unless_the_user_set_them():
   assert "config key moe_mlpwi_1: your value 'device' wins over preset 'host_offload' ('offload')" in composed.overrides
 
 
+def test_the_live_time_split_runs_without_command_buffers():
+  """A CUDA graph is one trace event, so a run with moe_profile_every_n_steps gets no_command_buffers."""
+  plain = xp.compose_for(fork_config.load([]), {})
+  assert "xla_gpu_enable_command_buffer" not in plain.xla_flags
+  profiled = xp.compose_for(fork_config.load(["moe_profile_every_n_steps=5"]), {})
+  assert profiled.presets[-1] == "no_command_buffers" and profiled.xla_flags["xla_gpu_enable_command_buffer"] == ""
+  already = xp.compose_for(fork_config.load(["moe_profile_every_n_steps=5", "xla_presets=[deepseek_v3_reference]"]), {})
+  assert already.presets.count("no_command_buffers") == 1 and not already.overrides
+  theirs = xp.compose_for(fork_config.load(["moe_profile_every_n_steps=5"]),
+                          {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"})
+  assert theirs.xla_flags["xla_gpu_enable_command_buffer"] == "FUSION"  # the user's flag still wins, and says so
+  assert any("your XLA_FLAGS value 'FUSION' wins" in line for line in theirs.overrides)
+
+
 def test_cli_unknown_preset_fails_before_anything_is_written(tmp_path):
   result = run_rejected(tmp_path, "xla_presets=[lhs,multistreem]")
   assert result.returncode == 2

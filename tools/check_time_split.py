@@ -21,7 +21,9 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 PARTS = ("route", "dispatch", "gmm", "combine", "attention")
-MAX_REST_SHARE = 0.5  # projections, dense layers, norms, optimizer, output head: a V3 proxy step's rest
+# Rest holds the projections, the dense layer, norms, the optimizer and the 129k-entry output head: 54.8% of
+# the proxy's step in the offline breakdown (BENCHMARKS.md, session 8). Past this share something is misfiled.
+MAX_REST_SHARE = 0.65
 
 
 def main(run_dir: str) -> int:
