@@ -5,12 +5,17 @@ a device count this machine does not have.
   aot.configure_backend(topology)        # the FIRST jax call of the process
   result = aot.compile_train_step(run)   # run: a RunConfig after train.prepare_environment
 
-On a GPU machine the GPU client is mocked to the target topology
+For a target GPU with a shipped XLA target config (h100, h200), the step is
+compiled for compile-only devices of that GPU (MaxText/gpu_target.py), on any
+machine, with or without a GPU: XLA's GPU compiler with the target's memory limit.
+
+Otherwise, on a GPU machine, the GPU client is mocked to the target topology
 (`jax_mock_gpu_topology` = "nodes x hosts per node x local GPUs"): jax then
-compiles the many-process program on the local GPU(s). This only works when it
-is set before anything starts a jax backend (upstream 0.2.5's train_compile.py
-sets it later and fails), and it needs `--xla_gpu_shard_autotuning=false`
-(without it the compile hung on one H200). The mocked program cannot run.
+compiles the many-process program on the local GPU(s), against the local GPU's
+memory. This only works when it is set before anything starts a jax backend
+(upstream 0.2.5's train_compile.py sets it later and fails), and it needs
+`--xla_gpu_shard_autotuning=false` (without it the compile hung on one H200).
+The mocked program cannot run.
 
 Without a GPU, `jax_num_cpu_devices` simulated CPU devices stand in: the same
 partitioning and collectives, but CPU buffers (no GPU memory figure) and CPU
@@ -61,18 +66,26 @@ class Topology:
   """The devices a plan compiles for.
 
   Attributes:
-    platform: "gpu" (mocked GPU client) or "cpu" (simulated CPU devices).
+    platform: "gpu_target" (compile-only devices of target_gpu, MaxText/gpu_target.py),
+      "gpu" (mocked GPU client) or "cpu" (simulated CPU devices).
     num_devices: devices in the planned job.
     gpus_per_node: devices sharing one NVLink domain (a slice to jax).
     local_gpus: GPUs on this machine (0 on CPU).
     lower_only: trace and lower, do not compile (CPU, more than MAX_CPU_DEVICES).
+    target_gpu: the GPU key compiled for (gpu_target only).
   """
 
-  platform: Literal["gpu", "cpu"]
+  platform: Literal["gpu_target", "gpu", "cpu"]
   num_devices: int
   gpus_per_node: int
   local_gpus: int
   lower_only: bool = False
+  target_gpu: str | None = None
+
+  @property
+  def compiles_for_gpu(self) -> bool:
+    """The compile is XLA:GPU's, with GPU buffer sizes (a memory verdict can be given)."""
+    return self.platform in ("gpu", "gpu_target")
 
   @property
   def nodes(self) -> int:
@@ -104,8 +117,16 @@ def local_gpu_count(environ: dict[str, str] | None = None) -> int:
   return min(found, len(visible.split(","))) if visible else found
 
 
-def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int) -> Topology:
-  """The mocked GPU topology, or simulated CPU devices without a GPU; PlanError if neither can be built."""
+def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int, target_gpu: str | None = None,
+                    mock: bool = False) -> Topology:
+  """Compile-only devices of target_gpu where its compiler can run here (unless `mock`), else the
+  mocked GPU topology, or simulated CPU devices without a GPU; PlanError if none can be built."""
+  from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+
+  if not mock and gpu_target.unavailable_reason(target_gpu) is None:
+    return Topology("gpu_target", num_devices, gpus_per_node, local_gpus, target_gpu=target_gpu)
+  if mock and local_gpus == 0:
+    raise PlanError("--mock compiles on this machine's GPU, and it has none (CUDA_VISIBLE_DEVICES / nvidia-smi)")
   if local_gpus == 0:
     return Topology("cpu", num_devices, gpus_per_node, 0, lower_only=num_devices > MAX_CPU_DEVICES)
   per_node = min(num_devices, gpus_per_node)
@@ -124,7 +145,11 @@ def configure_backend(topology: Topology) -> None:
 
   if xla_bridge.backends_are_initialized():
     raise RuntimeError("configure_backend must be the first jax call: a backend is already up")
-  if topology.platform == "cpu":
+  if topology.platform == "gpu_target":
+    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+
+    gpu_target.enter(topology.target_gpu, topology.num_devices, topology.gpus_per_node)
+  elif topology.platform == "cpu":
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", topology.num_devices)
   elif topology.mock_spec:
@@ -253,6 +278,8 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
 def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
   flat = list(mesh.devices.flat)
+  if topology.platform == "gpu_target":
+    return [int(d.slice_index) for d in flat]  # one slice per node (gpu_target.topology_spec)
   if topology.platform == "gpu" and topology.mock_spec:
     slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
     if len(set(slices)) == topology.nodes:
@@ -291,7 +318,7 @@ def child_main(request_path: str, result_path: str) -> int:
   result: dict[str, Any] = {}
   try:
     run = fork_config.load(request["args"])
-    extra = GPU_AOT_XLA_FLAGS if topology.platform == "gpu" else ""
+    extra = GPU_AOT_XLA_FLAGS if topology.compiles_for_gpu else ""
     prepared = train.prepare_environment(run, extra_xla_flags=extra)
     configure_backend(topology)
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")

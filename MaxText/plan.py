@@ -10,8 +10,13 @@ full GPU count (`recipe_num_gpus`) on this machine, and prints
   estimate    step time and TFLOP/s/GPU, every constant with its source
               (MaxText/hardware.py), and the analytic memory cross-check
               (MaxText/analytic_memory.py)
-On a GPU machine the GPU client is mocked to the recipe's topology. Without a
-GPU, simulated CPU devices stand in (up to 64): the collectives are the
+For a target GPU with a shipped XLA target config (target_gpu: h100, h200), the
+step is compiled by XLA's GPU compiler for compile-only devices of that GPU, on
+any machine, no GPU needed (MaxText/gpu_target.py; `scripts/bootstrap.sh
+--gpu-plan` installs jax's CUDA compiler plugin): memory is the compiler's,
+against the target's own HBM. Otherwise, on a GPU machine, the GPU client is
+mocked to the recipe's topology (compiled against the local GPU's memory), and
+without a GPU simulated CPU devices stand in (up to 64): the collectives are the
 program's, but there is no GPU memory figure and GPU-only kernels are swapped
 for CPU ones (each swap is printed). Past 64 simulated devices the step is only
 lowered: every sharding is checked against its array (a mesh a parameter cannot
@@ -21,6 +26,8 @@ Options:
   --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
   --timeout S       give up a compile after S seconds (default 1800)
   --hlo PATH        keep the compiled HLO text
+  --mock            compile on this machine's GPU with a mocked topology, even where a
+                    compile-only target exists (a cross-check of the two)
   --search          try other layouts in the same GPU count and rank those that fit
                     (MaxText/plan_search.py)
 Bad input (one line naming the key, exit 2): a mesh that does not multiply to
@@ -178,7 +185,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
-  if topology.platform == "gpu":
+  if topology.compiles_for_gpu:
     verdict = {"fits": memory["device_total"] <= usable, "device_bytes": memory["device_total"], "usable_bytes": usable}
   for row in child["collectives"]:
     row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
@@ -191,7 +198,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
       "target_gpu": {"key": gpu_key, "name": gpu.name, "from": gpu_from},
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
       # A CPU compile's buffers are not the GPU's: kept under another name.
-      ("memory" if topology.platform == "gpu" else "cpu_memory"): memory,
+      ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
       "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
       "largest_buffers": child.get("largest_buffers", []),
       "estimate": {
@@ -228,11 +235,13 @@ def print_report(r: dict[str, Any]) -> None:
   where = f"mocked GPU topology {r['mock_topology']}" if r["mock_topology"] else f"{r['platform']}, real devices"
   if r["platform"] == "cpu":
     where = f"{r['num_gpus']} simulated CPU devices"
+  elif r["platform"] == "gpu_target":
+    where = f"compile-only {r['target_gpu']['name']} devices (XLA's GPU compiler, no GPU used)"
   verb = "lowered" if r.get("lowered_only") else "compiled"
   print(f"\n== plan: {r['config']}\n{r['num_gpus']} GPUs ({r['gpus_per_node']} per node), mesh {mesh}; "
         f"{verb} on {where} in {r['compile_seconds']:.1f} s")
   for k, v in r["cpu_substitutes"].items():
-    print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the mock'}: {k}={v}")
+    print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the compile'}: {k}={v}")
   if r.get("lowered_only"):
     print(f"  lowered only (more than {aot.MAX_CPU_DEVICES} simulated CPU devices): every parameter, optimizer and "
           "batch sharding fits its array's shape.\n  Memory, collectives and the step estimate need the compile: "
@@ -244,9 +253,10 @@ def print_report(r: dict[str, Any]) -> None:
     return
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
   m = r.get("memory", {})
-  print("\nmemory per device (compiler):" if r["platform"] == "gpu" else
+  gpu_compile = r["platform"] in ("gpu", "gpu_target")
+  print("\nmemory per device (compiler):" if gpu_compile else
         "\nmemory per device: GPU memory needs a GPU compile (a CPU compile reports CPU buffers, not shown)")
-  if r["platform"] == "gpu":
+  if gpu_compile:
     for key in ("arguments", "outputs", "temporaries", "aliases", "generated_code", "device_total", "host_offloaded"):
       print(f"  {key:15s} {_gib(m[key])}")
     v = r["verdict"]
@@ -255,7 +265,7 @@ def print_report(r: dict[str, Any]) -> None:
   a = r["analytic_memory"]
   if a:
     print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/analytic_memory.py; no compiler temporaries)")
-  if r.get("largest_buffers") and r["platform"] == "gpu":
+  if r.get("largest_buffers") and gpu_compile:
     print("  largest buffers (XLA's memory-usage report: slice size, values sharing it over the step):")
     for b in r["largest_buffers"]:
       print(f"    {b['size']:>10} {b['values']:4d} values  {b['shapes'][:150]}")
@@ -288,19 +298,22 @@ def write_json(report: dict[str, Any], path: str) -> None:
 
 
 def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | None = None,
-         local_gpus: int | None = None) -> dict[str, Any]:
+         local_gpus: int | None = None, mock: bool = False) -> dict[str, Any]:
   """Checks, compiles (child process) and returns the report; ConfigError on bad input."""
   run = fork_config.load(args)
   num_gpus = num_gpus_of(run)
   check_layout(run, num_gpus)
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
-  topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local)
+  topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mock)
   substitutes = cpu_substitutes(run) if topology.platform == "cpu" else {}
-  if topology.platform == "gpu" and topology.nodes > 1 and "num_slices" not in run.explicit:
+  if topology.compiles_for_gpu and topology.nodes > 1 and "num_slices" not in run.explicit:
     # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
     substitutes["num_slices"] = topology.nodes
   child_args = [*args, f"recipe_num_gpus={num_gpus}", *(f"{k}={json.dumps(v)}" for k, v in substitutes.items())]
-  log(f"compiling for {num_gpus} devices on {topology.platform}" + (f" (mock {topology.mock_spec})" if topology.mock_spec else ""))
+  where = {"gpu_target": f"compile-only {topology.target_gpu} devices, no GPU used",
+           "gpu": f"this machine's GPU, mock {topology.mock_spec}" if topology.mock_spec else "this machine's GPU",
+           "cpu": "simulated CPU devices"}[topology.platform]
+  log(f"compiling for {num_gpus} devices on {where}")
   child = compile_in_child(child_args, topology, timeout_s, hlo_path)
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
@@ -337,12 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     hlo_path = _take(args, "--hlo")
     timeout = _take(args, "--timeout")
     search = _take(args, "--search", has_value=False)
+    mock = bool(_take(args, "--mock", has_value=False))
     timeout_s = float(timeout) if timeout else DEFAULT_TIMEOUT_S
     if search:
       from MaxText import plan_search  # pylint: disable=import-outside-toplevel
 
       return plan_search.main(args, timeout_s, json_path)
-    report = plan(args, timeout_s, hlo_path)
+    report = plan(args, timeout_s, hlo_path, mock=mock)
   except ValueError as e:  # ConfigError, PlanError, a bad --timeout
     print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
     return 2

@@ -4,6 +4,9 @@
 #
 #   MAXTEXT_MOE_PYTHON=/path/to/python3.12   choose the interpreter explicitly
 #   MAXTEXT_MOE_VENV=/path/to/venv            put the environment elsewhere
+#   --gpu-plan   also install jax's CUDA compiler plugin into <venv>/gpu-plan
+#                (requirements/gpu-plan.txt): `python -m MaxText.plan` then compiles
+#                for an H100/H200 target without a GPU (MaxText/gpu_target.py)
 #
 # The environment is installed from requirements/lock.txt (resolved for
 # CPython 3.12, x86_64 Linux) and re-installed whenever the lock or
@@ -14,6 +17,19 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MAXTEXT_MOE_VENV:-$repo/.venv}"
 lock="$repo/requirements/lock.txt"
 say() { echo "[bootstrap] $*" >&2; }
+gpu_plan=0
+[ "${1:-}" = "--gpu-plan" ] && gpu_plan=1
+
+install_gpu_plan() {  # idempotent: the plugin in <venv>/gpu-plan, outside site-packages
+  local site="$venv/gpu-plan" want
+  want="$(sha256sum < "$repo/requirements/gpu-plan.txt" | cut -d' ' -f1)"
+  [ "$(cat "$site/.stamp" 2>/dev/null)" = "$want" ] && return 0
+  say "installing requirements/gpu-plan.txt into $site (jax's CUDA compiler plugin, ~140 MB)"
+  rm -rf "$site"
+  "$venv/bin/python" -m pip install -q --no-deps --require-hashes --target "$site" -r "$repo/requirements/gpu-plan.txt" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+  echo "$want" > "$site/.stamp"
+}
 
 is_py312() {  # prints the path when $1 runs CPython 3.12
   local exe="$1"
@@ -47,6 +63,7 @@ find_python() {
 stamp_of() { cat "$lock" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1; }
 
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.maxtext-moe-stamp" 2>/dev/null)" = "$(stamp_of)" ]; then
+  [ "$gpu_plan" = 1 ] && install_gpu_plan
   echo "$venv/bin/python"
   exit 0
 fi
@@ -74,5 +91,6 @@ pipq install -q --no-deps -r "$lock"
 pipq install -q --no-deps --no-build-isolation -e "$repo"
 pipq check || say "warning: pip check reported the conflicts above"
 stamp_of > "$venv/.maxtext-moe-stamp"
+[ "$gpu_plan" = 1 ] && install_gpu_plan
 say "environment ready: $venv"
 echo "$venv/bin/python"

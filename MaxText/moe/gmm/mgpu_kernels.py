@@ -54,7 +54,8 @@ def num_sms() -> int:
   """Blocks of the persistent kernels: one per SM (132 on an H100/H200 SXM; the interpreter
   on CPU simulates as many). The forward's chain schedule is built for the same count."""
   device = jax.devices()[0]
-  return device.core_count if device.platform == "gpu" else 132
+  # Compile-only devices (MaxText/gpu_target.py) carry no core_count; the shipped targets are H100/H200 SXM.
+  return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
 
 
 def profile_ranges(kernel_smem_bytes: int, num_warpgroups: int) -> int:

@@ -1,0 +1,123 @@
+"""Compile for GPUs this machine does not have: XLA's GPU compiler, run without a GPU, for a named target.
+
+jax's CUDA plugin can build compile-only GPU devices from an XLA `GpuTargetConfigProto`
+(the text in MaxText/data/gpu_targets/<gpu>.txtpb) and a topology "slices x hosts per
+slice x devices per host":
+
+  topologies.get_topology_desc(platform="cuda", target_config=TEXT, topology="16x8x1")
+
+A jit over a mesh of those devices lowers and compiles for CUDA exactly as on the
+cluster (the same passes, the same Mosaic GPU kernels, the same buffer assignment),
+and the compiler's memory limit is the target's `device_memory_size`: an H100 recipe
+is rematerialized against 80 GB, not against the planning machine's GPU. No GPU is
+touched (jax's own backend stays on CPU), so it runs on a laptop, in CI, or beside a
+training job. What it cannot do is autotune (there is no device to time on), which
+the mocked-topology compile on one GPU skips as well (`--xla_gpu_shard_autotuning=false`).
+
+The plugin (jax-cuda13-plugin/-pjrt, the same version as jax) lives outside the
+environment's site-packages, in GPU_PLAN_SITE: installed there, every CPU-only jax
+import would try to start CUDA and warn. A GPU image's jax[cuda13] already has it.
+
+Everything here runs in the planner's child process (MaxText/aot.py), never in a trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+TARGETS_DIR = Path(__file__).resolve().parent / "data" / "gpu_targets"
+# Where scripts/bootstrap.sh --gpu-plan installs the plugin (requirements/gpu-plan.txt).
+GPU_PLAN_SITE = Path(os.environ.get("MAXTEXT_MOE_GPU_PLAN_SITE", Path(sys.prefix) / "gpu-plan"))
+INSTALL_HINT = "scripts/bootstrap.sh --gpu-plan (installs jax's CUDA compiler plugin, ~140 MB, no GPU needed)"
+
+
+def config_path(gpu: str) -> Path | None:
+  """The target config for a GPU key of MaxText/hardware.py (None: none shipped)."""
+  path = TARGETS_DIR / f"{gpu}.txtpb"
+  return path if path.is_file() else None
+
+
+def plugin_importable() -> bool:
+  """jax's CUDA plugin can be imported here (from site-packages or GPU_PLAN_SITE)."""
+  if importlib.util.find_spec("jax_plugins") is not None:
+    for base in (*sys.path, str(GPU_PLAN_SITE)):
+      if base and (Path(base) / "jax_plugins" / "xla_cuda13").is_dir():
+        return True
+  return (GPU_PLAN_SITE / "jax_plugins" / "xla_cuda13").is_dir()
+
+
+def unavailable_reason(gpu: str | None) -> str | None:
+  """None when a compile for `gpu` can run here without one; else why not."""
+  if gpu is None:
+    return "no target_gpu: name one (target_gpu=h100|h200) to compile for it without a GPU"
+  if config_path(gpu) is None:
+    shipped = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb")))
+    return f"no XLA target config for target_gpu={gpu} (shipped: {shipped})"
+  if not plugin_importable():
+    return f"jax's CUDA plugin is not installed: {INSTALL_HINT}"
+  return None
+
+
+def topology_spec(num_devices: int, gpus_per_node: int) -> str:
+  """One slice per node (jax's view of an NVLink domain), one GPU per process, as launch.py starts them."""
+  per_node = min(num_devices, gpus_per_node)
+  return f"{max(1, num_devices // per_node)}x{per_node}x1"
+
+
+def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
+  """Makes this process see `num_devices` compile-only `gpu` devices; returns them.
+
+  Must run before anything starts a jax backend. jax's own backend is CPU (nothing
+  runs on a GPU), and the public device queries upstream and our code ask
+  (jax.devices, device_count, default_backend, local_devices, process_count) answer
+  as process 0 of the planned job would: its global devices, platform "gpu".
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
+  if str(GPU_PLAN_SITE) not in sys.path and GPU_PLAN_SITE.is_dir():
+    sys.path.append(str(GPU_PLAN_SITE))  # after site-packages: an image's own plugin wins
+  jax.config.update("jax_platforms", "cpu")
+  text = config_path(gpu).read_text()  # type: ignore[union-attr]
+  devices = list(topologies.get_topology_desc(platform="cuda", target_config=text,
+                                              topology=topology_spec(num_devices, gpus_per_node)).devices)
+  local = [d for d in devices if d.process_index == 0]
+  processes = len({d.process_index for d in devices})
+  answers = {
+      "devices": lambda backend=None: list(devices),
+      "device_count": lambda backend=None: len(devices),
+      "local_devices": lambda process_index=None, backend=None, host_id=None: list(local),
+      "local_device_count": lambda backend=None: len(local),
+      "process_count": lambda backend=None: processes,
+      "default_backend": lambda: "gpu",
+  }
+  for name, answer in answers.items():
+    setattr(jax, name, answer)
+  _answer_cudnn_checks(text)
+  return devices
+
+
+def _field(text: str, name: str) -> str:
+  match = re.search(rf'^\s*{name}: "?([^"\n]*)"?$', text, re.M)
+  if not match:
+    raise ValueError(f"{name} missing from the target config")
+  return match.group(1)
+
+
+def _answer_cudnn_checks(text: str) -> None:
+  """jax's cuDNN attention asks the attached GPU for its compute capability and the loaded cuDNN for
+  its version while tracing (jax/_src/cudnn/fused_attention_stablehlo.py). Here there is neither, so
+  the target config answers: its `dnn_version` (the image's cuDNN) and `cuda_compute_capability`."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+
+  major, minor, patch = (int(x) for x in _field(text, "dnn_version").split("."))
+  cc = re.search(r"cuda_compute_capability \{([^}]*)\}", text).group(1)  # type: ignore[union-attr]
+  current = (int(re.search(r"major: (\d+)", cc).group(1)), int((re.search(r"minor: (\d+)", cc) or [0, 0])[1]))  # type: ignore[union-attr,index]
+  as_tuple = lambda capability: tuple(int(x) for x in capability.split("."))  # noqa: E731
+  fa.check_cudnn_version = lambda: major * 10000 + minor * 100 + patch
+  fa.check_compute_capability = lambda capability: current >= as_tuple(capability)
+  fa.is_cuda_compute_capability_equal = lambda capability: current == as_tuple(capability)
