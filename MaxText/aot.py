@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Literal
 
@@ -118,16 +119,16 @@ def local_gpu_count(environ: dict[str, str] | None = None) -> int:
 
 
 def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int, target_gpu: str | None = None,
-                    mock: bool = False) -> Topology:
-  """Compile-only devices of target_gpu where its compiler can run here (unless `mock`), else the
-  mocked GPU topology, or simulated CPU devices without a GPU; PlanError if none can be built."""
+                    mode: Literal["auto", "mock", "cpu"] = "auto") -> Topology:
+  """auto: compile-only devices of target_gpu where its compiler can run here, else the mocked GPU
+  topology, else simulated CPU devices; mock/cpu force one of the last two. PlanError if it cannot be built."""
   from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
 
-  if not mock and gpu_target.unavailable_reason(target_gpu) is None:
+  if mode == "auto" and gpu_target.unavailable_reason(target_gpu) is None:
     return Topology("gpu_target", num_devices, gpus_per_node, local_gpus, target_gpu=target_gpu)
-  if mock and local_gpus == 0:
+  if mode == "mock" and local_gpus == 0:
     raise PlanError("--mock compiles on this machine's GPU, and it has none (CUDA_VISIBLE_DEVICES / nvidia-smi)")
-  if local_gpus == 0:
+  if local_gpus == 0 or mode == "cpu":
     return Topology("cpu", num_devices, gpus_per_node, 0, lower_only=num_devices > MAX_CPU_DEVICES)
   per_node = min(num_devices, gpus_per_node)
   if num_devices % per_node or per_node % local_gpus:
@@ -279,7 +280,7 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
   flat = list(mesh.devices.flat)
   if topology.platform == "gpu_target":
-    return [int(d.slice_index) for d in flat]  # one slice per node (gpu_target.topology_spec)
+    return [int(d.process_index) for d in flat]  # one process per node (gpu_target.topology_spec)
   if topology.platform == "gpu" and topology.mock_spec:
     slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
     if len(set(slices)) == topology.nodes:
@@ -326,6 +327,7 @@ def child_main(request_path: str, result_path: str) -> int:
   except fork_config.ConfigError as e:
     result["config_error"] = str(e)
   except Exception as e:  # pylint: disable=broad-exception-caught  # the compiler's word, reported in one line
+    traceback.print_exc()  # into the child's log, which a failed plan's message does not show
     result["compile_error"] = indivisible_message(str(e)) or f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
   else:
     if topology.lower_only:

@@ -63,9 +63,13 @@ def unavailable_reason(gpu: str | None) -> str | None:
 
 
 def topology_spec(num_devices: int, gpus_per_node: int) -> str:
-  """One slice per node (jax's view of an NVLink domain), one GPU per process, as launch.py starts them."""
+  """"slices x hosts per slice x devices per host": one slice (NVLink domain) per node, one host per node.
+
+  Compile-only devices report slice_index 0 whatever the spec (jax 0.11.2), so the node is read from
+  process_index, which is why a node is one host here (launch.py starts one process per GPU; the
+  compiled SPMD program does not depend on how devices are spread over processes)."""
   per_node = min(num_devices, gpus_per_node)
-  return f"{max(1, num_devices // per_node)}x{per_node}x1"
+  return f"{max(1, num_devices // per_node)}x1x{per_node}"
 
 
 def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
@@ -97,8 +101,24 @@ def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
   }
   for name, answer in answers.items():
     setattr(jax, name, answer)
+  _nodes_are_processes()
   _answer_cudnn_checks(text)
   return devices
+
+
+def _nodes_are_processes() -> None:
+  """Upstream's multi-node mesh (maxtext_utils.create_device_mesh -> mesh_utils.create_hybrid_device_mesh)
+  groups devices into DCN granules by slice_index, which compile-only devices leave at 0: group them by
+  process, which is the node here (topology_spec)."""
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+
+  original = mesh_utils.create_hybrid_device_mesh
+
+  def create_hybrid_device_mesh(*args, **kwargs):
+    kwargs["process_is_granule"] = True
+    return original(*args, **kwargs)
+
+  mesh_utils.create_hybrid_device_mesh = create_hybrid_device_mesh
 
 
 def _field(text: str, name: str) -> str:

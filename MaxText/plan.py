@@ -28,6 +28,8 @@ Options:
   --hlo PATH        keep the compiled HLO text
   --mock            compile on this machine's GPU with a mocked topology, even where a
                     compile-only target exists (a cross-check of the two)
+  --cpu             simulated CPU devices only (lowered only past 64): a quick check that every
+                    sharding fits its array, no GPU compiler
   --search          try other layouts in the same GPU count and rank those that fit
                     (MaxText/plan_search.py)
 Bad input (one line naming the key, exit 2): a mesh that does not multiply to
@@ -93,6 +95,18 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
       out[ici_key] = ici[ici_key] * value
       out[key] = 1
   return {k: v for k, v in out.items() if up.get(k) != v}
+
+
+def gpu_target_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
+  """A host callback needs a GPU runtime to lower, which a compile-only device has not: the overflow
+  check raises through one (a2a_padded, ragged_a2a), so it is compiled as its `flag` form, which
+  computes the same overflow and keeps it on the device; expert-load logging is a callback too."""
+  out: dict[str, Any] = {}
+  if run.fork.moe_a2a_padded_on_overflow == "error":
+    out["moe_a2a_padded_on_overflow"] = "flag"
+  if run.fork.moe_log_expert_load:
+    out["moe_log_expert_load"] = False
+  return out
 
 
 _FATAL = re.compile(r"^(F\d{4} |\*\*\* |.*Check failed|.*Fatal Python error|terminate called|.*what\(\):|"
@@ -298,14 +312,14 @@ def write_json(report: dict[str, Any], path: str) -> None:
 
 
 def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | None = None,
-         local_gpus: int | None = None, mock: bool = False) -> dict[str, Any]:
+         local_gpus: int | None = None, mode: str = "auto") -> dict[str, Any]:
   """Checks, compiles (child process) and returns the report; ConfigError on bad input."""
   run = fork_config.load(args)
   num_gpus = num_gpus_of(run)
   check_layout(run, num_gpus)
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
-  topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mock)
-  substitutes = cpu_substitutes(run) if topology.platform == "cpu" else {}
+  topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mode)
+  substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, dict)(run)
   if topology.compiles_for_gpu and topology.nodes > 1 and "num_slices" not in run.explicit:
     # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
     substitutes["num_slices"] = topology.nodes
@@ -350,13 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     hlo_path = _take(args, "--hlo")
     timeout = _take(args, "--timeout")
     search = _take(args, "--search", has_value=False)
-    mock = bool(_take(args, "--mock", has_value=False))
+    mock, cpu = (bool(_take(args, flag, has_value=False)) for flag in ("--mock", "--cpu"))
+    if mock and cpu:
+      raise fork_config.ConfigError("--mock and --cpu exclude each other")
     timeout_s = float(timeout) if timeout else DEFAULT_TIMEOUT_S
     if search:
       from MaxText import plan_search  # pylint: disable=import-outside-toplevel
 
       return plan_search.main(args, timeout_s, json_path)
-    report = plan(args, timeout_s, hlo_path, mock=mock)
+    report = plan(args, timeout_s, hlo_path, mode="mock" if mock else "cpu" if cpu else "auto")
   except ValueError as e:  # ConfigError, PlanError, a bad --timeout
     print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
     return 2

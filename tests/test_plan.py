@@ -227,7 +227,7 @@ def test_a_mesh_a_parameter_cannot_split_over_is_one_line_on_cpu_past_64_devices
 def test_every_recipe_lowers_for_its_real_gpu_count_on_cpu(recipe):
   """Every shipped recipe's shardings fit its arrays at its real device count (up to 1,024 simulated CPU devices,
   lowered, not compiled): the check that caught 1,024 x FSDP-EP over a 512-wide MLA dimension."""
-  out = _plan_cli(f"configs/recipes/{recipe}", timeout=600)
+  out = _plan_cli(f"configs/recipes/{recipe}", "--cpu", timeout=600)
   assert out.returncode == 0, out.stderr[-1500:]
   assert "lowered on" in out.stdout or "compiled on" in out.stdout
 
@@ -332,3 +332,16 @@ def test_the_plan_compiles_the_program_the_trainer_runs(tmp_path):
   (theirs,) = (trained.run_dir / "xla_dump").glob("*jit_train_step.cpu_after_optimizations.txt")
   assert len(_program(ours)) > 100_000
   assert _program(ours) == _program(theirs)
+
+
+def test_largest_buffers_are_the_device_memory_spaces(tmp_path):
+  """XLA's memory-usage report lists host memory (offloaded activations) in its own section: not HBM."""
+  (tmp_path / "m.jit_train_step.sm_9.0a_gpu_after_optimizations-memory-usage-report.txt").write_text(
+      "Memory Space: default (color=0)\nTotal bytes: 3221225472 (3.00GiB)\n"
+      "  cumulative_size;       size;       offset; used_by_n_values; shapes_list\n"
+      "    2.00GiB( 67%);    2.00GiB;            0;                2; 2×bf16[1024,1048576]\n"
+      "    3.00GiB(100%);    1.00GiB;   2147483648;                1; bf16[512,1048576]\n"
+      "Memory Space: cmem (color=5)\nTotal bytes: 93415538688 (87.00GiB)\n"
+      "   87.00GiB(100%);   87.00GiB;            0;                8; 8×bf16[58,393216,2048]\n")
+  rows = hlo_inventory.largest_buffers(tmp_path)
+  assert [r["size"] for r in rows] == ["2.00GiB", "1.00GiB"] and rows[0]["values"] == 2

@@ -1,0 +1,91 @@
+"""Planning for GPUs this machine does not have (MaxText/gpu_target.py): XLA's GPU compiler on compile-only
+devices built from a shipped target config, no GPU used.
+
+The fast tier checks the pieces that need no CUDA plugin: the shipped target configs, the topology spec,
+when the planner picks this path and what it substitutes. The slow tier (CI installs the plugin with
+`scripts/bootstrap.sh --gpu-plan`) compiles the tiny model for 16 H100s on two nodes and checks the
+compiler's figures against the state's own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from MaxText import aot, gpu_target, hardware, plan
+from MaxText import config as fork_config
+
+
+def _fields(text: str) -> dict[str, str]:
+  return dict(re.findall(r"^\s*(\w+): (.+)$", text, re.M))
+
+
+def test_the_h100_target_is_the_captured_h200_with_the_h100s_memory():
+  h200, h100 = (gpu_target.config_path(g).read_text() for g in ("h200", "h100"))
+  a, b = _fields(h200), _fields(h100)
+  differ = {k for k in a if a[k] != b.get(k)}
+  assert differ == {"memory_bandwidth", "l2_cache_size", "device_memory_size", "name", "model_str", "mem_clock_ghz",
+                    "device_description_str"}
+  assert int(b["device_memory_size"]) == 84_942_979_072  # what an H100 80 GB reports (79.1 GiB)
+  assert int(a["device_memory_size"]) == 150_109_880_320  # read on the workplace H200
+  assert a["core_count"] == b["core_count"] == "132"
+  assert set(hardware.GPUS) >= {"h100", "h200"} and gpu_target.config_path("b200") is None
+
+
+def test_one_slice_and_one_host_per_node():
+  assert gpu_target.topology_spec(128, 8) == "16x1x8"
+  assert gpu_target.topology_spec(1024, 8) == "128x1x8"
+  assert gpu_target.topology_spec(4, 8) == "1x1x4"
+
+
+def test_the_planner_compiles_for_the_target_only_where_it_can(monkeypatch):
+  monkeypatch.setattr(gpu_target, "plugin_importable", lambda: True)
+  assert aot.choose_topology(128, 8, 0, "h100").platform == "gpu_target"
+  assert aot.choose_topology(128, 8, 1, "h100").platform == "gpu_target"  # a local GPU is not the target
+  assert aot.choose_topology(128, 8, 1, "h100", mode="mock").platform == "gpu"
+  assert aot.choose_topology(128, 8, 1, "h100", mode="cpu").platform == "cpu"
+  assert aot.choose_topology(4, 8, 0, None).platform == "cpu"  # no target named
+  assert aot.choose_topology(4, 8, 0, "b200").platform == "cpu"  # no target config shipped
+  with pytest.raises(aot.PlanError, match="--mock compiles on this machine's GPU"):
+    aot.choose_topology(4, 8, 0, "h100", mode="mock")
+  monkeypatch.setattr(gpu_target, "plugin_importable", lambda: False)
+  assert "bootstrap.sh --gpu-plan" in gpu_target.unavailable_reason("h100")
+  assert aot.choose_topology(128, 8, 0, "h100").platform == "cpu"
+
+
+def test_host_callbacks_are_compiled_in_their_device_form():
+  run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours", "moe_log_expert_load=true"])
+  assert plan.gpu_target_substitutes(run) == {"moe_a2a_padded_on_overflow": "flag", "moe_log_expert_load": False}
+  run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_a2a_padded_on_overflow=flag"])
+  assert plan.gpu_target_substitutes(run) == {}
+
+
+@pytest.mark.slow
+def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
+  """The compiler's argument bytes are the state's: bf16 parameters + AdamW's two moments + the step counter
+  split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM."""
+  if gpu_target.unavailable_reason("h100"):
+    pytest.skip(gpu_target.unavailable_reason("h100"))
+  path = tmp_path / "plan.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", "target_gpu=h100",
+                        "recipe_num_gpus=16", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
+                        "dcn_fsdp_parallelism=2", "moe_block=ours", "per_device_batch_size=2", "max_target_length=64",
+                        "--json", str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "compile-only H100 SXM 80 GB devices" in out.stdout
+  assert "set for the compile: moe_a2a_padded_on_overflow=flag" in out.stdout
+  r = json.loads(path.read_text())
+  assert r["platform"] == "gpu_target" and r["mesh"]["expert"] == 4 and r["mesh"]["fsdp"] == 4
+  assert r["verdict"]["fits"] and r["verdict"]["usable_bytes"] == hardware.GPUS["h100"].hbm_bytes.value * 0.75
+  kinds = {(c["kind"], tuple(c["axes"])): c for c in r["collectives"]}
+  assert any(k == "all-to-all" and "expert" in axes for k, axes in kinds)  # a2a_padded's exchange
+  assert any(c["crosses_nodes"] for c in r["collectives"] if c["kind"] == "all-gather")  # dcn fsdp
+  assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
