@@ -184,7 +184,14 @@ _PRESET_LIST = (
         "Add host_offload for its moe_mlpwi_0/1 offload.",
         includes=("gpu_runtime", "lhs", "pipelined_collectives", "multistream", "combine_thresholds",
                   "no_command_buffers"),
-        flags={"xla_gpu_enable_triton_gemm": "false"},  # cuBLAS GEMMs, as every NVIDIA MaxText recipe
+        flags={
+            "xla_gpu_enable_triton_gemm": "false",  # cuBLAS GEMMs, as every NVIDIA MaxText recipe
+            # XLA's memory-pressure rematerialization aborts the 671B recipes' compile
+            # (hlo_rematerialization.cc:2181 "Have nothing to place this before!", 128 x H100 at batch 2 and
+            # 128 x H200, 2026-12-01); the remat policy decides what is recomputed. NVIDIA's MaxText flags
+            # (nvidia_maxtext_default) disable it too.
+            "xla_disable_hlo_passes": "rematerialization",
+        },
     ),
 )
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _PRESET_LIST})
