@@ -175,16 +175,20 @@ def _kind(opcode: str) -> str | None:
 
 
 def _result_bytes(kind: str, instr: Instr, n: int) -> float:
-  """The collective's result bytes. Async -start ops of all-gather and collective-permute
-  return (operands, results[, sync flags]) tuples: in + out = out (n + 1) / n for a
-  gather over n, 2 out for a permute; all-reduce-start returns its results only."""
+  """The collective's result bytes. Async -start ops return (operands, results[, sync flags])
+  tuples: in + out = out (n + 1) / n for a gather over n, out (n + 1) for a reduce-scatter
+  (its operand is n times its result: counting it made the 128 x H100 plan's reduce-scatters
+  1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all; all-reduce-start returns its
+  results only."""
   total = sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s)
   if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
     return total
-  if kind == "collective-permute":
+  if kind in ("collective-permute", "all-to-all"):
     return total / 2
   if kind == "all-gather":
     return total * n / (n + 1)
+  if kind == "reduce-scatter":
+    return total / (n + 1)
   return total
 
 

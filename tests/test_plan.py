@@ -60,6 +60,8 @@ HLO = textwrap.dedent("""\
       %d = f32[4,3]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
       %ar = f32[4,3]{1,0} all-reduce(%d), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
       %rs = f32[1,3]{1,0} reduce-scatter(%d), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+      %rss = ((f32[4,3]{1,0}), f32[1,3]{1,0}) reduce-scatter-start(%d), channel_id=7, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+      %rsd = f32[1,3]{1,0} reduce-scatter-done(%rss)
       %init = (s32[], f32[16,8]{1,0}) tuple(%x, %x)
       %loop = (s32[], f32[16,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
       ROOT %r = f32[4,3]{1,0} copy(%ar)
@@ -87,6 +89,8 @@ def test_inventory_reads_every_replica_group_spelling_and_multiplies_loops():
   assert (ar["count"], ar["bytes"], ar["wire_bytes"]) == (1, 48, pytest.approx(2 * 48 * 7 / 8))
   rs = rows[("reduce-scatter", ("fsdp",))]  # {0,4}: same expert, both fsdp rows
   assert (rs["bytes"], rs["wire_bytes"], rs["crosses_nodes"]) == (2 * 12, 12, True)
+  rss = rows[("reduce-scatter", ("expert",))]  # async: (operand, result); the operand is 4 results, not counted
+  assert (rss["count"], rss["bytes"], rss["wire_bytes"], rss["crosses_nodes"]) == (1, 4 * 12, 3 * 12, False)
   ags = rows[("all-gather", ("expert",))]  # async: (operand, result) tuple; [2,4]<=[8] is 4 consecutive ids
   assert (ags["count"], ags["bytes"], ags["crosses_nodes"]) == (5, 5 * 512, False)
   cp = rows[("collective-permute", ("fsdp",))]
