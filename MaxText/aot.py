@@ -280,7 +280,8 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
   flat = list(mesh.devices.flat)
   if topology.platform == "gpu_target":
-    return [int(d.process_index) for d in flat]  # one process per node (gpu_target.topology_spec)
+    per_node = min(topology.num_devices, topology.gpus_per_node)
+    return [int(d.process_index) // per_node for d in flat]  # one process per GPU (gpu_target.topology_spec)
   if topology.platform == "gpu" and topology.mock_spec:
     slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
     if len(set(slices)) == topology.nodes:

@@ -38,10 +38,10 @@ def test_the_h100_target_is_the_captured_h200_with_the_h100s_memory():
   assert set(hardware.GPUS) >= {"h100", "h200"} and gpu_target.config_path("b200") is None
 
 
-def test_one_slice_and_one_host_per_node():
-  assert gpu_target.topology_spec(128, 8) == "16x1x8"
-  assert gpu_target.topology_spec(1024, 8) == "128x1x8"
-  assert gpu_target.topology_spec(4, 8) == "1x1x4"
+def test_one_slice_per_node_and_one_process_per_gpu():
+  assert gpu_target.topology_spec(128, 8) == "16x8x1"
+  assert gpu_target.topology_spec(1024, 8) == "128x8x1"
+  assert gpu_target.topology_spec(4, 8) == "1x4x1"
 
 
 def test_the_planner_compiles_for_the_target_only_where_it_can(monkeypatch):
