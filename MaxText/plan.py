@@ -54,6 +54,10 @@ from MaxText import aot, hardware, launch
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
+# How much lower a compile-only plan's memory has read than the same tree compiled on the GPU itself:
+# the 128 x H200 recipe, 109.64 GiB compile-only against 117.34 GiB mocked on an H200 (+7.0%; the 1-GPU
+# proxy: +0.4%), 2026-12-01. A compile-only verdict inside this margin is reported as marginal.
+COMPILE_ONLY_SHORTFALL = 0.07
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
@@ -200,7 +204,9 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   memory = child["memory"]
   verdict = None
   if topology.compiles_for_gpu:
-    verdict = {"fits": memory["device_total"] <= usable, "device_bytes": memory["device_total"], "usable_bytes": usable}
+    verdict = {"fits": memory["device_total"] <= usable, "device_bytes": memory["device_total"], "usable_bytes": usable,
+               "marginal": topology.platform == "gpu_target"
+               and memory["device_total"] * (1 + COMPILE_ONLY_SHORTFALL) > usable >= memory["device_total"]}
   for row in child["collectives"]:
     row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
     row["seconds"] = row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value
@@ -276,6 +282,9 @@ def print_report(r: dict[str, Any]) -> None:
     v = r["verdict"]
     print(f"  verdict         {'FITS' if v['fits'] else 'DOES NOT FIT'}: {v['device_bytes'] / GiB:.2f} GiB of "
           f"{v['usable_bytes'] / GiB:.2f} GiB usable (HBM x mem fraction)")
+    if v.get("marginal"):
+      print(f"                  marginal: compile-only plans have read up to {COMPILE_ONLY_SHORTFALL:.0%} low against "
+            "the GPU's own compile; confirm with --mock on a GPU, or leave more room")
   a = r["analytic_memory"]
   if a:
     print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/analytic_memory.py; no compiler temporaries)")

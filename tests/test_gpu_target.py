@@ -84,7 +84,7 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert "set for the compile: moe_a2a_padded_on_overflow=flag" in out.stdout
   r = json.loads(path.read_text())
   assert r["platform"] == "gpu_target" and r["mesh"]["expert"] == 4 and r["mesh"]["fsdp"] == 4
-  assert r["verdict"]["fits"] and r["verdict"]["usable_bytes"] == hardware.GPUS["h100"].hbm_bytes.value * 0.75
+  assert r["verdict"]["fits"] and not r["verdict"]["marginal"] and r["verdict"]["usable_bytes"] == hardware.GPUS["h100"].hbm_bytes.value * 0.75
   kinds = {(c["kind"], tuple(c["axes"])): c for c in r["collectives"]}
   assert any(k == "all-to-all" and "expert" in axes for k, axes in kinds)  # a2a_padded's exchange
   assert any(c["crosses_nodes"] for c in r["collectives"] if c["kind"] == "all-gather")  # dcn fsdp
