@@ -89,3 +89,20 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert any(k == "all-to-all" and "expert" in axes for k, axes in kinds)  # a2a_padded's exchange
   assert any(c["crosses_nodes"] for c in r["collectives"] if c["kind"] == "all-gather")  # dcn fsdp
   assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
+
+
+@pytest.mark.slow
+def test_the_128xh100_recipe_header_is_its_plan(tmp_path):
+  """The tightest recipe, compiled for its 128 H100s without a GPU: the figure its header states, and it fits."""
+  if gpu_target.unavailable_reason("h100"):
+    pytest.skip(gpu_target.unavailable_reason("h100"))
+  recipe = REPO / "configs" / "recipes" / "deepseek3-671b-128xh100.yml"
+  stated = float(re.search(r"^# FITS: ([\d.]+) GiB per GPU", recipe.read_text(), re.M)[1])
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, "-m", "MaxText.plan", str(recipe), "--json", str(tmp_path / "p.json")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads((tmp_path / "p.json").read_text())
+  assert r["platform"] == "gpu_target" and r["verdict"]["fits"]
+  assert r["memory"]["device_total"] / 2**30 == pytest.approx(stated, abs=0.01)
