@@ -96,17 +96,21 @@ def test_recipe_lr_schedule_is_v3s_in_steps(path):
   """§4.2: warmup over the first 2K steps; cosine over 4.3T tokens at 15,360 x 4,096 tokens a step."""
   c = _effective(path)
   assert int(c["learning_rate_schedule_steps"] * c["warmup_steps_fraction"]) == 2000
-  assert int(c["learning_rate_schedule_steps"] * c["wsd_decay_steps_fraction"]) == math.ceil(4.3e12 / (15360 * 4096))
+  tokens_per_step = 15360 * 4096  # V3's batch from step 0 (the ramp is not expressed: the recipes say why)
+  end = c["learning_rate_schedule_steps"]
+  assert end == math.ceil(14.3e12 / tokens_per_step)
+  assert int(end * c["wsd_decay_steps_fraction"]) == end - math.ceil(10e12 / tokens_per_step)
   assert c["steps"] == c["learning_rate_schedule_steps"]
 
 
-def test_1024xh200_recipe_ramps_the_batch_as_v3():
-  """§4.2: batch 3,072 -> 15,360 sequences over the first 469B tokens."""
-  c = _effective(REPO / "configs/recipes/deepseek3-671b-1024xh200.yml")
-  gpus = c["recipe_num_gpus"]
-  assert c["enable_rampup_batch_size"]
-  assert (c["per_device_batch_size_start"] * gpus, c["per_device_batch_size"] * gpus) == (3072, 15360)
-  assert abs(c["global_rampup_samples"] * c["max_target_length"] - 469e9) < c["max_target_length"]
+def test_1024_gpu_recipes_take_v3s_batch_by_accumulation():
+  """§4.2's final batch, 15,360 sequences, as micro-batch x accumulation x GPUs; the ramp is stated, not run."""
+  for name in ("1024xh100", "1024xh200"):
+    path = REPO / f"configs/recipes/deepseek3-671b-{name}.yml"
+    c = _effective(path)
+    assert c["per_device_batch_size"] * c["gradient_accumulation_steps"] * c["recipe_num_gpus"] == 15360
+    assert not c.get("enable_rampup_batch_size")
+    assert "ramp from 3,072 over the first 469B tokens is not expressed" in path.read_text()
 
 
 def test_yarn_config_is_v3s_context_extension():
@@ -116,18 +120,17 @@ def test_yarn_config_is_v3s_context_extension():
   assert (c["original_max_position_embeddings"], c["max_position_embeddings"]) == (4096, 163840)
 
 
-def test_recipe_schedule_steps_are_v3s_token_counts_through_the_batch_ramp():
+def test_recipe_schedule_steps_are_v3s_token_counts():
   """The LR schedule's steps (computed by hand in the common recipe) are where the token-count
-  switches land through upstream's own batch ramp: 10T tokens at the cosine's start, 14.3T at its end."""
+  switches land at V3's batch: 10T tokens at the cosine's start, 14.3T at its end."""
   import types  # pylint: disable=import-outside-toplevel
 
   from patches import train_schedule  # pylint: disable=import-outside-toplevel
 
   c = _effective(REPO / "configs/recipes/deepseek3-671b-1024xh200.yml")
-  cfg = types.SimpleNamespace(**{**c, "num_target_devices": c["recipe_num_gpus"]})
+  batch = c["per_device_batch_size"] * c["recipe_num_gpus"] * c["gradient_accumulation_steps"]  # upstream's own sum
+  cfg = types.SimpleNamespace(**{**c, "num_target_devices": c["recipe_num_gpus"], "global_batch_size_to_train_on": batch})
   end = c["learning_rate_schedule_steps"]
   decay = int(end * c["wsd_decay_steps_fraction"])
   assert train_schedule.step_at_tokens(cfg, c["mtp_loss_switch_tokens"]) == end - decay  # 10T: constant -> cosine
   assert train_schedule.step_at_tokens(cfg, c["moe_bias_update_stop_tokens"]) == end  # 14.3T
-  # The ramp (16,328 steps, as the recipe says) ends as the 469B-th token is consumed.
-  assert train_schedule.step_at_tokens(cfg, 469_000_000_000) <= 16328 < train_schedule.step_at_tokens(cfg, 470e9)
