@@ -279,15 +279,14 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
 def device_nodes(mesh: Any, topology: Topology) -> list[int]:
   """Node of each device, in the mesh's flat order (the partition ids collectives name)."""
   flat = list(mesh.devices.flat)
-  if topology.platform == "gpu_target":
-    per_node = min(topology.num_devices, topology.gpus_per_node)
-    return [int(d.process_index) // per_node for d in flat]  # one process per GPU (gpu_target.topology_spec)
-  if topology.platform == "gpu" and topology.mock_spec:
+  if topology.platform == "gpu_target" or (topology.platform == "gpu" and topology.mock_spec):
     slices = [int(getattr(d, "slice_index", 0) or 0) for d in flat]
     if len(set(slices)) == topology.nodes:
       return slices
-    hosts_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // topology.local_gpus)
-    return [d.process_index // hosts_per_node for d in flat]  # mocked processes fill a node in turn
+    # Processes fill a node in turn: compile-only devices (slice_index 0) are one GPU per process.
+    gpus_per_process = topology.local_gpus if topology.platform == "gpu" else 1
+    processes_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // gpus_per_process)
+    return [d.process_index // processes_per_node for d in flat]
   # Simulated devices carry no node: consecutive flat positions fill a node in turn.
   return [i // topology.gpus_per_node for i in range(len(flat))]
 

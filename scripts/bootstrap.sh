@@ -20,14 +20,17 @@ say() { echo "[bootstrap] $*" >&2; }
 gpu_plan=0
 [ "${1:-}" = "--gpu-plan" ] && gpu_plan=1
 
+# Site-wide pip settings (extra indexes, find-links) can be noisy; keep the
+# user's settings but drop pip's "location ignored" chatter.
+pipq() { "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; return "${PIPESTATUS[0]}"; }
+
 install_gpu_plan() {  # idempotent: the plugin in <venv>/gpu-plan, outside site-packages
   local site="$venv/gpu-plan" want
   want="$(sha256sum < "$repo/requirements/gpu-plan.txt" | cut -d' ' -f1)"
   [ "$(cat "$site/.stamp" 2>/dev/null)" = "$want" ] && return 0
   say "installing requirements/gpu-plan.txt into $site (jax's CUDA compiler plugin, ~140 MB)"
   rm -rf "$site"
-  "$venv/bin/python" -m pip install -q --no-deps --require-hashes --target "$site" -r "$repo/requirements/gpu-plan.txt" 2>&1 \
-    | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+  pipq install -q --no-deps --require-hashes --target "$site" -r "$repo/requirements/gpu-plan.txt"
   echo "$want" > "$site/.stamp"
 }
 
@@ -82,9 +85,6 @@ fi
 
 say "creating $venv with $py"
 "$py" -m venv --clear "$venv"
-# Site-wide pip settings (extra indexes, find-links) can be noisy; keep the
-# user's settings but drop pip's "location ignored" chatter.
-pipq() { "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; return "${PIPESTATUS[0]}"; }
 pipq install -q --upgrade pip
 say "installing requirements/lock.txt (about 130 packages, a minute or two the first time)"
 pipq install -q --no-deps -r "$lock"
