@@ -328,6 +328,10 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   check_layout(run, num_gpus)
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
   topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mode)
+  if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":
+    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+
+    log(f"not compiling for compile-only {run.fork.target_gpu} devices: {gpu_target.unavailable_reason(run.fork.target_gpu)}")
   substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, lambda _: {})(run)
   if topology.compiles_for_gpu and topology.nodes > 1 and "num_slices" not in run.explicit:
     # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.

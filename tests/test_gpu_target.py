@@ -59,6 +59,17 @@ def test_the_planner_compiles_for_the_target_only_where_it_can(monkeypatch):
   assert aot.choose_topology(128, 8, 0, "h100").platform == "cpu"
 
 
+def test_a_target_the_planner_cannot_compile_for_says_why(monkeypatch, capsys):
+  """A recipe names target_gpu, the plugin is missing: the CPU fallback says what to install."""
+  monkeypatch.setattr(gpu_target, "plugin_importable", lambda: False)
+  monkeypatch.setattr(plan, "compile_in_child", lambda *a, **k: {"config_error": "stop here"})
+  with pytest.raises(fork_config.ConfigError, match="stop here"):
+    plan.plan(["configs/deepseek3-tiny.yml", "target_gpu=h100", "recipe_num_gpus=4", "ici_fsdp_parallelism=4"],
+              local_gpus=0)
+  assert "not compiling for compile-only h100 devices: jax's CUDA plugin is not installed: scripts/bootstrap.sh --gpu-plan" \
+      in capsys.readouterr().out
+
+
 def test_host_callbacks_are_compiled_in_their_device_form():
   run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours", "moe_log_expert_load=true"])
   assert plan.gpu_target_substitutes(run) == {"moe_a2a_padded_on_overflow": "flag", "moe_log_expert_load": False}
