@@ -177,8 +177,7 @@ class A2APaddedDispatcher:
     p_safe = jnp.minimum(p_M, n - 1)
     c_M = m - meta.send_start_P[p_safe]
     y_MD = home_RD.at[jnp.where(c_M < cap, p_safe * cap + c_M, n * cap)].get(mode="fill", fill_value=0)
-    y_TKD = local.unpermute_rows(y_MD, meta.slots.order_M, meta.slots.slot_row_TK)
-    return local.weighted_sum(y_TKD, weights_TK, y_RD.dtype)
+    return local.combine_rows(y_MD, weights_TK, meta.slots.order_M, meta.slots.slot_row_TK, y_RD.dtype)
 
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float = 2.0,

@@ -205,8 +205,7 @@ class RaggedA2ADispatcher:
     back = Plan(meta.recv_start_P, meta.recv_P, meta.home_offset_P, meta.send_P)
     there = Plan(meta.send_start_P, meta.send_P, meta.out_offset_P, meta.recv_P)  # dispatch's plan: the VJP
     y_MD = ragged_exchange(back_RD, meta.slots.order_M.shape[0], back, there, self.axis_name, self.exchange_impl)
-    y_TKD = local.unpermute_rows(y_MD, meta.slots.order_M, meta.slots.slot_row_TK)
-    return local.weighted_sum(y_TKD, weights_TK, y_RD.dtype)
+    return local.combine_rows(y_MD, weights_TK, meta.slots.order_M, meta.slots.slot_row_TK, y_RD.dtype)
 
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float | None = None,

@@ -56,8 +56,7 @@ class RingDispatcher:
   def combine(self, y_MD, weights_TK, meta: local.LocalMeta):
     weights_gTK = jax.lax.all_gather(weights_TK, self.axis_name, tiled=True)
     # Partial sums stay float32 through the reduce-scatter, as one device's sum would.
-    partial_gTD = local.weighted_sum(local.unpermute_rows(y_MD, meta.order_M, meta.slot_row_TK), weights_gTK,
-                                     jnp.float32)
+    partial_gTD = local.combine_rows(y_MD, weights_gTK, meta.order_M, meta.slot_row_TK, jnp.float32)
     out_TD = jax.lax.psum_scatter(partial_gTD, self.axis_name, scatter_dimension=0, tiled=True)
     return out_TD.astype(y_MD.dtype)
 
