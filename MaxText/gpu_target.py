@@ -40,6 +40,12 @@ def config_path(gpu: str) -> Path | None:
   return path if path.is_file() else None
 
 
+def device_memory_size(gpu: str) -> int | None:
+  """The target config's device_memory_size (what XLA's memory limit is taken from), None without one."""
+  path = config_path(gpu)
+  return int(_field(path.read_text(), "device_memory_size")) if path else None
+
+
 def plugin_importable() -> bool:
   """jax's CUDA plugin can be imported here (from site-packages or GPU_PLAN_SITE)."""
   return any((Path(base) / "jax_plugins" / "xla_cuda13").is_dir() for base in (*sys.path, str(GPU_PLAN_SITE)) if base)

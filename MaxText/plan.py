@@ -125,7 +125,22 @@ def _crash_reason(log: str) -> str:
   return " | ".join(fatal[:3] or lines[-3:])[-700:]
 
 
-def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None) -> dict[str, Any]:
+def mock_memory_limit(run: fork_config.RunConfig, topology: aot.Topology) -> str:
+  """On a GPU with more memory than the target's, the XLA flag that schedules against the target's memory."""
+  if topology.platform != "gpu":
+    return ""
+  from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+
+  gpu_key, _ = target_gpu(run, topology)
+  target_bytes = gpu_target.device_memory_size(gpu_key) or int(hardware.GPUS[gpu_key].hbm_bytes.value)
+  flag = aot.memory_limit_flag(target_bytes, aot.local_gpu_memory_bytes())
+  if flag:
+    log(f"scheduling against {hardware.GPUS[gpu_key].name}'s {target_bytes / 2**30:.1f} GiB, not this GPU's: {flag}")
+  return flag
+
+
+def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None,
+                     xla_flags: str = "") -> dict[str, Any]:
   """One compile in a fresh process: its result, or PlanError naming what ran out."""
   with tempfile.TemporaryDirectory(prefix="maxtext-plan-") as tmp:
     request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
@@ -135,7 +150,7 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
         # unless the user's XLA_FLAGS already dump somewhere: then the report is read there.
         "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true",
                  *([] if "--xla_dump_to" in os.environ.get("XLA_FLAGS", "") else ["dump_hlo=true"])],
-        "topology": topology.__dict__, "hlo_path": hlo_path,
+        "topology": topology.__dict__, "hlo_path": hlo_path, "xla_flags": xla_flags,
     }))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as child_log:
@@ -341,7 +356,7 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
            "gpu": f"this machine's GPU, mock {topology.mock_spec}" if topology.mock_spec else "this machine's GPU",
            "cpu": "simulated CPU devices"}[topology.platform]
   log(f"compiling for {num_gpus} devices on {where}")
-  child = compile_in_child(child_args, topology, timeout_s, hlo_path)
+  child = compile_in_child(child_args, topology, timeout_s, hlo_path, mock_memory_limit(run, topology))
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
   if "compile_error" in child:

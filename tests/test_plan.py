@@ -17,7 +17,8 @@ import textwrap
 import pytest
 
 from conftest import REPO, run_train
-from MaxText import aot, hardware, hlo_inventory, launch, plan
+from MaxText import aot, gpu_target, hardware, hlo_inventory, launch, plan
+from MaxText import config as fork_config
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
 
@@ -145,6 +146,17 @@ def test_mock_topology_is_nodes_x_hosts_x_local_gpus():
   assert aot.choose_topology(128, 8, 0).lower_only  # past 64 simulated devices: lowered, not compiled
   with pytest.raises(aot.PlanError, match="CUDA_VISIBLE_DEVICES"):
     aot.choose_topology(8, 8, 3)
+
+
+def test_a_mock_on_a_larger_gpu_schedules_against_the_targets_memory(monkeypatch):
+  """--mock for an H100 recipe on an H200: XLA's memory limit (95% of the device) becomes 95% of the H100's."""
+  h100, h200 = gpu_target.device_memory_size("h100"), gpu_target.device_memory_size("h200")
+  assert aot.memory_limit_flag(h100, h200) == "--xla_gpu_memory_limit_slop_factor=53"  # 95 * 79.1 / 139.8 GiB
+  assert aot.memory_limit_flag(h200, h200) == aot.memory_limit_flag(h200, None) == ""  # its own GPU: XLA's default
+  run = fork_config.load([str(REPO / "configs/recipes/deepseek3-671b-128xh100.yml")])
+  monkeypatch.setattr(aot, "local_gpu_memory_bytes", lambda: h200)
+  assert plan.mock_memory_limit(run, aot.Topology("gpu", 128, 8, 1)).endswith("=53")
+  assert plan.mock_memory_limit(run, aot.Topology("gpu_target", 128, 8, 0, target_gpu="h100")) == ""
 
 
 def test_estimate_is_flops_at_gemm_rate_plus_wire_bytes_at_link_rate():
