@@ -12,7 +12,7 @@ compiler's memory limit is the target's `device_memory_size`: an H100 recipe is
 scheduled against 80 GB, not against the planning machine's GPU. No GPU is touched
 (jax's own backend stays on CPU), so it runs on a laptop, in CI, or beside a training
 job. It cannot autotune (there is no device to time on), and its memory figure has
-read up to 8% below the same tree compiled on an H200 (plan.COMPILE_ONLY_SHORTFALL).
+read up to 8.5% below the same tree compiled on an H200 (plan.COMPILE_ONLY_SHORTFALL).
 
 The plugin (jax-cuda13-plugin/-pjrt, the same version as jax) lives outside the
 environment's site-packages, in GPU_PLAN_SITE: installed there, every CPU-only jax

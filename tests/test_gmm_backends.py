@@ -10,7 +10,6 @@ tools/gpu_selftest.py checks the real kernels on a GPU.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 import types
 
@@ -57,45 +56,60 @@ def test_te_without_transformer_engine_says_how_to_install(monkeypatch):
     te_backend.gmm(lhs, rhs, gs, group_offset=jnp.int32(0), transpose_rhs=False, out_dtype=jnp.float32)
 
 
-def _fake_te_grouped_gemm(calls: list):
-  """TE's grouped_gemm contract as read in its source, computed group by group in numpy.
+class _FakeGroupedNoScaleTensor:
+  """transformer_engine.jax.quantize.GroupedNoScaleTensor (2.20.2): the fields grouped_gemm reads."""
 
-  TE: contracting_dims ((1,),(1,)) = [M,K] x [G,K,N]; ((1,),(2,)) = [M,K] x [G,N,K];
-  ((0,),(0,)) = [M,K] x [M,N] -> [G,K,N] (wgrad); its FFI requires sum(group_sizes) == M
-  and, outside wgrad, one group per rhs slice.
+  def __init__(self, data, amax, first_dims, last_dims, original_shape):
+    assert amax is None and last_dims is None and tuple(original_shape) == data.shape
+    self.data, self.first_dims = data, first_dims
+
+
+def _fake_te_grouped_gemm(calls: list):
+  """TE 2.20.2's grouped_gemm contract as read in its source, computed group by group in numpy.
+
+  Signature of the release: grouped_gemm(lhs, rhs, contracting_dims=((1,),(2,)), bias=None, precision=DEFAULT,
+  preferred_element_type=None, group_offset=None, quantizer_set=noop, use_async_d2h_group_sizes=False), with
+  GroupedNoScaleTensor operands whose first_dims carry the row-group sizes. contracting_dims ((1,),(1,)) =
+  [M,K] x [G,K,N]; ((1,),(2,)) = [M,K] x [G,N,K]; ((0,),(0,)) = [M,K] x [M,N] -> [G,K,N] (wgrad, both ragged);
+  its FFI requires sum(group sizes) == M and, outside wgrad, one group per rhs slice. group_offset raises.
   """
 
-  def grouped_gemm(lhs, rhs, group_sizes, contracting_dims=((1,), (2,)), bias=None,
-                   precision=None, preferred_element_type=None, group_offset=None):
-    del precision
+  def grouped_gemm(lhs, rhs, contracting_dims=((1,), (2,)), bias=None, precision=None,
+                   preferred_element_type=None, group_offset=None, quantizer_set=None,
+                   use_async_d2h_group_sizes=False):
+    del precision, quantizer_set, use_async_d2h_group_sizes
     assert bias is None and group_offset is None
-    sizes = np.asarray(group_sizes)
-    lhs_np, rhs_np = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    assert isinstance(lhs, _FakeGroupedNoScaleTensor) and isinstance(rhs, _FakeGroupedNoScaleTensor)
+    sizes = np.asarray(lhs.first_dims)
+    lhs_np, rhs_np = np.asarray(lhs.data, np.float64), np.asarray(rhs.data, np.float64)
     assert sizes.sum() == lhs_np.shape[0], "TE: Unexpected group_sizes! M != sum(group_sizes)"
     calls.append(tuple(tuple(d) for d in contracting_dims))
     ends = np.cumsum(sizes)
     starts = ends - sizes
     if contracting_dims == ((0,), (0,)):
+      np.testing.assert_array_equal(np.asarray(rhs.first_dims), sizes)
       out = np.stack([lhs_np[s:e].T @ rhs_np[s:e] for s, e in zip(starts, ends)])
     else:
-      assert rhs_np.shape[0] == len(sizes)
+      assert rhs.first_dims is None and rhs_np.shape[0] == len(sizes)
       weights = rhs_np if contracting_dims == ((1,), (1,)) else np.swapaxes(rhs_np, 1, 2)
       assert contracting_dims in (((1,), (1,)), ((1,), (2,)))
       out = np.concatenate([lhs_np[s:e] @ weights[g] for g, (s, e) in enumerate(zip(starts, ends))])
-    return jnp.asarray(out, preferred_element_type or lhs.dtype)
+    return jnp.asarray(out, preferred_element_type or lhs.data.dtype)
 
   return grouped_gemm
 
 
-def _install_fake_te(monkeypatch, grouped_gemm):
+def _install_fake_te(monkeypatch, grouped_gemm, version="2.20.2"):
   cpp = types.ModuleType("transformer_engine.jax.cpp_extensions")
   cpp.grouped_gemm = grouped_gemm
+  quantize = types.ModuleType("transformer_engine.jax.quantize")
+  quantize.GroupedNoScaleTensor = _FakeGroupedNoScaleTensor
   te_jax = types.ModuleType("transformer_engine.jax")
-  te_jax.cpp_extensions = cpp
+  te_jax.cpp_extensions, te_jax.quantize = cpp, quantize
   te = types.ModuleType("transformer_engine")
-  te.jax = te_jax
+  te.jax, te.__version__ = te_jax, version
   for name, module in (("transformer_engine", te), ("transformer_engine.jax", te_jax),
-                       ("transformer_engine.jax.cpp_extensions", cpp)):
+                       ("transformer_engine.jax.cpp_extensions", cpp), ("transformer_engine.jax.quantize", quantize)):
     monkeypatch.setitem(sys.modules, name, module)
 
 
@@ -120,13 +134,10 @@ def test_te_adapter_plumbing_with_a_stand_in_grouped_gemm(monkeypatch, case):
   assert calls == [fwd, ((0,), (0,))]
 
 
-def test_te_refuses_a_transformer_engine_without_group_sizes(monkeypatch):
-  def list_style_grouped_gemm(lhs_list, rhs_list, contracting_dims_list):  # older TE's form
-    raise AssertionError("must not be called")
-
-  _install_fake_te(monkeypatch, list_style_grouped_gemm)
-  assert "group_sizes" not in inspect.signature(list_style_grouped_gemm).parameters
-  assert "takes group_sizes; this one does not" in te_backend.unavailable_reason()
+@pytest.mark.parametrize("version", ["2.8.0", "2.21.0", "unknown"])
+def test_te_refuses_a_transformer_engine_it_was_not_checked_against(monkeypatch, version):
+  _install_fake_te(monkeypatch, _fake_te_grouped_gemm([]), version=version)
+  assert f"supports Transformer Engine 2.20.x; {version} is installed" in te_backend.unavailable_reason()
 
 
 # --- tokamax: the adapter through tokamax's own XLA implementation ---------------------

@@ -1,26 +1,25 @@
 """Backend "te": Transformer Engine for JAX's grouped GEMM (cuBLAS grouped GEMM, NVIDIA GPU).
 
-Adapter for `transformer_engine.jax.cpp_extensions.grouped_gemm(lhs, rhs,
-group_sizes, contracting_dims, ..., preferred_element_type, group_offset)`, the
-form of TE's grouped GEMM that takes a group_sizes array (older TEs took lists
-of per-group operands and are refused). Its contracting_dims pick the layout:
+Adapter for TE 2.20's `transformer_engine.jax.cpp_extensions.grouped_gemm(lhs, rhs,
+contracting_dims, ..., preferred_element_type)`, whose operands are
+`transformer_engine.jax.quantize.GroupedNoScaleTensor`s: the row-group sizes ride on
+the ragged operand as `first_dims` (there is no group_sizes argument; TE's own
+`dense.grouped_dense` builds them the same way). Its contracting_dims pick the layout:
 
     ((1,), (1,))  lhs [M, K] x rhs [G, K, N] -> [M, N]        forward
     ((1,), (2,))  lhs [M, K] x rhs [G, N, K] -> [M, N]        transposed weights (dlhs)
     ((0,), (0,))  lhs [M, K] x rhs [M, N]    -> [G, K, N]     per-group lhs_g.T @ rhs_g (dW)
 
-TE's grouped GEMM wants sum(group_sizes) == M (its FFI checks it) and has no
+TE's grouped GEMM wants sum(group sizes) == M (its FFI checks it) and has no
 group_offset yet, so rows go through _rows's window (ring EP) and the rows past
 the local groups form one extra trailing group: multiplied by zero weights in
 the forward, and its dW dropped. That costs FLOPs on padding rows.
 
-Never run against a real TE here (TE is not installed where CI runs); the tests
-cover the missing-TE error and, with a stand-in module, the argument plumbing.
+Checked against the released TE 2.20.2 (SUPPORTED_TE); other versions are refused by
+name, since the grouped GEMM's signature has changed between TE releases.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +34,23 @@ _TRANSPOSED_RHS_DIMS = ((1,), (2,))
 _WGRAD_DIMS = ((0,), (0,))
 
 
+# TE releases whose grouped_gemm takes GroupedNoScaleTensor operands (checked against 2.20.2's source).
+SUPPORTED_TE = ("2.20",)
+
+
 def _grouped_gemm():
-  """TE's grouped_gemm, or ImportError saying how to install TE."""
+  """(TE's grouped_gemm, GroupedNoScaleTensor), or ImportError saying how to install a supported TE."""
   try:
+    import transformer_engine  # pylint: disable=import-outside-toplevel
     from transformer_engine.jax import cpp_extensions  # pylint: disable=import-outside-toplevel
+    from transformer_engine.jax.quantize import GroupedNoScaleTensor  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise ImportError(f"grouped-GEMM backend 'te' needs Transformer Engine for JAX: {INSTALL} ({e})") from e
-  grouped_gemm = getattr(cpp_extensions, "grouped_gemm", None)
-  if grouped_gemm is None or "group_sizes" not in inspect.signature(grouped_gemm).parameters:
-    raise ImportError(
-        "grouped-GEMM backend 'te' needs a Transformer Engine whose "
-        "transformer_engine.jax.cpp_extensions.grouped_gemm takes group_sizes; this one does not: "
-        f"upgrade, {INSTALL}"
-    )
-  return grouped_gemm
+  version = str(getattr(transformer_engine, "__version__", "unknown"))
+  if not version.startswith(SUPPORTED_TE):
+    raise ImportError(f"grouped-GEMM backend 'te' supports Transformer Engine {', '.join(SUPPORTED_TE)}.x; "
+                      f"{version} is installed: {INSTALL}")
+  return cpp_extensions.grouped_gemm, GroupedNoScaleTensor
 
 
 def unavailable_reason() -> str | None:
@@ -67,14 +69,17 @@ def _with_tail_group(sizes_L: jax.Array, num_rows: int) -> jax.Array:
   return jnp.concatenate([sizes_L, (num_rows - jnp.sum(sizes_L)).reshape(1)])
 
 
+def _ragged(tensor_cls, x, sizes=None):
+  return tensor_cls(data=x, amax=None, first_dims=sizes, last_dims=None, original_shape=x.shape)
+
+
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype):
-  grouped_gemm = _grouped_gemm()
+  grouped_gemm, tensor_cls = _grouped_gemm()
   rows = _rows.local_rows(group_sizes_G, group_offset, rhs_GKN.shape[0])
   zeros_1KN = jnp.zeros((1,) + rhs_GKN.shape[1:], rhs_GKN.dtype)  # the tail group's weights
   out_MN = grouped_gemm(
-      _rows.to_local(lhs_MK, rows),
-      jnp.concatenate([rhs_GKN, zeros_1KN]),
-      _with_tail_group(rows.sizes_L, lhs_MK.shape[0]),
+      _ragged(tensor_cls, _rows.to_local(lhs_MK, rows), _with_tail_group(rows.sizes_L, lhs_MK.shape[0])),
+      _ragged(tensor_cls, jnp.concatenate([rhs_GKN, zeros_1KN])),
       contracting_dims=_TRANSPOSED_RHS_DIMS if transpose_rhs else _FWD_DIMS,
       preferred_element_type=out_dtype,
   )
@@ -82,12 +87,12 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
-  grouped_gemm = _grouped_gemm()
+  grouped_gemm, tensor_cls = _grouped_gemm()
   rows = _rows.local_rows(group_sizes_G, group_offset, num_local_groups)
+  sizes = _with_tail_group(rows.sizes_L, lhs_MK.shape[0])
   drhs_GKN = grouped_gemm(
-      _rows.to_local(lhs_MK, rows),
-      _rows.to_local(dout_MN, rows),
-      _with_tail_group(rows.sizes_L, lhs_MK.shape[0]),
+      _ragged(tensor_cls, _rows.to_local(lhs_MK, rows), sizes),
+      _ragged(tensor_cls, _rows.to_local(dout_MN, rows), sizes),
       contracting_dims=_WGRAD_DIMS,
       preferred_element_type=out_dtype,
   )
