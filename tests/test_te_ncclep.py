@@ -79,6 +79,9 @@ def stand_in_te(*, ep_size: int, num_ep_groups: int, with_total_recv: bool, call
   def ep_bootstrap(world_size, rank, num_experts, max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
                    max_token_dtype=jnp.bfloat16, max_num_sms=0, drop_on_overflow=False):
     assert state["resource"] is not None and state["resource"].ep_resource, "TE: MeshResource.ep_resource unset"
+    devices = ep_size * num_ep_groups  # 2.20.2: None means the active mesh's size; an explicit value must match
+    if (world_size if world_size is not None else devices) != devices or devices < 2:
+      raise ValueError(f"ep_bootstrap: world_size={world_size} must equal the mesh's {devices} devices, >= 2")
     assert num_experts % ep_size == 0 and jnp.dtype(max_token_dtype) == jnp.bfloat16
     calls.append({"op": "bootstrap", "world_size": world_size, "rank": rank})
     state["boot"] = dict(num_experts=num_experts, max_tokens=max_tokens_per_rank, capacity=recv_capacity_per_rank,
@@ -270,7 +273,7 @@ def test_te_calls_get_global_shapes_static_capacity_and_bf16_tokens(monkeypatch)
     x_PRD, meta = jax.jit(disp.dispatch)(x, ids, w.astype(jnp.bfloat16))
     y_TD = jax.jit(disp.combine)(x_PRD, w, meta)
   boot, disp_call, comb = calls
-  assert boot == {"op": "bootstrap", "world_size": 1, "rank": 0}  # jax.process_count(), jax.process_index()
+  assert boot == {"op": "bootstrap", "world_size": None, "rank": 0}  # TE counts the mesh's devices itself
   assert disp_call == {"op": "dispatch", "top_k": 3, "alignment": 8, "ids": ((16, 3), "int32"),
                        "tokens": ((16, 8), "bfloat16"), "weights": ((16, 3), "float32"), "capacity": 48}
   assert comb == {"op": "combine", "top_k": 3, "expert_out": ((4, 48, 8), "bfloat16"), "handle": (4, 192),
@@ -393,3 +396,10 @@ def test_a_te_with_the_later_ep_api_is_refused_not_guessed(monkeypatch, later_ap
   assert want in dispatch.unavailable_reason("te_ncclep")
   with pytest.raises(RuntimeError, match=want):
     dispatch.make("te_ncclep", num_experts=8, axis_name="expert", ep_size=2, recv_capacity_per_rank=64)
+
+
+def test_bootstrap_on_one_device_is_refused_in_one_line(monkeypatch):
+  """TE 2.20.2 refuses an EP world of one device; the adapter says which backend and why."""
+  modules, _ = _install(monkeypatch.setitem, ep_size=1, num_ep_groups=1, with_total_recv=True)
+  with _guard(modules), pytest.raises(RuntimeError, match=r"'te_ncclep': Transformer Engine's ep_bootstrap refused"):
+    te_ncclep.bootstrap(num_experts=8, max_tokens_per_rank=4, recv_capacity_per_rank=48, hidden_dim=8)

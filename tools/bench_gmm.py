@@ -119,6 +119,17 @@ def backends(names):
         out[name] = _vjp_pair(
             lambda a, w, gs, transpose_rhs: mgpu.jax_ragged_dot(a, w, gs, transpose_rhs=transpose_rhs),
             lambda x, d, gs, nl: mgpu.jax_transposed_ragged_dot(x, d, gs))
+    elif name == "te":  # Transformer Engine's cuBLAS grouped GEMM through our adapter (MaxText/moe/gmm/te.py)
+      from MaxText.moe.gmm import te
+      reason = te.unavailable_reason()
+      if reason:
+        print(f"[skip] te: {reason}")
+        continue
+      zero = jnp.int32(0)
+      out[name] = _vjp_pair(
+          lambda a, w, gs, transpose_rhs: te.gmm(a, w, gs, group_offset=zero, transpose_rhs=transpose_rhs,
+                                                 out_dtype=a.dtype),
+          lambda x, d, gs, nl: te.tgmm(x, d, gs, group_offset=zero, num_local_groups=nl, out_dtype=x.dtype))
     else:
       raise ValueError(f"unknown backend {name!r}")
   return out

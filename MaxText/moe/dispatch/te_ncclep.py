@@ -1,8 +1,9 @@
 """EP via Transformer Engine's NCCL-EP kernels (`transformer_engine.jax.ep`).
 
-Written to TE's JAX EP API as merged by NVIDIA/TransformerEngine#3036 (files
-transformer_engine/jax/ep.py and cpp_extensions/ep.py, read 2026; TE is not
-installed where this was written, so it has never run against a real TE):
+Written to TE's JAX EP API as released in transformer-engine 2.20.2
+(transformer_engine/jax/ep.py, checked against the wheel's source; api_mismatch
+refuses other forms). It needs >= 2 GPUs and NCCL >= 2.30.4, so it has not run a
+dispatch yet:
 
   EpLayerConfig(top_k, dispatch_output_per_expert_alignment=0)     per layer
   ep_bootstrap(world_size, rank, num_experts, max_tokens_per_rank,
@@ -132,9 +133,14 @@ def bootstrap(*, num_experts: int, max_tokens_per_rank: int, recv_capacity_per_r
   keep that guard active while tracing and compiling the block. te_options
   (max_num_sms, drop_on_overflow, ...) go to TE as they are.
   """
-  _te_ep().ep_bootstrap(world_size=jax.process_count(), rank=jax.process_index(), num_experts=num_experts,
-                        max_tokens_per_rank=max_tokens_per_rank, recv_capacity_per_rank=recv_capacity_per_rank,
-                        hidden_dim=hidden_dim, **te_options)
+  try:
+    # world_size=None: TE 2.20.2 takes the active mesh's device count (an explicit value must equal it, and
+    # it is devices, not processes); it refuses fewer than 2.
+    _te_ep().ep_bootstrap(world_size=None, rank=jax.process_index(), num_experts=num_experts,
+                          max_tokens_per_rank=max_tokens_per_rank, recv_capacity_per_rank=recv_capacity_per_rank,
+                          hidden_dim=hidden_dim, **te_options)
+  except (ValueError, RuntimeError, AssertionError) as e:
+    raise RuntimeError(f"MoE dispatch backend {NAME!r}: Transformer Engine's ep_bootstrap refused this mesh: {e}") from e
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -50,7 +50,26 @@ def _grouped_gemm():
   if not version.startswith(SUPPORTED_TE):
     raise ImportError(f"grouped-GEMM backend 'te' supports Transformer Engine {', '.join(SUPPORTED_TE)}.x; "
                       f"{version} is installed: {INSTALL}")
+  _v1_below_cublas_13_4()
   return cpp_extensions.grouped_gemm, GroupedNoScaleTensor
+
+
+# TE 2.20 runs bf16 on Hopper through nvte_grouped_gemm (its "V2"), which needs cuBLAS >= 13.4 at run time
+# and otherwise fails inside the kernel launch; the V1 path (one cuBLAS GEMM per group, group sizes copied
+# to the host) runs on older cuBLAS, e.g. the 13.1 of the jax 0.11.2 CUDA-13 wheels.
+_CUBLAS_FOR_V2 = 130400
+
+
+def _v1_below_cublas_13_4() -> None:
+  try:
+    import transformer_engine_jax as ext  # pylint: disable=import-outside-toplevel
+    from transformer_engine.jax.cpp_extensions import gemm  # pylint: disable=import-outside-toplevel
+  except ImportError:  # no compiled extension (a stand-in): nothing to choose
+    return
+  if getattr(gemm, "_v2_grouped_gemm_available", False) and ext.get_cublasLt_version() < _CUBLAS_FOR_V2:
+    gemm._v2_grouped_gemm_available = False  # pylint: disable=protected-access
+    print(f"[maxtext-moe] te grouped GEMM: cuBLAS {ext.get_cublasLt_version()} < {_CUBLAS_FOR_V2}, TE's V1 path",
+          flush=True)
 
 
 def unavailable_reason() -> str | None:
