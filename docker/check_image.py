@@ -7,7 +7,7 @@ one line per mismatch:
 - maxtext, jax, jaxlib and tokamax at exactly the manifest's versions (jax and
   jaxlib may also be a development build of that version, 0.11.2.dev20260910,
   which is what JAX-Toolbox's dated images report);
-- Transformer Engine for JAX at least at the manifest's floor (`--no-te` skips
+- Transformer Engine for JAX of the manifest's release series (`--no-te` skips
   this, for environments built without the [te] extra, such as CI's venv);
 - `MaxText` resolving to our package (NVIDIA's images may carry an upstream
   checkout under the same import name), and the training chain importing
@@ -61,6 +61,15 @@ def pin_holds(name: str, want: str, have: str | None) -> bool:
   return name in DEV_BUILDS_OK and version.is_devrelease and version.base_version == Version(want).base_version
 
 
+def te_release_holds(want: Version, have: str) -> bool:
+  """have is want or a later patch release of the same major.minor (the adapters check 2.20's API)."""
+  try:
+    version = Version(have)
+  except ValueError:
+    return False
+  return version.release[:2] == want.release[:2] and version >= want
+
+
 def problems(manifest: dict, check_te: bool = True) -> list[str]:
   out = []
   for name, want in manifest["pins"].items():
@@ -68,11 +77,12 @@ def problems(manifest: dict, check_te: bool = True) -> list[str]:
     if not pin_holds(name, str(want), have):
       out.append(f"{name}: manifest pins {want}, installed {have or 'nothing'}")
   if check_te:
-    floor = Version(str(manifest["transformer_engine_floor"]))
+    want = Version(str(manifest["transformer_engine"]))
     te = te_versions()
     if not te:
-      out.append(f"transformer-engine: not installed (manifest floor {floor})")
-    out += [f"{n}: {v} is below the manifest floor {floor}" for n, v in te.items() if Version(v) < floor]
+      out.append(f"transformer-engine: not installed (manifest: {want})")
+    out += [f"{n}: {v} is not the manifest's {want} series ({want.major}.{want.minor}.x, at least {want})"
+            for n, v in te.items() if not te_release_holds(want, v)]
   if installed("maxtext-moe") is None:
     out.append("maxtext-moe: our package is not installed")
   try:  # the whole chain MaxText.train loads: ours, our patches, upstream's trainer (tokamax too)

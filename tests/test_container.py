@@ -142,3 +142,12 @@ def test_wheelhouse_on_a_mirror_of_the_image_imports_and_trains(tmp_path):
   summary = json.loads((run_dir / "out" / "tiny" / "summary.json").read_text())
   assert summary["steps_completed"] == 2
   assert summary["final_loss"] < summary["first_loss"]
+
+
+def test_the_image_check_accepts_only_the_te_series_the_adapters_were_checked_against(monkeypatch):
+  monkeypatch.syspath_prepend(str(REPO / "docker"))
+  import check_image  # pylint: disable=import-outside-toplevel
+
+  want = check_image.Version("2.20.2")
+  assert check_image.te_release_holds(want, "2.20.2") and check_image.te_release_holds(want, "2.20.5")
+  assert not any(check_image.te_release_holds(want, v) for v in ("2.20.1", "2.21.0", "2.8.0", "not-a-version"))

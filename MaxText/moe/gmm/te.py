@@ -21,6 +21,8 @@ name, since the grouped GEMM's signature has changed between TE releases.
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 
@@ -63,7 +65,8 @@ _CUBLAS_FOR_V2 = 130400
 def _v1_below_cublas_13_4() -> None:
   try:
     import transformer_engine_jax as ext  # pylint: disable=import-outside-toplevel
-    from transformer_engine.jax.cpp_extensions import gemm  # pylint: disable=import-outside-toplevel
+    # The submodule itself: `from ...cpp_extensions import gemm` is TE's gemm *function* (re-exported by name).
+    gemm = importlib.import_module("transformer_engine.jax.cpp_extensions.gemm")
   except ImportError:  # no compiled extension (a stand-in): nothing to choose
     return
   if getattr(gemm, "_v2_grouped_gemm_available", False) and ext.get_cublasLt_version() < _CUBLAS_FOR_V2:
