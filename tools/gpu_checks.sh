@@ -18,6 +18,10 @@
 #   plan-ep         the planner on the proxy's multi-GPU layouts with moe_block=ours, each on this one
 #                   GPU: FSDP 2, EP 2, FSDP 2 x EP 2, EP 8
 #   plan-recipes    the planner on every configs/recipes/*.yml: verdict, TFLOP/s/GPU, compile time
+#   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
+#             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
+#             both in one process (its own limit, GPU_CHECK_TE_BENCH_S, default 540 s)
+#   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP)
 #
 # Each item has a time limit (GPU_CHECK_LIMIT_S, default 240 s); logs go to
 # $GPU_CHECK_OUT (default /tmp/gpu_checks), and a table of results is printed last.
@@ -122,7 +126,16 @@ PY
         rows+=("$name exit $rc  $(grep -E "verdict|TFLOP/s/GPU|compiled on|plan error" "$out/plan-$name.log" | tr '\n' ' ' | cut -c1-300)")
       done
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes)"; exit 2 ;;
+    te)
+      (cd "$repo" && timeout "$limit" python3 tools/te_ep_probe.py) 2>&1 | tee "$out/te_ep_probe.log" | grep -E "^(PASS|FAIL)|bootstrap"
+      (cd "$repo" && timeout "$limit" python3 tools/gpu_selftest.py --backends te,mgpu) 2>&1 | tee "$out/selftest-te.log" | grep -E "^case|^[a-z].*(PASS|FAIL)" | tail -n 16
+      (cd "$repo" && timeout "${GPU_CHECK_TE_BENCH_S:-540}" python3 tools/bench_gmm.py --quick --backends mgpu,te \
+          --passes fwd,bwd --out "$out/gmm-te") 2>&1 | tee "$out/bench_gmm-te.log" | grep -E " (dense|mgpu|te) " | tail -n 24
+      ;;
+    te-block)
+      proxy_run proxy_te_block moe_block=te te_moe_block=true
+      ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, te-block)"; exit 2 ;;
   esac
 done
 
