@@ -52,17 +52,17 @@ def _grouped_gemm():
   if not version.startswith(SUPPORTED_TE):
     raise ImportError(f"grouped-GEMM backend 'te' supports Transformer Engine {', '.join(SUPPORTED_TE)}.x; "
                       f"{version} is installed: {INSTALL}")
-  _v1_below_cublas_13_4()
+  _v1_below_cublas_13_3()
   return cpp_extensions.grouped_gemm, GroupedNoScaleTensor
 
 
-# TE 2.20 runs bf16 on Hopper through nvte_grouped_gemm (its "V2"), which needs cuBLAS >= 13.4 at run time
-# and otherwise fails inside the kernel launch; the V1 path (one cuBLAS GEMM per group, group sizes copied
+# TE 2.20 runs bf16 on Hopper through nvte_grouped_gemm (its "V2"), which needs cuBLAS >= 13.3 at run time
+# (its own check, cublaslt_grouped_gemm.cu) and otherwise fails at launch; the V1 path (one cuBLAS GEMM per group, group sizes copied
 # to the host) runs on older cuBLAS, e.g. the 13.1 of the jax 0.11.2 CUDA-13 wheels.
-_CUBLAS_FOR_V2 = 130400
+_CUBLAS_FOR_V2 = 130300
 
 
-def _v1_below_cublas_13_4() -> None:
+def _v1_below_cublas_13_3() -> None:
   try:
     import transformer_engine_jax as ext  # pylint: disable=import-outside-toplevel
     # The submodule itself: `from ...cpp_extensions import gemm` is TE's gemm *function* (re-exported by name).
