@@ -15,7 +15,7 @@ step is compiled by XLA's GPU compiler for compile-only devices of that GPU, on
 any machine, no GPU needed (MaxText/gpu_target.py; `scripts/bootstrap.sh
 --gpu-plan` installs jax's CUDA compiler plugin): memory is the compiler's,
 against the target's own HBM. Otherwise, on a GPU machine, the GPU client is
-mocked to the recipe's topology (compiled against the local GPU's memory), and
+mocked to the recipe's topology (scheduled against the target's memory), and
 without a GPU simulated CPU devices stand in (up to 64): the collectives are the
 program's, but there is no GPU memory figure and GPU-only kernels are swapped
 for CPU ones (each swap is printed). Past 64 simulated devices the step is only
