@@ -6,7 +6,7 @@
 #   SMOKE_STEPS=3 SMOKE_OUT=/tmp/smoke SMOKE_NO_TE=1 bash docker/smoke.sh
 #
 # Items:
-#   pins        docker/check_image.py: manifest versions, TE floor, our MaxText
+#   pins        docker/check_image.py: manifest versions, TE release series, our MaxText
 #   gpu         JAX sees a GPU backend
 #   selftest    tools/gpu_selftest.py (the MoE backends' GPU checks), when this build has it
 #   train-tiny  configs/deepseek3-tiny.yml for SMOKE_STEPS steps on one GPU; the run's

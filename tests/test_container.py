@@ -151,3 +151,7 @@ def test_the_image_check_accepts_only_the_te_series_the_adapters_were_checked_ag
   want = check_image.Version("2.20.2")
   assert check_image.te_release_holds(want, "2.20.2") and check_image.te_release_holds(want, "2.20.5")
   assert not any(check_image.te_release_holds(want, v) for v in ("2.20.1", "2.21.0", "2.8.0", "not-a-version"))
+  manifest = {"transformer_engine": "2.20.2"}
+  assert check_image.te_warnings(manifest, {"transformer-engine": "2.20.2", "transformer-engine-jax": "2.20.3"}) == []
+  (line,) = check_image.te_warnings(manifest, {"transformer-engine": "2.9.0.dev0"})
+  assert line.startswith("transformer-engine 2.9.0.dev0 is not the 2.20.x series") and "will refuse it" in line
