@@ -1,8 +1,9 @@
 """te_ncclep: the missing-TE error, then the adapter against a stand-in TE.
 
 Transformer Engine is not installed where these run, so `transformer_engine.jax.ep`
-is replaced by a stand-in written from TE's documented contract
-(MaxText/moe/dispatch/te_ncclep.py lists it and its sources): global view, P
+is replaced by a stand-in with the signatures of the released TE 2.20.2
+(transformer_engine/jax/ep.py and sharding.py in its wheel; on the H200 the adapter's
+api_mismatch against the real module is None, BENCHMARKS.md session 10): global view, P
 ranks of T/P tokens each (ep innermost), every rank's receive buffer
 expert-major with zones padded to the alignment and listed in token_counts,
 rows within a zone in an order of TE's choosing (the stand-in reverses them so
@@ -13,7 +14,8 @@ per (t, k) for the weights; combine: each row gets its token's cotangent).
 
 What this cannot show: that the real TE behaves like the stand-in (layouts,
 padding, NCCL EP's kernels, its VJPs, its custom partitioning), which needs TE
-on >= 2 SM90 GPUs, one process each.
+on >= 2 SM90 GPUs and NCCL >= 2.30.4. On one GPU the real TE refuses bootstrap
+(tools/te_ep_probe.py), as test_bootstrap_on_one_device_is_refused_in_one_line checks here.
 
 `python tests/test_te_ncclep.py block` runs the block-level check on 4 simulated
 CPU devices (the device count is fixed before JAX starts); test_block_* runs it.
@@ -56,8 +58,13 @@ def stand_in_te(*, ep_size: int, num_ep_groups: int, with_total_recv: bool, call
   state = {"resource": None, "boot": None}
 
   @dataclasses.dataclass(frozen=True)
-  class MeshResource:
+  class MeshResource:  # 2.20.2's fields, in its order
     dp_resource: str | None = None
+    tp_resource: str | None = None
+    tpsp_resource: str | None = None
+    fsdp_resource: str | None = None
+    pp_resource: str | None = None
+    cp_resource: str | None = None
     ep_resource: str | None = None
 
   @contextlib.contextmanager
