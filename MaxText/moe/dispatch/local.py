@@ -11,8 +11,9 @@ dispatch gathers x rows by token; combine gathers y rows by slot and sums the
 K of each token with its weights in float32. Both are custom VJPs whose
 backward is again a gather with the *other* map (plus a sum over K for
 dispatch, a per-row weight for combine), so the backward never sorts, never
-scatters, and never builds a [tokens x experts] one-hot. Upstream's `_sort_activations` backward re-runs an
-argsort, and its unpermute argsorts again in the forward.
+scatters, and never builds a [tokens x experts] one-hot. Upstream's
+`_sort_activations` backward re-runs an argsort, and its unpermute argsorts
+again in the forward.
 
 The helpers below are reused by the EP backends on their exchanged rows.
 """

@@ -57,8 +57,8 @@ def _grouped_gemm():
 
 
 # TE 2.20 runs bf16 on Hopper through nvte_grouped_gemm (its "V2"), which needs cuBLAS >= 13.3 at run time
-# (its own check, cublaslt_grouped_gemm.cu) and otherwise fails at launch; the V1 path (one cuBLAS GEMM per group, group sizes copied
-# to the host) runs on older cuBLAS, e.g. the 13.1 of the jax 0.11.2 CUDA-13 wheels.
+# (its own check, cublaslt_grouped_gemm.cu) and otherwise fails at launch; the V1 path (one cuBLAS GEMM per
+# group, group sizes copied to the host) runs on older cuBLAS, e.g. the 13.1 of the jax 0.11.2 CUDA-13 wheels.
 _CUBLAS_FOR_V2 = 130300
 
 
