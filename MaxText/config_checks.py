@@ -102,3 +102,11 @@ def check_devices(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'per_device_batch_size' = {config.per_device_batch_size}: times the "
                       f"{jax.device_count()} device(s) gives a global batch of {global_batch:g}, which must be a "
                       "whole number >= 1")
+  if run.fork.moe_block == "te" and (jax.process_count() < 2 or jax.local_device_count() != 1):
+    # Upstream's te_moe_block bootstraps TE's NCCL EP before the first step. TE refuses a world of one
+    # process, and upstream refuses more than one GPU per process; both end in a traceback (measured on
+    # the H200: ep_bootstrap's ValueError, then upstream's TE context masks it with a RuntimeError).
+    raise ConfigError(f"config key 'moe_block' = 'te' runs TE's MoE block, whose NCCL EP needs >= 2 processes "
+                      f"with one GPU each; this run has {jax.process_count()} process(es) with "
+                      f"{jax.local_device_count()} device(s) each: launch one process per GPU "
+                      "(scripts/launch_local.sh -n N), or use moe_block=ours")

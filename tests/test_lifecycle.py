@@ -70,6 +70,18 @@ def test_a_dispatch_backend_without_our_block_is_refused():
   fork_config.load([TINY, "moe_dispatch_backend=te_ncclep", "moe_block=ours"])  # the pair is fine
 
 
+def test_te_moe_block_in_one_process_is_refused_before_anything_starts():
+  """TE's MoE block bootstraps NCCL EP, which refuses a world of one process (measured on the H200: a
+  ValueError masked by upstream's TE context); ours refuses first, in one line naming the key."""
+  from MaxText import config_checks  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load([TINY, "moe_block=te", "hardware=cpu"])
+  config = types.SimpleNamespace(hardware="cpu", per_device_batch_size=1)
+  with pytest.raises(fork_config.ConfigError, match=r"'moe_block' = 'te' .* >= 2 processes .* this run has 1 process"):
+    config_checks.check_devices(run, config)
+  config_checks.check_devices(fork_config.load([TINY, "moe_block=ours", "hardware=cpu"]), config)
+
+
 # --- the lock ---
 
 

@@ -141,6 +141,7 @@ def stand_in_te(*, ep_size: int, num_ep_groups: int, with_total_recv: bool, call
   ep_mod.EpLayerConfig, ep_mod.ep_bootstrap, ep_mod.ep_dispatch, ep_mod.ep_combine = \
       EpLayerConfig, ep_bootstrap, ep_dispatch, ep_combine
   root, jax_pkg = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.jax")
+  root.__version__ = "2.20.2"
   root.jax, jax_pkg.ep, jax_pkg.sharding = jax_pkg, ep_mod, sharding_mod
   return dict(zip(TE_MODULES, (root, jax_pkg, ep_mod, sharding_mod)))
 
@@ -410,3 +411,14 @@ def test_bootstrap_on_one_device_is_refused_in_one_line(monkeypatch):
   modules, _ = _install(monkeypatch.setitem, ep_size=1, num_ep_groups=1, with_total_recv=True)
   with _guard(modules), pytest.raises(RuntimeError, match=r"'te_ncclep': Transformer Engine's ep_bootstrap refused"):
     te_ncclep.bootstrap(num_experts=8, max_tokens_per_rank=4, recv_capacity_per_rank=48, hidden_dim=8)
+
+
+@pytest.mark.parametrize("version", ["2.19.0", "2.21.0", "2.200.1"])
+def test_a_te_release_it_was_not_checked_against_is_refused_by_name(monkeypatch, version):
+  """The same API shape in another release is still refused: the guard names the supported series."""
+  modules, _ = _install(monkeypatch.setitem, ep_size=2, num_ep_groups=1, with_total_recv=False)
+  monkeypatch.setattr(modules["transformer_engine"], "__version__", version)
+  want = f"te_ncclep supports Transformer Engine 2.20.x; {version} is installed"
+  assert want in dispatch.unavailable_reason("te_ncclep")
+  with pytest.raises(RuntimeError, match=want):
+    dispatch.make("te_ncclep", num_experts=8, axis_name="expert", ep_size=2, recv_capacity_per_rank=64)

@@ -21,7 +21,8 @@
 #   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
 #             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
 #             both in one process (its own limit, GPU_CHECK_TE_BENCH_S, default 540 s)
-#   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP)
+#   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
+#             one process is refused by our config check: this item shows that refusal on one GPU)
 #
 # Each item has a time limit (GPU_CHECK_LIMIT_S, default 240 s); logs go to
 # $GPU_CHECK_OUT (default /tmp/gpu_checks), and a table of results is printed last.
@@ -133,7 +134,11 @@ PY
           --passes fwd,bwd --out "$out/gmm-te") 2>&1 | tee "$out/bench_gmm-te.log" | grep -E " (dense|mgpu|te) " | tail -n 24
       ;;
     te-block)
-      proxy_run proxy_te_block moe_block=te te_moe_block=true
+      # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
+      # (no bias update, no top-k renormalisation): TE's block supports neither. In one process our
+      # config check refuses it (TE's NCCL EP needs >= 2 processes), which is what one GPU can show.
+      proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
+          te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
     *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, te-block)"; exit 2 ;;
   esac

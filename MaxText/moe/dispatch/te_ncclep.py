@@ -61,10 +61,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe import te_release
+
 NAME = "te_ncclep"
-INSTALL = ("install a Transformer Engine with JAX expert parallelism (transformer_engine.jax.ep: TE main since "
-           "NVIDIA/TransformerEngine#3036, built with NCCL EP; needs SM90+ GPUs and NCCL >= 2.30.4), e.g. "
-           "pip install 'maxtext-moe[te]' or an NGC JAX container that ships it")
+INSTALL = ("install Transformer Engine 2.20 for JAX (transformer_engine.jax.ep, built with NCCL EP; needs SM90+ "
+           "GPUs and NCCL >= 2.30.4): pip install 'maxtext-moe[te]', tools/te_offline/ on an air-gapped node, "
+           "or an NGC JAX container that ships it")
 
 
 def _te_ep():
@@ -81,7 +83,11 @@ def api_mismatch(te_ep) -> str | None:
 
   The later API (EpHandle from ep_make_handle; ep_combine taking the received weights and
   weighting the rows itself) would get rows we already weighted: a silently wrong sum,
-  so it is refused rather than guessed at."""
+  so it is refused rather than guessed at. A release outside te_release.SUPPORTED_TE is
+  refused by name first, even when its API looks the same."""
+  why = te_release.unsupported(te_release.installed_version())
+  if why:
+    return f"{NAME} {why}; use moe_dispatch_backend=a2a_padded"
   if not hasattr(te_ep, "EpLayerConfig") or hasattr(te_ep, "ep_make_handle"):
     return ("the installed transformer_engine.jax.ep has the EpHandle API (ep_make_handle), not the "
             "EpLayerConfig API of NVIDIA/TransformerEngine#3036 this adapter is written to; use "

@@ -15,7 +15,7 @@ group_offset yet, so rows go through _rows's window (ring EP) and the rows past
 the local groups form one extra trailing group: multiplied by zero weights in
 the forward, and its dW dropped. That costs FLOPs on padding rows.
 
-Checked against the released TE 2.20.2 (SUPPORTED_TE); other versions are refused by
+Checked against the released TE 2.20.2 (te_release.SUPPORTED_TE); other versions are refused by
 name, since the grouped GEMM's signature has changed between TE releases.
 """
 
@@ -26,6 +26,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe import te_release
 from MaxText.moe.gmm import _rows
 
 NAME = "te"
@@ -36,22 +37,16 @@ _TRANSPOSED_RHS_DIMS = ((1,), (2,))
 _WGRAD_DIMS = ((0,), (0,))
 
 
-# TE releases whose grouped_gemm takes GroupedNoScaleTensor operands (checked against 2.20.2's source).
-SUPPORTED_TE = ("2.20",)
-
-
 def _grouped_gemm():
   """(TE's grouped_gemm, GroupedNoScaleTensor), or ImportError saying how to install a supported TE."""
   try:
-    import transformer_engine  # pylint: disable=import-outside-toplevel
     from transformer_engine.jax import cpp_extensions  # pylint: disable=import-outside-toplevel
     from transformer_engine.jax.quantize import GroupedNoScaleTensor  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise ImportError(f"grouped-GEMM backend 'te' needs Transformer Engine for JAX: {INSTALL} ({e})") from e
-  version = str(getattr(transformer_engine, "__version__", "unknown"))
-  if not version.startswith(SUPPORTED_TE):
-    raise ImportError(f"grouped-GEMM backend 'te' supports Transformer Engine {', '.join(SUPPORTED_TE)}.x; "
-                      f"{version} is installed: {INSTALL}")
+  why = te_release.unsupported(te_release.installed_version())
+  if why:
+    raise ImportError(f"grouped-GEMM backend 'te' {why}: {INSTALL}")
   _v1_below_cublas_13_3()
   return cpp_extensions.grouped_gemm, GroupedNoScaleTensor
 
