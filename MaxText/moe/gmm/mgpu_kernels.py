@@ -47,7 +47,7 @@ _PROFILE_RANGES_MAX = 4096
 # stages (tools/tune_gmm.py does).
 PROFILE_RANGES_MIN = 64
 # Shared memory Mosaic GPU adds past our buffers (barriers, alignment of the trace buffer).
-_SMEM_OVERHEAD_BYTES = 1024
+SMEM_OVERHEAD_BYTES = 1024
 
 
 def num_sms() -> int:
@@ -60,7 +60,7 @@ def num_sms() -> int:
 
 def profile_ranges(kernel_smem_bytes: int, num_warpgroups: int) -> int:
   """Profiler ranges per warpgroup that fit beside a kernel's own shared memory."""
-  free = SMEM_LIMIT_BYTES - kernel_smem_bytes - _SMEM_OVERHEAD_BYTES
+  free = SMEM_LIMIT_BYTES - kernel_smem_bytes - SMEM_OVERHEAD_BYTES
   return max(0, min(_PROFILE_RANGES_MAX, free // (16 * num_warpgroups)))
 
 

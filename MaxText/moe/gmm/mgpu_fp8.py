@@ -1,0 +1,232 @@
+"""Blockwise-FP8 grouped GEMM for Hopper: a Pallas Mosaic-GPU kernel (sm_90a e4m3 wgmma).
+
+  out_MN[rows of local group g] = sum over 128-wide contraction blocks kb of
+      (lhs_q[rows, kb] @ rhs_q[g][:, kb]^T)  *  lhs_scale[kb, rows]  *  rhs_scale[g, nb, kb]
+
+with `fp8_quant`'s scales (1x128 row tiles for lhs, 128x128 blocks for rhs). It follows
+`mgpu_kernels.grouped_matmul` (one TMA warpgroup and two wgmma warpgroups on a persistent grid,
+the same work table, ZERO rows written as zeros) with what e4m3 needs:
+
+* Both operands K-major: e4m3 wgmma has no transposed-operand mode, so rhs is stored
+  [G, N_out, K] (the forward takes the weights' transposed quantized copy; dlhs takes the
+  weights as stored, [G, K, N], contracting over N).
+* Promotion every 128 of the contraction (DeepSeek-V3's N_C): each pipeline step multiplies
+  one 128-column block into a fresh f32 accumulator, waits for it, and adds it to the running
+  sum times lhs_scale (one value per row, loaded from the stage's shared memory in the
+  accumulator's row layout) times rhs_scale (one scalar: a tile's 128 columns are one weight
+  block). While one warpgroup scales, the other's wgmma runs.
+* A tile is 128 rows x 128 columns and each compute warpgroup takes 64 of its rows (WG_ROWS):
+  the running sum and the step's partial are 64 registers per thread each.
+* The scales travel with the stage: lhs_scale is stored [K/128, M] so that a step's 128 row
+  scales are one contiguous row for TMA; rhs_scale is read as a scalar per step.
+
+Shapes: K and N multiples of 128, M of 8 (TMA rows). DeepSeek-V3's expert shapes need no
+padding. Measured on the H200 (BENCHMARKS.md, session 11).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from MaxText.moe.gmm import _pad, fp8_quant, mgpu, mgpu_kernels, mgpu_schedule
+from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
+from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES, TMA_ROW_ALIGN
+
+BLOCK = fp8_quant.BLOCK  # contraction step = quantization block = one wgmma warpgroup's columns
+
+
+# Rows per compute warpgroup: one m64 wgmma. Its 64x128 f32 running sum and the 64x128 partial
+# of the current step are 64 registers per thread each. A warpgroup of 128 rows (the bf16 kernel's
+# tile) would hold 256 and spill: measured on the H200, 0.27-0.30 of a dense FP8 GEMM (session 11).
+WG_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiling:
+  """A tile is 128 rows x 128 columns (one weight block column): compute warpgroup w takes rows
+  [64w, 64w + 64) of it. A stage is 128 of the contraction (128 B of e4m3, one swizzle row)."""
+
+  stages: int = 5
+  epi_n: int = 64
+  grid_block_n: int = 4
+
+  block_m = 2 * WG_ROWS
+  cta_n = BLOCK
+
+  def smem_bytes(self, out_itemsize: int) -> int:
+    """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
+    stage = self.block_m * BLOCK + self.cta_n * BLOCK + self.block_m * 4  # lhs, rhs (e4m3), row scales
+    return self.stages * stage + 2 * WG_ROWS * self.epi_n * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+
+  def fit_output(self, out_itemsize: int) -> "Fp8Tiling":
+    """Fewer stages where an f32 epilogue buffer needs the room."""
+    tiling = self
+    while tiling.stages > 2 and tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
+    return tiling
+
+  def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
+    for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
+      if size % multiple:
+        raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")
+    if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
+      raise ValueError(f"{self} needs {self.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
+
+
+def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, table, *,
+                       tiling: Fp8Tiling = Fp8Tiling(), out_dtype=jnp.bfloat16):
+  """The scaled product above. table: `mgpu_schedule.work_table(..., 128, window_align=8)`."""
+  m, k = lhs_q_MK.shape
+  _, n, k2 = rhs_q_GNK.shape
+  if k != k2 or lhs_scale_KbM.shape != (k // BLOCK, m) or rhs_scale_GNbKb.shape[1:] != (n // BLOCK, k // BLOCK):
+    raise ValueError(f"blockwise-FP8 operands disagree: lhs {lhs_q_MK.shape}, lhs_scale {lhs_scale_KbM.shape}, "
+                     f"rhs {rhs_q_GNK.shape}, rhs_scale {rhs_scale_GNbKb.shape}")
+  if lhs_q_MK.dtype != fp8_quant.E4M3 or rhs_q_GNK.dtype != fp8_quant.E4M3:
+    raise ValueError(f"expected float8_e4m3fn operands, got {lhs_q_MK.dtype}/{rhs_q_GNK.dtype}")
+  t = tiling
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  t.validate(m, k, n, out_itemsize)
+  num_items = table[0].shape[0]
+  grid_n = n // t.cta_n
+  k_steps = k // BLOCK
+  transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((t.block_m, BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((t.cta_n, BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((1, t.block_m), lambda ki: (ki, 0)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=t.stages,
+        compute_context=compute_context,
+    )
+
+  def body(kind_g, group_g, start_g, row0_g, size_g, lhs_gmem, lhs_scale_gmem, rhs_gmem, rhs_scale_gmem,
+           out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0], lhs_scale_gmem),
+        out_smem=plgpu.SMEM((2, WG_ROWS, t.epi_n), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm")
+      def _tiles(loop_info):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n), 1, t.grid_block_n)
+        kind, group = kind_g[mi], group_g[mi]
+        start = pl.multiple_of(start_g[mi], TMA_ROW_ALIGN)
+        # This warpgroup's rows of the window, and of the piece [row0, row0 + size) within them.
+        wg_lo = wg * WG_ROWS
+        lo = jnp.clip(row0_g[mi] - wg_lo, 0, WG_ROWS)
+        hi = jnp.clip(row0_g[mi] + size_g[mi] - wg_lo, 0, WG_ROWS)
+        wg_rows = pl.ds(pl.multiple_of(start + wg_lo, TMA_ROW_ALIGN), WG_ROWS)
+
+        def epilogue(chunk):  # chunk(c): [64, epi_n] values of this warpgroup's rows
+          mgpu_kernels.store_tile(chunk, out_smem.at[wg], out_gmem, wg_rows, ni * t.cta_n, lo, hi - lo,
+                                  epi_n=t.epi_n, width=t.cta_n, tile_rows=WG_ROWS)
+
+        @pl.when(kind == COMPUTE)
+        def _compute():
+          rhs_scale_Kb = rhs_scale_gmem.at[group, ni]  # the tile's weight block column
+
+          def compute_context(run_pipeline):
+            zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+            acc = run_pipeline(zeros)
+            with jax.named_scope("epilogue"):
+              out = acc.astype(out_dtype)
+              epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
+
+          def step(idx, lhs_smem, rhs_smem, lhs_scale_smem, acc):
+            (ki,) = idx
+            lhs_wg = lhs_smem.at[pl.ds(wg_lo, WG_ROWS)]
+            rhs_KN = rhs_smem.transpose((1, 0))  # [128 K, 128 N], K-major as e4m3 wgmma needs
+
+            def mma(partial_ref):
+              plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
+              return partial_ref[...]
+
+            w_scale = rhs_scale_Kb[ki]  # issued before the wait: its latency hides behind the MMA
+            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
+            scale = lax.broadcast_in_dim(row_scale * w_scale, (WG_ROWS, BLOCK), [0])
+            return acc + partial * scale
+
+          window = pl.ds(start, t.block_m)
+          with jax.named_scope("full_tile"):
+            pipeline(step, compute_context)(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
+                                            lhs_scale_gmem.at[:, window], allocations=allocs)
+
+        @pl.when((kind == ZERO) & (wg < 2))
+        def _zero():
+          with jax.named_scope("zero_tile"):
+            epilogue(lambda c: plgpu.layout_cast(jnp.zeros((WG_ROWS, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(mgpu_kernels.num_sms(),),
+      grid_names=("sm",),
+      num_threads=mgpu_kernels.NUM_WARPGROUPS,
+      thread_name="wg",
+      compiler_params=mgpu_kernels.compiler_params(None),
+  )
+  return kernel(*table, lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb)
+
+
+# --- the grouped-GEMM backend protocol (MaxText/moe/gmm/__init__.py) ---
+
+NAME = "mgpu_fp8"
+
+
+def unavailable_reason() -> str | None:
+  """The same Hopper requirement as mgpu (sm_90a wgmma, e4m3 included)."""
+  return mgpu.unavailable_reason()
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
+        tiling: Fp8Tiling = Fp8Tiling()):
+  """The grouped GEMM's contract with both operands quantized to blockwise e4m3 here:
+  out[rows of local group g] = lhs[rows] @ rhs[g] (rhs[g].T with transpose_rhs), zeros elsewhere.
+  rhs is [G_local, K, N] (or [G_local, N, K]). Other shapes are zero-padded to the kernel's
+  multiples (`_pad`; zeros change no tile's amax, so the quantization is the same)."""
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+  tiling = tiling.fit_output(out_dtype.itemsize)
+
+  def kernel(lhs_PK, rhs):
+    lhs_q_PK, lhs_scale_KbP = fp8_quant.quantize_row_tiles(lhs_PK)
+    w_q, w_scale = fp8_quant.quantize_blocks(rhs)
+    # The kernel wants rhs as [G, out, contraction]: the forward's [G, K, N] weights transposed,
+    # dlhs's ([G, N, K] with transpose_rhs: contraction N) as stored.
+    rhs_q, rhs_scale = (w_q, w_scale) if transpose_rhs else (w_q.swapaxes(1, 2), w_scale.swapaxes(1, 2))
+    table = mgpu_schedule.work_table(group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
+                                     window_align=TMA_ROW_ALIGN)
+    return grouped_matmul_fp8(lhs_q_PK, lhs_scale_KbP, rhs_q, rhs_scale, table, tiling=tiling, out_dtype=out_dtype)
+
+  return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs,
+                  align=_pad.Align(m=TMA_ROW_ALIGN, k=BLOCK, n=tiling.cta_n))
+
+
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
+  """dW in bf16 through mgpu's kernel: not yet FP8 (DeepSeek-V3 runs Wgrad in FP8 too, with
+  128x1 tiles along the rows; MaxText/moe/gmm/README or BENCHMARKS session 11 for the plan)."""
+  return mgpu.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset, num_local_groups=num_local_groups,
+                   out_dtype=out_dtype)

@@ -1,0 +1,39 @@
+"""Backend "xla_fp8": blockwise FP8 emulated in float32, the CPU path and the reference of `mgpu_fp8`.
+
+Both operands go through `fp8_quant` exactly as the Hopper kernel's do (1x128 row tiles for the
+activations, 128x128 blocks for the weights, e4m3), are dequantized, and multiplied by the xla
+backend in float32. The kernel computes the same sum with the FP8 MMA and a promotion every 128
+of the contraction, so the two differ only in summation order (and the MMA's own accumulation on
+a GPU: tools/bench_fp8.py). dW (tgmm) is the xla backend's, unquantized, as mgpu_fp8's is bf16.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from MaxText.moe.gmm import _pad, fp8_quant, xla
+
+NAME = "xla_fp8"
+
+
+def unavailable_reason() -> str | None:
+  return None  # plain JAX
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype):
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+
+  def emulated(lhs_PK, rhs):
+    lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(lhs_PK))
+    rhs = fp8_quant.dequantize_blocks(*fp8_quant.quantize_blocks(rhs))
+    return xla.gmm(lhs_PK, rhs, group_sizes_G, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                   out_dtype=out_dtype)
+
+  # Zero padding to the quantization blocks changes no tile's amax: the same quantization as the kernel's.
+  return _pad.gmm(emulated, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs,
+                  align=_pad.Align(m=1, k=fp8_quant.BLOCK, n=fp8_quant.BLOCK))
+
+
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
+  return xla.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset, num_local_groups=num_local_groups,
+                  out_dtype=out_dtype)

@@ -1,0 +1,172 @@
+"""Blockwise-FP8 grouped GEMM on one Hopper GPU: PASS/FAIL per edge case, then speed against
+dense GEMMs of equal FLOPs (bf16 and FP8 through XLA/cuBLASLt) and our bf16 kernel, all in
+this process.
+
+  python tools/bench_fp8.py [--check-only] [--dists balanced,zipf1.2] [--out DIR]
+
+Timed per DeepSeek-V3 expert shape (M=65536 rows, G=32): the kernel on operands quantized
+beforehand, and the quantization passes on their own (activations to 1x128 tiles, weights to
+128x128 blocks plus the transposed copy the forward reads). The up-proj's dlhs has the
+down-proj's (K, N), so the two shapes cover the forward and dlhs products.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_schedule, xla, xla_fp8  # noqa: E402
+from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
+
+# Kernel against its own quantization, dequantized, in float32. Within a 128-wide step Hopper's
+# FP8 wgmma accumulates with fewer than f32's mantissa bits (DeepSeek-V3 section 3.3.2: about 14;
+# the reason for promoting every 128): measured 2.8e-4 on the H200, where the CPU interpreter's
+# f32 sum gives 2e-7. Bound 1e-3. A bf16 output adds one bf16 rounding (2^-9 per element): 1e-2.
+TOL_SAME_QUANT = {"float32": 1e-3, "bfloat16": 1e-2}
+
+
+def edge_cases():
+  """name -> (m, k, n, sizes, group_offset, num_local, transpose, nan_foreign)."""
+  k, n = 512, 768
+  return {
+      "balanced": (1024, k, n, [256] * 4, 0, 4, False, False),
+      "empty_groups": (1024, k, n, [0, 512, 0, 0, 512], 0, 5, False, False),
+      "one_hot_expert": (2048, k, n, [8, 1900, 20, 120], 0, 4, False, False),
+      "rows_past_groups": (1024, k, n, [100, 300, 37], 0, 3, False, False),
+      "ring_2_of_4_nan_foreign": (1024, k, n, [200, 301, 99, 300], 1, 2, False, True),
+      "dlhs_transposed": (1024, n, k, [300, 0, 500, 200], 0, 4, True, False),
+      "dsv3_up_zipf": (16384, 7168, 2048, None, 0, 32, False, False),
+  }
+
+
+def run_checks(results):
+  for name, (m, k, n, sizes, offset, num_local, transpose, nan_foreign) in edge_cases().items():
+    rng = np.random.default_rng(0)
+    if sizes is None:
+      sizes = group_sizes("zipf1.2", m, num_local, rng)
+    sizes = np.asarray(sizes, np.int32)
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    if nan_foreign:  # rows of groups before the local ones hold NaN: they must not leak
+      x = x.at[:int(sizes[:offset].sum())].set(jnp.nan)
+    w_shape = (num_local, n, k) if transpose else (num_local, k, n)
+    w = (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+      got = mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype)
+      want = xla_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=jnp.float32)
+      err = rel_err(got, want)
+      lo = int(sizes[:offset].sum())
+      hi = lo + int(sizes[offset:offset + num_local].sum())
+      got32 = np.asarray(got, np.float32)
+      outside_zero = bool((got32[:lo] == 0).all() and (got32[hi:] == 0).all())
+      # What FP8 itself costs: against the unquantized product in float32.
+      full = xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=offset,
+                              transpose_rhs=transpose, out_dtype=jnp.float32)
+      fp8_err = rel_err(got, full)
+      ok = err < TOL_SAME_QUANT[jnp.dtype(out_dtype).name] and outside_zero
+      line = (f"{'PASS' if ok else 'FAIL'} fp8 {name:26s} {jnp.dtype(out_dtype).name:8s} vs own quantization "
+              f"{err:.2e}  vs unquantized {fp8_err:.2e}  zeros outside {outside_zero}")
+      print(line, flush=True)
+      results.append(dict(kind="check", case=name, out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
+                          fp8_err=fp8_err))
+
+
+def _dense_fp8(x_q, wT_q):
+  """cuBLASLt FP8 (XLA's __cublas$lt$matmul$f8): [M, K] e4m3 x [N, K] e4m3 -> bf16, both K-major."""
+  return jax.lax.dot_general(x_q, wT_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+def run_speed(results, dists):
+  m, g = 65536, 32
+  dense_bf16 = jax.jit(lambda x, w: x @ w)
+  dense_fp8 = jax.jit(_dense_fp8)
+  quant_x = jax.jit(fp8_quant.quantize_row_tiles)
+
+  @jax.jit
+  def quant_w(w):
+    q, s = fp8_quant.quantize_blocks(w)
+    return q.swapaxes(1, 2), s.swapaxes(1, 2)  # the forward's [G, N, K] copy
+
+  mgpu_fwd = jax.jit(lambda x, w, gs: mgpu.gmm(x, w, gs))
+
+  @jax.jit
+  def fp8_kernel(x_q, x_s, w_q, w_s, gs):
+    table = mgpu_schedule.work_table(gs, 0, w_q.shape[0], x_q.shape[0], 128, window_align=8)
+    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table)
+
+  for shape in ("up", "down"):
+    k, n = SHAPES[shape]
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    x_q, x_s = quant_x(x)
+    w_q, w_s = quant_w(w)
+    flops = 2.0 * m * k * n
+    ref = {"dense bf16": time_ms(dense_bf16, (x, w[0]))[0],
+           "dense fp8": time_ms(dense_fp8, (x_q, w_q[0]))[0]}
+    for dist in dists:
+      gs = jnp.asarray(group_sizes(dist, m, g, np.random.default_rng(3)))
+      times = dict(ref)
+      times["mgpu bf16"] = time_ms(mgpu_fwd, (x, w, gs))[0]
+      times["mgpu_fp8"] = time_ms(fp8_kernel, (x_q, x_s, w_q, w_s, gs))[0]
+      times["quantize x (1x128)"] = time_ms(quant_x, (x,))[0]
+      times["quantize w (128x128, N-major copy)"] = time_ms(quant_w, (w,))[0]
+      err = rel_err(fp8_kernel(x_q, x_s, w_q, w_s, gs),
+                    xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=0,
+                                     transpose_rhs=False, out_dtype=jnp.float32))
+      for what, ms in times.items():
+        row = dict(kind="speed", case=f"{shape} M={m} G={g} {dist}", what=what, ms=ms,
+                   tflops=flops / ms / 1e9 if not what.startswith("quantize") else None,
+                   fp8_err=err if what == "mgpu_fp8" else None)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def print_table(results):
+  print(f"\n[bench_fp8] {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+  checks = [r for r in results if r["kind"] == "check"]
+  if checks:
+    print(f"checks: {sum(r['ok'] for r in checks)} PASS, {sum(not r['ok'] for r in checks)} FAIL")
+  cases = dict.fromkeys(r["case"] for r in results if r["kind"] == "speed")
+  for case in cases:
+    rows = {r["what"]: r for r in results if r["kind"] == "speed" and r["case"] == case}
+    d16, d8, ours16 = (rows[k]["ms"] for k in ("dense bf16", "dense fp8", "mgpu bf16"))
+    f8 = rows["mgpu_fp8"]
+    print(f"{case:28s} dense bf16 {d16:.3f} ms | dense fp8 {d8:.3f} ms ({d16 / d8:.2f}x bf16) | "
+          f"mgpu bf16 {ours16:.3f} ms | mgpu_fp8 {f8['ms']:.3f} ms {f8['tflops']:.0f} TF/s = "
+          f"{d8 / f8['ms']:.2f} of dense fp8, {ours16 / f8['ms']:.2f}x mgpu bf16 | quantize x "
+          f"{rows['quantize x (1x128)']['ms']:.3f} ms, w {rows['quantize w (128x128, N-major copy)']['ms']:.3f} ms | "
+          f"err vs unquantized {f8['fp8_err']:.2e}")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--dists", default="balanced,zipf1.2")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+  results = []
+  run_checks(results)
+  if not args.check_only:
+    run_speed(results, args.dists.split(","))
+  print_table(results)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    Path(args.out, "bench_fp8.json").write_text(json.dumps(results, indent=1))
+  return 0 if all(r["ok"] for r in results if r["kind"] == "check") else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
