@@ -74,6 +74,13 @@ class ForkConfig(pydantic.BaseModel):
       data = {**data, "moe_gmm_backend": "auto" if data.get("moe_block") == "ours" else "upstream"}
     return data
 
+  moe_fp8: Literal["none", "blockwise"] = pydantic.Field(
+      default="none",
+      description="Our block's expert GEMMs in FP8. blockwise: DeepSeek-V3's recipe (e4m3; 1x128 activation "
+      "tiles, 128x128 weight blocks; f32 promotion every 128 of the contraction) on Hopper (grouped-GEMM backend "
+      "mgpu_fp8; xla_fp8 emulates it on CPU). The forward and dlhs GEMMs run in FP8; dW stays bf16 (DeepSeek-V3 "
+      "runs it in FP8 too: not yet). Needs moe_block=ours and moe_gmm_backend unset (auto).")
+
   # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
   moe_block: Literal["upstream", "ours", "te"] = pydantic.Field(
       default="upstream",
@@ -315,6 +322,11 @@ def check_moe_keys(fork: ForkConfig, origins: dict[str, str]) -> None:
                 "(auto) or pick one of auto, xla, tokamax, mgpu, te")
   if fork.moe_block == "te" and fork.moe_gmm_backend != "upstream":
     raise clash("moe_block", "moe_gmm_backend", "TE's MoE block runs TE's own grouped GEMM")
+  if fork.moe_fp8 != "none" and fork.moe_block != "ours":
+    raise clash("moe_fp8", "moe_block", "FP8 experts are our block's (moe_block=ours)")
+  if fork.moe_fp8 != "none" and fork.moe_gmm_backend != "auto":
+    raise clash("moe_fp8", "moe_gmm_backend", "moe_fp8 picks its own grouped GEMM (mgpu_fp8 on Hopper, xla_fp8 on "
+                "CPU); leave moe_gmm_backend unset")
   if fork.moe_block != "ours" and "moe_dispatch_backend" in origins:
     raise clash("moe_block", "moe_dispatch_backend", "only our block (moe_block=ours) dispatches with it")
 

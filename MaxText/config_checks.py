@@ -38,6 +38,21 @@ def check_fork(run: RunConfig) -> None:
                       "pip install 'maxtext-moe[te]' on a CUDA machine, or use moe_block=ours")
 
 
+def fp8_gpu_refusal(compute_capability: str) -> str | None:
+  """Why moe_fp8's kernel (sm_90a e4m3 wgmma) cannot run on a GPU of this compute capability, or None."""
+  major, _, minor = compute_capability.partition(".")
+  if major == "9":
+    return None
+  name = f"this GPU (compute capability {compute_capability or 'unknown'})"
+  if not major.isdigit() or (int(major), int(minor or 0)) < (8, 9):
+    return f"{name} has no FP8 tensor cores (Hopper, compute capability 9.x, is needed); use moe_fp8=none"
+  if int(major) == 8:
+    return (f"{name} has FP8 tensor cores, but our blockwise kernel is written for Hopper's wgmma (sm_90a); "
+            "use moe_fp8=none")
+  return (f"{name} is past Hopper: our blockwise kernel is sm_90a-only, and Blackwell's FP8 path is Transformer "
+          "Engine's MXFP8 (not wired to our block yet); use moe_fp8=none")
+
+
 def check_upstream_values(run: RunConfig, config: Any) -> None:
   """Checks upstream's resolved config (a pyconfig.HyperParameters)."""
   for key in POSITIVE:
@@ -102,6 +117,10 @@ def check_devices(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'per_device_batch_size' = {config.per_device_batch_size}: times the "
                       f"{jax.device_count()} device(s) gives a global batch of {global_batch:g}, which must be a "
                       "whole number >= 1")
+  if run.fork.moe_fp8 != "none" and backend == "gpu":
+    why = fp8_gpu_refusal(str(getattr(jax.devices()[0], "compute_capability", "")))
+    if why:
+      raise ConfigError(f"config key 'moe_fp8' = {run.fork.moe_fp8!r} ({_origin(run, 'moe_fp8')}): {why}")
   if run.fork.moe_block == "te" and (jax.process_count() < 2 or jax.local_device_count() != 1):
     # Upstream's te_moe_block bootstraps TE's NCCL EP before the first step. TE refuses a world of one
     # process, and upstream refuses more than one GPU per process; both end in a traceback (measured on

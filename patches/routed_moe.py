@@ -248,6 +248,14 @@ def _subclass(upstream_cls, settings: dict):
   return RoutedMoE
 
 
+def gmm_backend(fork) -> str:
+  """The grouped-GEMM backend our block calls: moe_fp8's on this platform (config_checks.check_devices
+  has refused GPUs it cannot run on), else moe_gmm_backend."""
+  if fork.moe_fp8 == "blockwise":
+    return "mgpu_fp8" if jax.default_backend() == "gpu" else "xla_fp8"
+  return fork.moe_gmm_backend
+
+
 def settings_from(fork, hooks=None) -> dict:
   """What the subclass needs from our config (captured, never global)."""
   from patches import te_ncclep_bootstrap  # pylint: disable=import-outside-toplevel
@@ -255,7 +263,7 @@ def settings_from(fork, hooks=None) -> dict:
   return {
       "block": fork.moe_block,
       "dispatch": fork.moe_dispatch_backend,
-      "gmm": fork.moe_gmm_backend,
+      "gmm": gmm_backend(fork),
       "a2a_padded_options": {"capacity_factor": fork.moe_a2a_padded_capacity_factor,
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,

@@ -36,9 +36,9 @@ from moe_reference import make_params  # noqa: E402
 TOKENS = 24  # 6 per device
 
 
-def _cfg(top_k):
+def _cfg(top_k, gmm_backend="xla"):
   return block.BlockConfig(router=routing.RouterConfig(num_experts=8, top_k=top_k, routed_scaling_factor=2.5),
-                           dtype=jnp.float32)
+                           gmm_backend=gmm_backend, dtype=jnp.float32)
 
 
 def _loss_and_grads(cfg, disp, sharding, bias):
@@ -96,12 +96,12 @@ def _on_mesh(backend, mesh_shape, axes, **options):
   return disp, block.Sharding(mesh=mesh, token_axes=axes, expert_axis=expert_axis)
 
 
-def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), **options):
-  """A dispatch backend on a mesh vs `local` on one device: loss and grads."""
-  cfg = _cfg(top_k)
+def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), gmm_backend="xla", **options):
+  """A dispatch backend on a mesh vs `local` on one device (the same grouped GEMM): loss and grads."""
+  cfg = _cfg(top_k, gmm_backend)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
   val, grads, overflow = _loss_and_grads(cfg, *_on_mesh(backend, mesh_shape, axes, **options), bias)
-  return {"backend": backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
+  return {"backend": backend, "gmm": gmm_backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
           "loss_err": abs(float(val - want_val)), "grad_err": _max_err(grads, want_grads), "overflow": bool(overflow)}
 
 
@@ -126,7 +126,7 @@ def trace_with_kernel_typing(gmm_backend, backend, mesh_shape, axes):
   """
   from MaxText.moe.gmm import mgpu  # pylint: disable=import-outside-toplevel
 
-  mgpu.unavailable_reason = lambda: None  # its kernels are only traced here, never run
+  mgpu.unavailable_reason = lambda: None  # its kernels (and mgpu_fp8's) are only traced here, never run
   cfg = dataclasses.replace(_cfg(2), gmm_backend=gmm_backend, dtype=jnp.bfloat16)
   disp, sharding = _on_mesh(backend, mesh_shape, axes, **({"capacity_factor": 4.0} if backend == "a2a_padded" else {}))
   x, router, ex = make_params(jax.random.key(0), tokens=TOKENS)
@@ -154,12 +154,18 @@ def main(case: str):
       for backend in backends:
         opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
         print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, **opts)), flush=True)
+  elif case in ("meshes_fp8", "meshes_fp8_quick"):  # moe_fp8=blockwise's CPU backend: FP8 on a mesh = on one device
+    for axes, shape, backends in MESHES if case == "meshes_fp8" else QUICK_MESHES:
+      for backend in backends:
+        opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
+        print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, gmm_backend="xla_fp8", **opts)), flush=True)
   elif case in ("kernel_typing", "kernel_typing_quick"):
     for axes, shape, backends in MESHES if case == "kernel_typing" else QUICK_MESHES:
       for backend in (*backends, *(("ragged_a2a",) if "expert" in axes else ())):
-        error = trace_with_kernel_typing("mgpu", backend, shape, axes)
-        print(json.dumps({"gmm": "mgpu", "backend": backend, "mesh": dict(zip(axes, shape)), "error": error}),
-              flush=True)
+        for gmm_backend in ("mgpu", "mgpu_fp8"):
+          error = trace_with_kernel_typing(gmm_backend, backend, shape, axes)
+          print(json.dumps({"gmm": gmm_backend, "backend": backend, "mesh": dict(zip(axes, shape)), "error": error}),
+                flush=True)
   elif case == "overflow":  # flagged, then raised: one process, one JAX start
     print(json.dumps(compare("a2a_padded", (1, 4), 1, skewed, capacity_factor=1.0, on_overflow="flag")), flush=True)
     compare("a2a_padded", (1, 4), 1, skewed, capacity_factor=1.0, on_overflow="error")

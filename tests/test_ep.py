@@ -92,16 +92,27 @@ def test_every_mesh_matches_one_device(case, n):
     assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-4 and not r["overflow"], r
 
 
-@pytest.mark.parametrize("case, n", [pytest.param("kernel_typing", 11, marks=pytest.mark.slow),
-                                     ("kernel_typing_quick", 4)])
+@pytest.mark.parametrize("case, n", [pytest.param("kernel_typing", 22, marks=pytest.mark.slow),
+                                     ("kernel_typing_quick", 8)])
 def test_gpu_kernel_typing_traces_on_every_mesh(case, n):
   """The 2xH200 crash ("manual axis types do not match"), reproduced on CPU by tracing the block's
-  gradient with the mgpu backend: Pallas kernel outputs carry no varying manual axes, so its custom
-  VJP's cotangents were typed unlike their primals on every mesh of more than one device.
+  gradient with the mgpu and mgpu_fp8 backends: Pallas kernel outputs carry no varying manual axes, so
+  the custom VJP's cotangents were typed unlike their primals on every mesh of more than one device.
   The fast tier traces data2 x fsdp2 and fsdp2 x ep2 (every dispatch backend); the slow tier all five."""
   rows = _json_lines(_ep_check(case))
   assert len(rows) == n and {r["backend"] for r in rows} == {"local", "ring", "a2a_padded", "ragged_a2a"}
+  assert {r["gmm"] for r in rows} == {"mgpu", "mgpu_fp8"}
   assert [r for r in rows if r["error"]] == []
+
+
+@pytest.mark.parametrize("case, n", [pytest.param("meshes_fp8", 8, marks=pytest.mark.slow), ("meshes_fp8_quick", 3)])
+def test_fp8_experts_on_every_mesh_match_one_device(case, n):
+  """moe_fp8=blockwise's CPU backend (xla_fp8, the kernel's quantization emulated): a row's tiles and an
+  expert's blocks are the same on every shard, so every mesh gives the one-device FP8 loss and gradients."""
+  rows = _json_lines(_ep_check(case))
+  assert len(rows) == n and {r["gmm"] for r in rows} == {"xla_fp8"}
+  for r in rows:
+    assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-4 and not r["overflow"], r
 
 
 # The entry point on 4 simulated CPU devices: (mesh keys, dispatch backend). One MoE layer (3 dense + 1)
