@@ -78,8 +78,9 @@ class ForkConfig(pydantic.BaseModel):
       default="none",
       description="Our block's expert GEMMs in FP8. blockwise: DeepSeek-V3's recipe (e4m3; 1x128 activation "
       "tiles, 128x128 weight blocks; f32 promotion every 128 of the contraction) on Hopper (grouped-GEMM backend "
-      "mgpu_fp8; xla_fp8 emulates it on CPU). The forward and dlhs GEMMs run in FP8; dW stays bf16 (DeepSeek-V3 "
-      "runs it in FP8 too: not yet). Needs moe_block=ours and moe_gmm_backend unset (auto).")
+      "mgpu_fp8; xla_fp8 emulates it on CPU). The forward, dlhs and dW GEMMs all run in FP8 (dW's operands in "
+      "128x1 tiles along the rows, each expert's rows 128-aligned). Needs moe_block=ours and moe_gmm_backend unset "
+      "(auto).")
 
   # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
   moe_block: Literal["upstream", "ours", "te"] = pydantic.Field(

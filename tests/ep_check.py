@@ -101,6 +101,15 @@ def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), gmm_backe
   cfg = _cfg(top_k, gmm_backend)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
   val, grads, overflow = _loss_and_grads(cfg, *_on_mesh(backend, mesh_shape, axes, **options), bias)
+  if gmm_backend == "xla_fp8":
+    # dW's 128-row tiles are formed from each token shard's rows of a group, so on a mesh the expert
+    # weights' gradients are another quantization of the same sum: equal within FP8's error, not exactly.
+    x_err, kernel_err = (_max_err(grads[i], want_grads[i]) for i in (0, 1))
+    norm = lambda t: float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in jax.tree.leaves(t))))  # noqa: E731
+    dw_rel = norm(jax.tree.map(lambda a, b: a - b, grads[2], want_grads[2])) / norm(want_grads[2])
+    return {"backend": backend, "gmm": gmm_backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
+            "loss_err": abs(float(val - want_val)), "x_and_router_grad_err": max(x_err, kernel_err),
+            "expert_grad_rel_err": dw_rel, "overflow": bool(overflow)}
   return {"backend": backend, "gmm": gmm_backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
           "loss_err": abs(float(val - want_val)), "grad_err": _max_err(grads, want_grads), "overflow": bool(overflow)}
 

@@ -98,6 +98,36 @@ def test_fp8_error_of_a_product_is_the_stated_bound():
   assert 0.02 < _rel(fp8, full) < 0.05
 
 
+def test_group_blocks_start_every_local_group_on_a_128_row_block():
+  """dW's 128x1 tiles must not span two experts: ring EP with groups 1..3 local of sizes 130, 0, 3
+  (group 0's 5 rows and the padding rows after row 138 are not local)."""
+  layout = fp8_quant.group_blocks(jnp.asarray([5, 130, 0, 3, 9], jnp.int32), 1, 3, 150)
+  np.testing.assert_array_equal(layout.block0_L, [0, 2, 2])
+  np.testing.assert_array_equal(layout.blocks_L, [2, 0, 1])
+  np.testing.assert_array_equal(layout.sizes_L, [256, 0, 128])
+  src = np.asarray(layout.src_P)
+  assert src.shape == (fp8_quant.num_padded_rows(150, 3),) == (640,)
+  np.testing.assert_array_equal(src[:130], np.arange(5, 135))  # group 1 from block 0
+  assert (src[130:256] == 150).all()  # its gap: zero rows
+  np.testing.assert_array_equal(src[256:259], [135, 136, 137])  # group 3 from block 2
+  assert (src[259:] == 150).all()
+
+
+def test_group_row_blocks_quantize_each_column_per_128_rows():
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((150, 256)).astype(np.float32)
+  x[:5] = np.nan  # a foreign group's rows: never read
+  layout = fp8_quant.group_blocks(jnp.asarray([5, 130, 0, 3, 9], jnp.int32), 1, 3, 150)
+  qT, scale = fp8_quant.quantize_group_row_blocks(jnp.asarray(x), layout)
+  assert qT.shape == (256, 640) and scale.shape == (5, 256) and not np.isnan(np.asarray(scale)).any()
+  rows = np.zeros((640, 256), np.float32)
+  rows[:130], rows[256:259] = x[5:135], x[135:138]
+  want = np.abs(rows.reshape(5, 128, 256)).max(1) / 448.0
+  np.testing.assert_allclose(np.asarray(scale), np.where(want > 0, want, 1.0), rtol=2.5e-7)
+  back = np.asarray(fp8_quant.dequantize_row_tiles(qT, scale)).T
+  assert _rel(back, rows) < 0.03 and (back[130:256] == 0).all()
+
+
 # ------------------------------------------------------------------ the kernel
 
 
@@ -114,6 +144,14 @@ def test_kernel_lowers_for_cuda_at_deepseek_shapes(transpose):
   lhs = (4096, 2048) if transpose else (4096, 7168)
   text = _lower(lambda x, w, gs: mgpu_fp8.gmm(x, w, gs, transpose_rhs=transpose),
                 (lhs, jnp.bfloat16), (w, jnp.bfloat16), ((32,), jnp.int32))
+  assert "mosaic_gpu" in text
+
+
+def test_dw_kernel_lowers_for_cuda_at_deepseek_shapes():
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+
+  text = _lower(lambda x, d, gs: mgpu_fp8_tgmm.tgmm(x, d, gs, num_local_groups=32),
+                ((4096, 7168), jnp.bfloat16), ((4096, 2048), jnp.bfloat16), ((32,), jnp.int32))
   assert "mosaic_gpu" in text
 
 
@@ -165,9 +203,9 @@ def test_kernel_interpreted_matches_its_quantization(name):
 # ------------------------------------------------------------------ the backends, the VJP, the key
 
 
-def test_xla_fp8_through_gmms_vjp_quantizes_forward_and_dlhs_not_dw():
+def test_xla_fp8_through_gmms_vjp_quantizes_all_three_products():
   """gmm's custom VJP with the FP8 backend: the forward and dlhs are products of blockwise-quantized
-  operands (dlhs quantizes dout's rows and the weights' blocks), dW is the unquantized product."""
+  operands (dlhs quantizes dout's rows and the weights' blocks); dW of 128-row blocks of both."""
   from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
 
   kx, kw, kd = jax.random.split(jax.random.key(6), 3)
@@ -182,8 +220,9 @@ def test_xla_fp8_through_gmms_vjp_quantizes_forward_and_dlhs_not_dw():
   kw_ = dict(group_offset=0, out_dtype=jnp.float32)
   np.testing.assert_allclose(out, xla.gmm(q(x), qw, gs, transpose_rhs=False, **kw_), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dx, xla.gmm(q(dout), qw, gs, transpose_rhs=True, **kw_), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dw, xla.tgmm(x, dout, gs, group_offset=0, num_local_groups=3, out_dtype=jnp.float32),
+  np.testing.assert_allclose(dw, xla_fp8.tgmm(x, dout, gs, group_offset=0, num_local_groups=3, out_dtype=jnp.float32),
                              rtol=1e-5, atol=1e-5)
+  assert 0.02 < _rel(dw, xla.tgmm(x, dout, gs, group_offset=0, num_local_groups=3, out_dtype=jnp.float32)) < 0.05
   assert (np.asarray(out)[297:] == 0).all() and 0.02 < _rel(dx, xla.gmm(dout, w, gs, transpose_rhs=True, **kw_)) < 0.05
 
 
@@ -213,6 +252,37 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=blockwise", "moe_gmm_backend=mgpu"])
   with pytest.raises(fork_config.ConfigError, match="moe_fp8"):
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=mxfp8"])
+
+
+DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype)
+    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32),
+    "all_local_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DW_CASES))
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_dw_kernel_interpreted_matches_its_quantization(name):
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+
+  sizes, offset, num_local, out_dtype = DW_CASES[name]
+  m, k, n = 296, 256, 384
+  kx, kd = jax.random.split(jax.random.key(8))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  if offset:
+    x = x.at[:3].set(jnp.nan)  # rows of a group before the local ones
+  d = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = mgpu_fp8_tgmm.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=out_dtype)
+    got = np.asarray(jax.block_until_ready(got), np.float32)
+  want = np.asarray(xla_fp8.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=jnp.float32))
+  assert got.shape == (num_local, k, n) and not np.isnan(got).any()
+  empty = [g for g in range(num_local) if sizes[offset + g] == 0]
+  assert empty and all((got[g] == 0).all() for g in empty)
+  assert _rel(got, want) < (1e-5 if out_dtype == jnp.float32 else 1e-2)
 
 
 @pytest.mark.slow  # two short training runs

@@ -1,6 +1,6 @@
-"""Blockwise-FP8 grouped GEMM on one Hopper GPU: PASS/FAIL per edge case, then speed against
-dense GEMMs of equal FLOPs (bf16 and FP8 through XLA/cuBLASLt) and our bf16 kernel, all in
-this process.
+"""Blockwise-FP8 grouped GEMMs on one Hopper GPU (the forward/dlhs kernel and the dW kernel):
+PASS/FAIL per edge case, then speed against dense GEMMs of equal FLOPs (bf16 and FP8 through
+XLA/cuBLASLt) and our bf16 kernels, all in this process.
 
   python tools/bench_fp8.py [--check-only] [--dists balanced,zipf1.2] [--out DIR]
 
@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_schedule, xla, xla_fp8  # noqa: E402
+from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
 from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
 
 # Kernel against its own quantization, dequantized, in float32. Within a 128-wide step Hopper's
@@ -80,6 +80,25 @@ def run_checks(results):
       print(line, flush=True)
       results.append(dict(kind="check", case=name, out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
                           fp8_err=fp8_err))
+      if not transpose:
+        check_dw(results, name, x, jax.random.normal(kw, (m, n), jnp.bfloat16), gs, offset, num_local, out_dtype)
+
+
+def check_dw(results, name, x, dout, gs, offset, num_local, out_dtype):
+  """The FP8 dW kernel on the same case: against its quantization in float32; empty groups exactly 0."""
+  kw = dict(group_offset=offset, num_local_groups=num_local)
+  got = mgpu_fp8_tgmm.tgmm(x, dout, gs, out_dtype=out_dtype, **kw)
+  err = rel_err(got, xla_fp8.tgmm(x, dout, gs, out_dtype=jnp.float32, **kw))
+  fp8_err = rel_err(got, xla.tgmm(jnp.nan_to_num(x.astype(jnp.float32)), dout.astype(jnp.float32), gs,
+                                  out_dtype=jnp.float32, **kw))
+  sizes = np.asarray(gs)[offset:offset + num_local]
+  got32 = np.asarray(got, np.float32)
+  empty_zero = bool(all((got32[g] == 0).all() for g in range(num_local) if sizes[g] == 0))
+  ok = err < TOL_SAME_QUANT[jnp.dtype(out_dtype).name] and empty_zero and not np.isnan(got32).any()
+  print(f"{'PASS' if ok else 'FAIL'} fp8 dW {name:23s} {jnp.dtype(out_dtype).name:8s} vs own quantization "
+        f"{err:.2e}  vs unquantized {fp8_err:.2e}  empty groups zero {empty_zero}", flush=True)
+  results.append(dict(kind="check", case=f"dW {name}", out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
+                      fp8_err=fp8_err))
 
 
 def _dense_fp8(x_q, wT_q):
@@ -125,12 +144,34 @@ def run_speed(results, dists):
       err = rel_err(fp8_kernel(x_q, x_s, w_q, w_s, gs),
                     xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=0,
                                      transpose_rhs=False, out_dtype=jnp.float32))
+      times.update(dw_times(x, w, gs, x_s))
       for what, ms in times.items():
         row = dict(kind="speed", case=f"{shape} M={m} G={g} {dist}", what=what, ms=ms,
                    tflops=flops / ms / 1e9 if not what.startswith("quantize") else None,
                    fp8_err=err if what == "mgpu_fp8" else None)
         results.append(row)
         print(json.dumps(row), flush=True)
+
+
+def dw_times(x, w, gs, _):
+  """dW of this case (x^T @ dout per group, the forward's FLOPs): our bf16 kernel, the FP8 kernel on
+  operands quantized beforehand, and the two group-aligned 128-row quantization passes."""
+  m, n = x.shape[0], w.shape[2]
+  dout = jax.random.normal(jax.random.key(4), (m, n), jnp.bfloat16)
+  g = w.shape[0]
+  bf16 = jax.jit(lambda x, d, gs: mgpu.tgmm(x, d, gs, num_local_groups=g))
+
+  @jax.jit
+  def quantize(x, d, gs):
+    layout = fp8_quant.group_blocks(gs, 0, g, m)
+    return (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(d, layout),
+            layout.block0_L, layout.blocks_L)
+
+  kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
+  quantized = quantize(x, dout, gs)
+  return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
+          "dW mgpu_fp8": time_ms(kernel, quantized)[0],
+          "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0]}
 
 
 def print_table(results):
@@ -149,6 +190,9 @@ def print_table(results):
           f"{d8 / f8['ms']:.2f} of dense fp8, {ours16 / f8['ms']:.2f}x mgpu bf16 | quantize x "
           f"{rows['quantize x (1x128)']['ms']:.3f} ms, w {rows['quantize w (128x128, N-major copy)']['ms']:.3f} ms | "
           f"err vs unquantized {f8['fp8_err']:.2e}")
+    dw16, dw8 = rows["dW mgpu bf16"]["ms"], rows["dW mgpu_fp8"]["ms"]
+    print(f"{'':28s} dW: mgpu bf16 {dw16:.3f} ms | mgpu_fp8 {dw8:.3f} ms = {d8 / dw8:.2f} of dense fp8, "
+          f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms")
 
 
 def main():

@@ -16,6 +16,8 @@ scale 1 (its q is zero either way), never 0 or NaN.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -69,3 +71,57 @@ def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:
   g, k, n = q_GKN.shape
   blocks = q_GKN.astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
   return (blocks * scale_GKbNb[:, :, None, :, None]).reshape(g, k, n)
+
+
+# --- dW: the contraction runs over rows, so both operands are quantized in 128-row blocks ---
+
+
+class GroupBlocks(NamedTuple):
+  """The local groups' rows laid out 128-aligned, so that no 128-row block spans two groups.
+
+  src_P:       int32 [P]: the source row of each padded row, or num_rows (a zero row) in the
+               gaps after each group; P = num_work_rows(...) (static).
+  block0_L:    int32 [G_local]: each group's first 128-row block in the padded layout.
+  blocks_L:    int32 [G_local]: its number of blocks (0 for an empty group).
+  sizes_L:     int32 [G_local]: its padded row count (blocks * 128), for the emulation.
+  """
+
+  src_P: jax.Array
+  block0_L: jax.Array
+  blocks_L: jax.Array
+  sizes_L: jax.Array
+
+
+def num_padded_rows(num_rows: int, num_local_groups: int) -> int:
+  """Static bound: every group gains < 128 rows, and the total is a whole number of blocks."""
+  return -(-num_rows // BLOCK) * BLOCK + num_local_groups * BLOCK
+
+
+def group_blocks(group_sizes_G, group_offset, num_local_groups: int, num_rows: int) -> GroupBlocks:
+  """DeepSeek-V3 quantizes dW's operands in 128x1 tiles along the rows; a tile that held rows of two
+  experts would scale one expert's values by the other's largest. Each local group's rows are
+  therefore laid out from a multiple of 128 (zero rows fill the gap), as DeepGEMM's grouped
+  layout requires of its inputs. Rows of other shards' groups and padding rows are left out."""
+  sizes = group_sizes_G.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  offset = jnp.asarray(group_offset, jnp.int32)
+  starts_L = jnp.clip(jax.lax.dynamic_slice_in_dim(starts, offset, num_local_groups), 0, num_rows)
+  ends_L = jnp.clip(jax.lax.dynamic_slice_in_dim(ends, offset, num_local_groups), 0, num_rows)
+  rows_L = ends_L - starts_L
+  blocks_L = -(-rows_L // BLOCK)
+  block0_L = jnp.cumsum(blocks_L) - blocks_L
+  p = jnp.arange(num_padded_rows(num_rows, num_local_groups), dtype=jnp.int32)
+  g = jnp.clip(jnp.searchsorted(block0_L + blocks_L, p // BLOCK, side="right"), 0, num_local_groups - 1)
+  within = p - block0_L[g] * BLOCK
+  inside = (p // BLOCK < block0_L[g] + blocks_L[g]) & (within < rows_L[g])
+  src_P = jnp.where(inside, starts_L[g] + within, num_rows).astype(jnp.int32)
+  return GroupBlocks(src_P, block0_L.astype(jnp.int32), blocks_L.astype(jnp.int32), (blocks_L * BLOCK).astype(jnp.int32))
+
+
+def quantize_group_row_blocks(x_MK: jax.Array, layout: GroupBlocks) -> tuple[jax.Array, jax.Array]:
+  """x [M, K] -> (qT_KP e4m3 [K, P], scale_PbK f32 [P/128, K]): the group-aligned rows, transposed
+  (dW's wgmma contracts over rows, and e4m3 operands must be contraction-major), one scale per
+  column and 128-row block. Gap rows are zeros (scale 1 where a whole block is empty)."""
+  rows_PK = jnp.take(x_MK, layout.src_P, axis=0, mode="fill", fill_value=0)
+  return quantize_row_tiles(rows_PK.T)

@@ -226,7 +226,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
-  """dW in bf16 through mgpu's kernel: not yet FP8 (DeepSeek-V3 runs Wgrad in FP8 too, with
-  128x1 tiles along the rows; MaxText/moe/gmm/README or BENCHMARKS session 11 for the plan)."""
-  return mgpu.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset, num_local_groups=num_local_groups,
-                   out_dtype=out_dtype)
+  """dW in FP8 too: both operands in 128x1 tiles along the rows, groups 128-aligned (`mgpu_fp8_tgmm`)."""
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+
+  return mgpu_fp8_tgmm.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset,
+                            num_local_groups=num_local_groups, out_dtype=out_dtype)

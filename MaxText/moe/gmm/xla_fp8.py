@@ -4,7 +4,8 @@ Both operands go through `fp8_quant` exactly as the Hopper kernel's do (1x128 ro
 activations, 128x128 blocks for the weights, e4m3), are dequantized, and multiplied by the xla
 backend in float32. The kernel computes the same sum with the FP8 MMA and a promotion every 128
 of the contraction, so the two differ only in summation order (and the MMA's own accumulation on
-a GPU: tools/bench_fp8.py). dW (tgmm) is the xla backend's, unquantized, as mgpu_fp8's is bf16.
+a GPU: tools/bench_fp8.py). dW quantizes both operands in 128x1 tiles along the rows, as the kernel
+does.
 """
 
 from __future__ import annotations
@@ -35,5 +36,15 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
-  return xla.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset, num_local_groups=num_local_groups,
-                  out_dtype=out_dtype)
+  """dW from both operands quantized in 128x1 tiles along the rows, each group's rows 128-aligned
+  (`fp8_quant.group_blocks`, as `mgpu_fp8_tgmm`), dequantized, multiplied in float32."""
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+
+  def emulated(lhs_MK, dout_MN):
+    layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, lhs_MK.shape[0])
+    lhs_PK, dout_PN = (fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_group_row_blocks(a, layout)).T
+                       for a in (lhs_MK, dout_MN))
+    return xla.tgmm(lhs_PK, dout_PN, layout.sizes_L, group_offset=0, num_local_groups=num_local_groups,
+                    out_dtype=out_dtype)
+
+  return _pad.tgmm(emulated, lhs_MK, dout_MN, align=_pad.Align(m=1, k=fp8_quant.BLOCK, n=fp8_quant.BLOCK))

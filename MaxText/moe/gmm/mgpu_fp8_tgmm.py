@@ -1,0 +1,167 @@
+"""Blockwise-FP8 dW for Hopper: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g], both in e4m3.
+
+Both operands are quantized in 128x1 tiles along the rows (DeepSeek-V3's Wgrad tiles), on the
+group-aligned layout of `fp8_quant.group_blocks` (no 128-row block holds two groups' rows), and
+transposed: the contraction runs over rows, and e4m3 wgmma wants both operands
+contraction-major. So
+
+  drhs[g][k, n] = sum over g's row blocks b of
+      (lhsT_q[k, b] . doutT_q[n, b]) * lhs_scale[b, k] * dout_scale[b, n]
+
+and each step's partial is promoted with an outer product of two scale vectors: one value per
+output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_matmul_fp8`'s: a
+TMA warpgroup and two wgmma warpgroups per SM, an output tile of 128 x 128 whose rows the two
+warpgroups split (64 each), a fresh f32 partial per 128-row step, the scales pipelined beside
+the operands. A tile's step count is its group's block count (none for an empty group: zeros).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from MaxText.moe.gmm import fp8_quant, mgpu_kernels
+from MaxText.moe.gmm.mgpu_fp8 import BLOCK, WG_ROWS
+from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES
+
+STAGES = 4
+GRID_BLOCK_N = 4
+
+
+def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
+  stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4  # lhsT and doutT blocks (e4m3), their scale rows
+  return stages * stage + 2 * WG_ROWS * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+
+
+def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_scale_PbN, block0_L, blocks_L, *,
+                                  out_dtype=jnp.bfloat16):
+  """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands and `group_blocks`'s
+  block0_L / blocks_L."""
+  k, p = lhsT_q_KP.shape
+  n, p2 = doutT_q_NP.shape
+  if p != p2 or p % BLOCK or lhs_scale_PbK.shape != (p // BLOCK, k) or dout_scale_PbN.shape != (p // BLOCK, n):
+    raise ValueError(f"blockwise-FP8 dW operands disagree: lhsT {lhsT_q_KP.shape}, lhs_scale {lhs_scale_PbK.shape}, "
+                     f"doutT {doutT_q_NP.shape}, dout_scale {dout_scale_PbN.shape}")
+  for name, size in (("K", k), ("N", n)):
+    if size % BLOCK:
+      raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  stages = STAGES
+  while stages > 2 and smem_bytes(out_itemsize, stages) > SMEM_LIMIT_BYTES:
+    stages -= 1
+  num_groups = block0_L.shape[0]
+  grid_m, grid_n = k // BLOCK, n // BLOCK
+  transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
+
+  def pipeline(body, compute_context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((BLOCK, BLOCK), lambda si: (0, si), transforms=transforms),
+            plgpu.BlockSpec((BLOCK, BLOCK), lambda si: (0, si), transforms=transforms),
+            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
+            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+    )
+
+  def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
+    ignore = lambda *_, **__: None
+    shapes = (lhs_gmem.at[pl.ds(0, BLOCK)], dout_gmem.at[pl.ds(0, BLOCK)], lhs_scale_gmem.at[:, pl.ds(0, BLOCK)],
+              dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, stages).get_allocations(*shapes),
+        out_smem=plgpu.SMEM((2, WG_ROWS, BLOCK), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_groups * grid_m * grid_n,), collective_axes="sm")
+      @jax.named_scope("dw_tile")
+      def _tiles(loop_info):
+        flat = loop_info.index[0]
+        gi = flat // (grid_m * grid_n)
+        mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
+        steps = blocks_g[gi]
+        first = block0_g[gi]
+        out_rows = pl.ds(mi * BLOCK + wg * WG_ROWS, WG_ROWS)
+
+        def store(tile):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[wg] = tile
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg], o_gmem.at[gi, out_rows, pl.ds(ni * BLOCK, BLOCK)])
+
+        def compute_context(run_pipeline):
+          zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+          store(run_pipeline(zeros).astype(out_dtype))
+
+        def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
+          def mma(partial_ref):
+            plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
+            return partial_ref[...]
+
+          partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+          row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)],
+                                 layout=plgpu.Layout.WGMMA.reduce(1))
+          col_scale = plgpu.load(dout_scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+          scale = (lax.broadcast_in_dim(row_scale, (WG_ROWS, BLOCK), [0])
+                   * lax.broadcast_in_dim(col_scale, (WG_ROWS, BLOCK), [1]))
+          return acc + partial * scale
+
+        @pl.when(steps > 0)
+        def _compute():
+          window = pl.ds(first * BLOCK, p)  # may run past the end: the pipeline reads `steps` blocks only
+          blocks = pl.ds(first, p // BLOCK)
+          pipeline(step, compute_context, steps)(
+              lhs_gmem.at[pl.ds(mi * BLOCK, BLOCK), window], dout_gmem.at[pl.ds(ni * BLOCK, BLOCK), window],
+              lhs_scale_gmem.at[blocks, pl.ds(mi * BLOCK, BLOCK)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              allocations=allocs)
+
+        @pl.when((steps == 0) & (wg < 2))
+        def _empty():
+          store(plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), out_dtype), plgpu.Layout.WGMMA))
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      grid=(mgpu_kernels.num_sms(),),
+      grid_names=("sm",),
+      num_threads=mgpu_kernels.NUM_WARPGROUPS,
+      thread_name="wg",
+      compiler_params=mgpu_kernels.compiler_params(None),
+  )
+  return kernel(block0_L, blocks_L, lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_scale_PbN)
+
+
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
+  """The grouped-GEMM protocol's dW with both operands quantized here (K and N are padded to 128:
+  zero columns give output columns the slice drops)."""
+  from MaxText.moe.gmm import _pad  # pylint: disable=import-outside-toplevel
+
+  out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+  m = lhs_MK.shape[0]
+
+  def kernel(lhs_MK, dout_MN):
+    layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
+    lhsT_q, lhs_scale = fp8_quant.quantize_group_row_blocks(lhs_MK, layout)
+    doutT_q, dout_scale = fp8_quant.quantize_group_row_blocks(dout_MN, layout)
+    return transposed_grouped_matmul_fp8(lhsT_q, lhs_scale, doutT_q, dout_scale, layout.block0_L, layout.blocks_L,
+                                         out_dtype=out_dtype)
+
+  return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_pad.Align(m=1, k=BLOCK, n=BLOCK))
