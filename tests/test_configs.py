@@ -168,3 +168,18 @@ def test_contradicting_moe_keys_are_one_error_naming_both(args, keys):
     fork_config.load(args)
   message = str(err.value)
   assert "\n" not in message and all(f"'{k}'" in message for k in keys) and "contradict" in message, message
+
+
+def test_every_bench_train_variant_is_a_config_we_accept(monkeypatch):
+  """tools/bench_train.py's variants are override lists on the proxy config: each must load (our keys'
+  checks included), so a GPU session never spends its time on a variant that a typo or a key clash
+  refuses at start."""
+  from conftest import REPO, load_script  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.syspath_prepend(str(REPO / "tools"))  # bench_train imports its sibling profile_breakdown
+  bench_train = load_script("bench_train", "tools/bench_train.py")
+  proxy = str(REPO / bench_train.DEFAULT_CONFIG)
+  for name, (overrides, _) in bench_train.VARIANTS.items():
+    run = fork_config.load([proxy, *overrides])
+    assert run.fork is not None, name
+  assert fork_config.load([proxy, *bench_train.VARIANTS["ours_fp8"][0]]).fork.moe_fp8 == "blockwise"

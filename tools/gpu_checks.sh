@@ -21,6 +21,9 @@
 #   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
 #             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
 #             both in one process (its own limit, GPU_CHECK_TE_BENCH_S, default 540 s)
+#   fp8       the blockwise-FP8 kernels (tools/bench_fp8.py: PASS/FAIL per case, speed against dense bf16/FP8
+#             and our bf16 kernels), then the proxy with FP8 experts against ours in bf16 (bench_train.py
+#             --variants ours,ours_fp8, 100 steps: step time and the loss curves side by side)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -133,6 +136,13 @@ PY
       (cd "$repo" && timeout "${GPU_CHECK_TE_BENCH_S:-540}" python3 tools/bench_gmm.py --quick --backends mgpu,te \
           --passes fwd,bwd --out "$out/gmm-te") 2>&1 | tee "$out/bench_gmm-te.log" | grep -E " (dense|mgpu|te) " | tail -n 24
       ;;
+    fp8)
+      (cd "$repo" && timeout "$limit" python3 tools/bench_fp8.py --out "$out/fp8") 2>&1 | tee "$out/bench_fp8.log" \
+          | grep -E "^(FAIL|checks)|M=65536|dW:"
+      (cd "$repo" && timeout "${GPU_CHECK_FP8_TRAIN_S:-540}" python3 tools/bench_train.py --variants ours,ours_fp8 \
+          --steps 100 --out "$out/bt-fp8") >"$out/bt-fp8.log" 2>&1
+      echo "[gpu_checks] bench_train fp8 exit $?"; tail -n 6 "$out/bt-fp8.log"
+      ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
       # (no bias update, no top-k renormalisation): TE's block supports neither. In one process our
@@ -140,7 +150,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, fp8, te-block)"; exit 2 ;;
   esac
 done
 
