@@ -40,10 +40,10 @@ def test_selftest_catches_a_kernel_that_leaves_padding_rows_unwritten(monkeypatc
 
 def test_selftest_picks_cases_and_an_unrun_case_is_not_a_pass(capsys):
   selftest = _selftest()
-  assert selftest.main(["--cpu-smoke", "--cases", "m37_untiled"]) == 0
-  assert "ALL PASS (1 pass" in capsys.readouterr().out
+  assert selftest.main(["--cpu-smoke", "--cases", "m37_untiled"]) == 0  # xla and xla_fp8
+  assert "ALL PASS (2 pass" in capsys.readouterr().out
   assert selftest.main(["--cpu-smoke", "--deadline-s", "0"]) == 3  # nothing ran: not green
-  assert "INCOMPLETE: 7 not run" in capsys.readouterr().out
+  assert "INCOMPLETE: 14 not run" in capsys.readouterr().out
   with pytest.raises(SystemExit):
     selftest.main(["--cpu-smoke", "--cases", "no_such_case"])
   assert "valid: balanced" in capsys.readouterr().err
@@ -63,3 +63,28 @@ def test_fwd_tiling_override_applies_to_every_forward_tiling_and_names_a_bad_fie
     selftest._override_fwd_tilings("chan=1")  # pylint: disable=protected-access
   with pytest.raises(SystemExit, match="'stages=four'"):
     selftest._override_fwd_tilings("stages=four")  # pylint: disable=protected-access
+
+
+def test_selftest_holds_fp8_backends_to_their_quantization(monkeypatch):
+  """xla_fp8 (mgpu_fp8's reference) passes on CPU; an FP8 backend that silently skipped quantizing
+  (here: xla_fp8's forward and dlhs replaced by the unquantized product) fails the same case."""
+  selftest = _selftest()
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import xla_fp8  # pylint: disable=import-outside-toplevel
+
+  case = next(c for c in selftest.small_cases() if c.name == "m1000_k320_n200")
+  errs = selftest.run_case(gmm_lib, "xla_fp8", case, seed=0)
+  assert max(errs.values()) < selftest.TOLERANCE, errs
+
+  reference = xla_fp8.gmm
+  calls = []
+
+  def unquantized(*args, **kwargs):
+    calls.append(1)
+    if len(calls) <= 2:  # the backend under test (its forward and dlhs); later calls are the reference's
+      return xla_backend.gmm(*args, **kwargs)
+    return reference(*args, **kwargs)
+
+  monkeypatch.setattr(xla_fp8, "gmm", unquantized)
+  errs = selftest.run_case(gmm_lib, "xla_fp8", case, seed=0)
+  assert errs["out"] > selftest.TOLERANCE and errs["dlhs"] > selftest.TOLERANCE, errs

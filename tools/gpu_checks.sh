@@ -21,7 +21,7 @@
 #   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
 #             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
 #             both in one process (its own limit, GPU_CHECK_TE_BENCH_S, default 540 s)
-#   fp8       the blockwise-FP8 kernels (tools/bench_fp8.py: PASS/FAIL per case, speed against dense bf16/FP8
+#   fp8       the blockwise-FP8 kernels (the self-test's cases for mgpu_fp8; tools/bench_fp8.py: PASS/FAIL per case, speed against dense bf16/FP8
 #             and our bf16 kernels), then the proxy with FP8 experts against ours in bf16 (bench_train.py
 #             --variants ours,ours_fp8, 100 steps: step time and the loss curves side by side)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
@@ -137,6 +137,8 @@ PY
           --passes fwd,bwd --out "$out/gmm-te") 2>&1 | tee "$out/bench_gmm-te.log" | grep -E " (dense|mgpu|te) " | tail -n 24
       ;;
     fp8)
+      (cd "$repo" && timeout "$limit" python3 tools/gpu_selftest.py --backends mgpu_fp8) 2>&1 | tee "$out/selftest-fp8.log" \
+          | grep -E "^(PASS|FAIL|ALL|[0-9]+ FAILED|INCOMPLETE)"
       (cd "$repo" && timeout "$limit" python3 tools/bench_fp8.py --out "$out/fp8") 2>&1 | tee "$out/bench_fp8.log" \
           | grep -E "^(FAIL|checks)|M=65536|dW:"
       (cd "$repo" && timeout "${GPU_CHECK_FP8_TRAIN_S:-540}" python3 tools/bench_train.py --variants ours,ours_fp8 \
