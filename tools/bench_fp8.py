@@ -13,6 +13,8 @@ down-proj's (K, N), so the two shapes cover the forward and dlhs products.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -106,7 +108,21 @@ def _dense_fp8(x_q, wT_q):
   return jax.lax.dot_general(x_q, wT_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
 
 
-def run_speed(results, dists):
+def parse_tilings(spec: str | None) -> dict[str, "mgpu_fp8.Fp8Tiling"]:
+  """'stages=6,grid_block_n=16;grid_block_n=8' -> {label: Fp8Tiling}: variants timed beside the default."""
+  out = {}
+  for item in filter(None, (spec or "").split(";")):
+    fields = {}
+    for pair in item.split(","):
+      key, _, value = pair.partition("=")
+      if key not in {f.name for f in dataclasses.fields(mgpu_fp8.Fp8Tiling)} or not value.isdigit():
+        raise SystemExit(f"--tilings: {pair!r} is not an Fp8Tiling field=integer")
+      fields[key] = int(value)
+    out[f"mgpu_fp8 [{item}]"] = mgpu_fp8.Fp8Tiling(**fields)
+  return out
+
+
+def run_speed(results, dists, tilings):
   m, g = 65536, 32
   dense_bf16 = jax.jit(lambda x, w: x @ w)
   dense_fp8 = jax.jit(_dense_fp8)
@@ -119,10 +135,10 @@ def run_speed(results, dists):
 
   mgpu_fwd = jax.jit(lambda x, w, gs: mgpu.gmm(x, w, gs))
 
-  @jax.jit
-  def fp8_kernel(x_q, x_s, w_q, w_s, gs):
-    table = mgpu_schedule.work_table(gs, 0, w_q.shape[0], x_q.shape[0], 128, window_align=8)
-    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table)
+  @functools.partial(jax.jit, static_argnames="tiling")
+  def fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=mgpu_fp8.Fp8Tiling()):
+    table = mgpu_schedule.work_table(gs, 0, w_q.shape[0], x_q.shape[0], tiling.block_m, window_align=8)
+    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling)
 
   for shape in ("up", "down"):
     k, n = SHAPES[shape]
@@ -139,6 +155,8 @@ def run_speed(results, dists):
       times = dict(ref)
       times["mgpu bf16"] = time_ms(mgpu_fwd, (x, w, gs))[0]
       times["mgpu_fp8"] = time_ms(fp8_kernel, (x_q, x_s, w_q, w_s, gs))[0]
+      for label, tiling in tilings.items():
+        times[label] = time_ms(functools.partial(fp8_kernel, tiling=tiling), (x_q, x_s, w_q, w_s, gs))[0]
       times["quantize x (1x128)"] = time_ms(quant_x, (x,))[0]
       times["quantize w (128x128, N-major copy)"] = time_ms(quant_w, (w,))[0]
       err = rel_err(fp8_kernel(x_q, x_s, w_q, w_s, gs),
@@ -190,6 +208,8 @@ def print_table(results):
           f"{d8 / f8['ms']:.2f} of dense fp8, {ours16 / f8['ms']:.2f}x mgpu bf16 | quantize x "
           f"{rows['quantize x (1x128)']['ms']:.3f} ms, w {rows['quantize w (128x128, N-major copy)']['ms']:.3f} ms | "
           f"err vs unquantized {f8['fp8_err']:.2e}")
+    for label in (w for w in rows if w.startswith("mgpu_fp8 [")):
+      print(f"{'':28s} {label}: {rows[label]['ms']:.3f} ms = {d8 / rows[label]['ms']:.2f} of dense fp8")
     dw16, dw8 = rows["dW mgpu bf16"]["ms"], rows["dW mgpu_fp8"]["ms"]
     print(f"{'':28s} dW: mgpu bf16 {dw16:.3f} ms | mgpu_fp8 {dw8:.3f} ms = {d8 / dw8:.2f} of dense fp8, "
           f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms")
@@ -200,11 +220,14 @@ def main():
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--dists", default="balanced,zipf1.2")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--tilings", default=None,
+                  help="forward-kernel tilings timed beside the default, ';'-separated, e.g. "
+                       "'grid_block_n=16;stages=6,grid_block_n=16'")
   args = ap.parse_args()
   results = []
   run_checks(results)
   if not args.check_only:
-    run_speed(results, args.dists.split(","))
+    run_speed(results, args.dists.split(","), parse_tilings(args.tilings))
   print_table(results)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
