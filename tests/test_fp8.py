@@ -164,11 +164,23 @@ def test_tiling_fits_an_f32_epilogue_by_dropping_stages():
     t.validate(64, 128, 200, 2)
 
 
-KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign)
-    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True),
-    "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False),
-    "one_hot_bf16_rows_past": ([3, 250, 0, 1], 0, 4, False, jnp.bfloat16, False),
+KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign, tiling)
+    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, None),
+    "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False, None),
+    "one_hot_bf16_rows_past": ([3, 250, 0, 1], 0, 4, False, jnp.bfloat16, False, None),
+    "overlapped_promotion_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True,
+                                      mgpu_fp8.Fp8Tiling(overlap=True, stages=3)),
 }
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_overlapped_promotion_lowers_for_cuda(transpose):
+  w = (32, 7168, 2048)
+  lhs = (4096, 2048) if transpose else (4096, 7168)
+  text = _lower(lambda x, w, gs: mgpu_fp8.gmm(x, w, gs, transpose_rhs=transpose,
+                                              tiling=mgpu_fp8.Fp8Tiling(overlap=True)),
+                (lhs, jnp.bfloat16), (w, jnp.bfloat16), ((32,), jnp.int32))
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("name", sorted(KERNEL_CASES))
@@ -179,7 +191,7 @@ def test_kernel_interpreted_matches_its_quantization(name):
   GPU the FP8 MMA's own accumulation adds ~3e-4 (tools/bench_fp8.py)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  sizes, offset, num_local, transpose, out_dtype, nan_foreign = KERNEL_CASES[name]
+  sizes, offset, num_local, transpose, out_dtype, nan_foreign, tiling = KERNEL_CASES[name]
   m, k, n = 296, 512, 256  # rows past the groups: 296 - sum(sizes)
   kx, kw = jax.random.split(jax.random.key(4))
   contract, out_cols = (n, k) if transpose else (k, n)
@@ -189,7 +201,8 @@ def test_kernel_interpreted_matches_its_quantization(name):
   w = (jax.random.normal(kw, (num_local, k, n)) / 16).astype(jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got = mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype)
+    got = mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype,
+                       tiling=tiling or mgpu_fp8.Fp8Tiling())
     got = np.asarray(jax.block_until_ready(got), np.float32)
   want = np.asarray(xla_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose,
                                            out_dtype=jnp.float32))
