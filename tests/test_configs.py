@@ -36,9 +36,9 @@ def test_the_shipped_configs_are_the_ones_this_test_knows():
   assert len(RECIPES) == 6  # 128 / 256 / 1024 x H100 / H200
 
 
-def _cpu_safe_overrides(run: fork_config.RunConfig) -> list[str]:
+def _cpu_safe_overrides(run: fork_config.RunConfig, out_dir: Path) -> list[str]:
   """What makes a GPU-cluster config validate on this CPU machine (what changes is listed)."""
-  extra = ["base_output_directory=/tmp/maxtext-moe-config-check"]
+  extra = [f"base_output_directory={out_dir}"]
   if "hardware" not in run.upstream:  # a model file alone: upstream's default is a TPU job
     extra += ["hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=synthetic"]
   if run.fork.recipe_num_gpus and run.fork.recipe_num_gpus > GPUS_PER_NODE:
@@ -57,7 +57,7 @@ def upstream_patched():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
-def test_config_validates_with_ours_and_upstreams(path, upstream_patched):  # pylint: disable=unused-argument,redefined-outer-name
+def test_config_validates_with_ours_and_upstreams(path, upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
   """Our loader (unknown keys, types), presets (names, flags), upstream's pydantic + cross-field checks.
 
   Not checked here: the mesh against real devices (test_recipe_mesh_fits_its_gpu_count does
@@ -66,7 +66,7 @@ def test_config_validates_with_ours_and_upstreams(path, upstream_patched):  # py
   run = fork_config.load([str(path)])
   composed = xla_presets.compose_for(run, {})
   run = xla_presets.with_upstream_defaults(run, composed)
-  run = fork_config.load([str(path), *_cpu_safe_overrides(run)])
+  run = fork_config.load([str(path), *_cpu_safe_overrides(run, tmp_path)])
   run = xla_presets.with_upstream_defaults(run, composed)
   config = train.validate_with_upstream(run)
   for key in ("num_experts", "base_emb_dim", "base_num_decoder_layers"):
