@@ -388,6 +388,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       mesh={k: int(v) for k, v in step.mesh.shape.items()},
       model_tflops_per_device=float(model_tflops),
       recompute_flops=float(recompute), recompute_note=recompute_note,
+      routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
       largest_buffers=buffers,
       **hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology)),

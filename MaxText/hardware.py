@@ -2,7 +2,9 @@
 
 MaxText/plan.py turns a compiled step into a verdict and a step time with these:
   fits        compiler bytes per device <= HBM x XLA_PYTHON_CLIENT_MEM_FRACTION
-  compute     FLOPs per device / the measured dense bf16 GEMM rate
+  compute     FLOPs per device / the measured dense bf16 GEMM rate; with
+              moe_fp8=blockwise the routed experts' GEMMs at the measured
+              FP8 grouped-GEMM rate instead
   collectives wire bytes per device / the link's bandwidth (NVLink inside a
               node, InfiniBand across), per kind where a kind was measured
   step        compute + collectives, none overlapped (an upper bound; the
@@ -41,6 +43,8 @@ class Gpu:
     ib_bytes: per-GPU InfiniBand bandwidth, one direction, B/s.
     a2a_nvlink_bytes: jax.lax.all_to_all inside a node, B/s (None: nvlink_bytes).
     ragged_a2a_bytes: jax.lax.ragged_all_to_all, B/s (None: as all_to_all).
+    fp8_grouped_flops: our blockwise-FP8 grouped GEMM (moe_fp8), FLOP/s (None: the kernel
+      does not run on this GPU).
   """
 
   name: str
@@ -50,6 +54,7 @@ class Gpu:
   ib_bytes: Figure
   a2a_nvlink_bytes: Figure | None = None
   ragged_a2a_bytes: Figure | None = None
+  fp8_grouped_flops: Figure | None = None
 
   def figures(self) -> dict[str, Figure]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
@@ -63,6 +68,11 @@ _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/D
 # ragged_all_to_all 88 ms for the same bytes (team measurement of 2026-12-01).
 _A2A_H200 = Figure(150 * GB, "measured: jax.lax.all_to_all, 2xH200 NVLink, 0.47 GB/device")
 _RAGGED_H200 = Figure(5.3 * GB, "measured: jax.lax.ragged_all_to_all, 2xH200 NVLink, 0.47 GB/device")
+# tools/bench_fp8.py on one H200 (BENCHMARKS.md, session 11, commit 8c54162): mgpu_fp8's forward at
+# 820-908 TF/s on DeepSeek-V3's expert shapes (M=65536, G=32, balanced and Zipf-1.2). dlhs runs the
+# same kernel; the dW kernel was not timed yet, so the forward's low end stands for all three.
+_H200_FP8_GROUPED = Figure(820e12, "measured: mgpu_fp8 forward grouped GEMM on one H200, 820-908 TF/s "
+                           "(BENCHMARKS.md, session 11); dW's kernel not yet timed, the low end stands for it")
 
 GPUS: dict[str, Gpu] = {
     "h100": Gpu(
@@ -73,6 +83,7 @@ GPUS: dict[str, Gpu] = {
         ib_bytes=_IB_NDR,
         a2a_nvlink_bytes=Figure(150 * GB, "the H200's measured all_to_all (same NVLink 4)"),
         ragged_a2a_bytes=Figure(5.3 * GB, "the H200's measured ragged_all_to_all (same NVLink 4)"),
+        fp8_grouped_flops=Figure(_H200_FP8_GROUPED.value, "the H200's measured mgpu_fp8 rate (same GH100 SMs and clocks)"),
     ),
     "h200": Gpu(
         "H200 SXM 141 GB",
@@ -82,6 +93,7 @@ GPUS: dict[str, Gpu] = {
         ib_bytes=_IB_NDR,
         a2a_nvlink_bytes=_A2A_H200,
         ragged_a2a_bytes=_RAGGED_H200,
+        fp8_grouped_flops=_H200_FP8_GROUPED,
     ),
     "b200": Gpu(
         "B200 180 GB",
@@ -149,6 +161,30 @@ class StepEstimate:
     return max(self.compute_s, self.collectives_s)
 
 
+def _routed_forward_flops(config) -> float:
+  """The routed experts' three GEMMs (wi_0, wi_1, wo) per device, forward only."""
+  tokens = config.per_device_batch_size * config.max_target_length
+  moe_layers = config.num_decoder_layers - getattr(config, "first_num_dense_layers", 0)
+  return 2 * tokens * config.num_experts_per_tok * 3 * config.emb_dim * config.moe_mlp_dim * moe_layers
+
+
+def _experts_saved(config) -> bool:
+  """remat_policy=custom keeping both expert up-projections: wo's input is elementwise from them, so
+  the backward runs no routed-expert GEMM again."""
+  return getattr(config, "remat_policy", "full") == "custom" and {
+      getattr(config, "moe_mlpwi_0", "remat"), getattr(config, "moe_mlpwi_1", "remat")} <= {"device", "offload"}
+
+
+def routed_expert_flops(config) -> float:
+  """FLOPs per device of the routed experts' GEMMs in one training step: forward, dlhs and dW,
+  plus the forward again where the remat policy recomputes it (`recompute_flops`). These are the
+  GEMMs moe_fp8 runs in FP8; 0 for a dense model."""
+  if getattr(config, "num_experts", 1) <= 1:
+    return 0.0
+  recomputed = getattr(config, "remat_policy", "full") in ("full", "custom") and not _experts_saved(config)
+  return _routed_forward_flops(config) * (4 if recomputed else 3)
+
+
 def recompute_flops(config) -> tuple[float, str]:
   """FLOPs per device the remat policy re-runs in the backward pass, which MaxText's count leaves out.
 
@@ -169,26 +205,32 @@ def recompute_flops(config) -> tuple[float, str]:
   head = 2 * tokens * config.emb_dim * config.vocab_size * 3  # forward + backward, never rematerialized
   flops = (total - head) / 3
   note = f"remat_policy={policy}: the decoder layers' forward again"
-  saved = {"device", "offload"}
-  if policy == "custom" and getattr(config, "num_experts", 1) > 1 and {
-      getattr(config, "moe_mlpwi_0", "remat"), getattr(config, "moe_mlpwi_1", "remat")} <= saved:
-    moe_layers = config.num_decoder_layers - getattr(config, "first_num_dense_layers", 0)
-    routed = 2 * tokens * config.num_experts_per_tok * 3 * config.emb_dim * config.moe_mlp_dim * moe_layers
-    flops -= routed
+  if getattr(config, "num_experts", 1) > 1 and _experts_saved(config):
+    flops -= _routed_forward_flops(config)
     note += ", less the routed experts' GEMMs (moe_mlpwi_0/1 kept)"
   return max(flops, 0.0), note
 
 
 def estimate_step(gpu: Gpu, model_flops: float, hlo_flops: float, collectives: list[dict],
-                  recompute: float = 0.0, recompute_note: str = "") -> StepEstimate:
+                  recompute: float = 0.0, recompute_note: str = "", fp8_flops: float = 0.0) -> StepEstimate:
   """Compute at the GEMM rate plus each collective's wire bytes at its link's bandwidth.
 
   FLOPs: the larger of MaxText's model count plus the remat policy's
   recompute (`recompute_flops`), and the HLO's dots (recompute included, but
   blind to custom kernels: our grouped GEMMs and cuDNN attention).
+  fp8_flops (moe_fp8: `routed_expert_flops`) of them run at the GPU's FP8
+  grouped-GEMM rate, the rest at the bf16 rate. FP8's quantization passes are
+  memory-bound and, like the other such kernels, not costed.
   """
   counted = model_flops + recompute
   source = "MaxText's model count" + (f" + recompute ({recompute_note})" if recompute else "")
   flops, source = (hlo_flops, "HLO dots") if hlo_flops > counted else (counted, source)
+  compute_s = flops / gpu.gemm_flops.value
+  if fp8_flops:
+    if gpu.fp8_grouped_flops is None:
+      raise ValueError(f"moe_fp8: no FP8 grouped-GEMM rate for the {gpu.name} (its kernel is Hopper's)")
+    fp8_flops = min(fp8_flops, flops)
+    compute_s = (flops - fp8_flops) / gpu.gemm_flops.value + fp8_flops / gpu.fp8_grouped_flops.value
+    source += f"; {fp8_flops / 1e12:.4g} T of it routed-expert GEMMs at the FP8 grouped rate (moe_fp8)"
   comm = sum(row["wire_bytes"] / link_bytes(gpu, row["kind"], row["crosses_nodes"]).value for row in collectives)
-  return StepEstimate(flops / gpu.gemm_flops.value, comm, flops, source)
+  return StepEstimate(compute_s, comm, flops, source)

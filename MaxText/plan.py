@@ -214,8 +214,9 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   gpu = hardware.GPUS[gpu_key]
   prepared_env = train.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
+  fp8_flops = child.get("routed_expert_flops", 0.0) if run.fork.moe_fp8 != "none" else 0.0
   est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"],
-                               child.get("recompute_flops", 0.0), child.get("recompute_note", ""))
+                               child.get("recompute_flops", 0.0), child.get("recompute_note", ""), fp8_flops)
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -241,7 +242,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
           "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
           "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
           "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
-          "recompute_flops": child.get("recompute_flops", 0.0),
+          "recompute_flops": child.get("recompute_flops", 0.0), "fp8_flops": min(fp8_flops, est.flops_used),
           "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
       },
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
@@ -344,6 +345,10 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   check_layout(run, num_gpus)
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
   topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mode)
+  if run.fork.moe_fp8 != "none" and hardware.GPUS[gpu_key := target_gpu(run, topology)[0]].fp8_grouped_flops is None:
+    # Before compiling: config_checks refuses moe_fp8 on this GPU at run time (sm_90a e4m3 wgmma).
+    raise fork_config.ConfigError(f"moe_fp8={run.fork.moe_fp8}: the {hardware.GPUS[gpu_key].name} cannot run it "
+                                  "(the FP8 grouped GEMM is Hopper's); plan for h100/h200 or set moe_fp8=none")
   if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":
     from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
 

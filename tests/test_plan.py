@@ -193,6 +193,30 @@ def test_recompute_term_follows_the_remat_policy(monkeypatch):
   assert est.compute_s == pytest.approx(864e12 / 648e12) and "recompute (x)" in est.flops_from
 
 
+def test_fp8_experts_are_costed_at_the_fp8_rate_and_the_rest_at_bf16(monkeypatch):
+  """moe_fp8: the routed experts' GEMMs (forward, dlhs, dW, and the forward again where remat recomputes
+  it) at the FP8 grouped rate, everything else at the bf16 rate; a GPU without the kernel has no rate."""
+  import types
+
+  from maxtext.utils import maxtext_utils
+
+  monkeypatch.setattr(maxtext_utils, "calculate_tflops_training_per_device", lambda c, log=False: (600.0, 0, 0))
+  cfg = dict(per_device_batch_size=2, max_target_length=10, emb_dim=4, vocab_size=1000, num_experts=8,
+             num_experts_per_tok=2, moe_mlp_dim=5, num_decoder_layers=3, first_num_dense_layers=1)
+  forward = 2 * 20 * 2 * 3 * 4 * 5 * 2
+  assert hardware.routed_expert_flops(types.SimpleNamespace(remat_policy="full", **cfg)) == 4 * forward
+  assert hardware.routed_expert_flops(types.SimpleNamespace(remat_policy="minimal", **cfg)) == 3 * forward
+  kept = types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="offload", moe_mlpwi_1="device", **cfg)
+  assert hardware.routed_expert_flops(kept) == 3 * forward
+  assert hardware.routed_expert_flops(types.SimpleNamespace(remat_policy="full", **{**cfg, "num_experts": 1})) == 0.0
+  h200 = hardware.GPUS["h200"]
+  est = hardware.estimate_step(h200, 600e12, 0.0, [], fp8_flops=400e12)
+  assert est.compute_s == pytest.approx(200e12 / h200.gemm_flops.value + 400e12 / h200.fp8_grouped_flops.value)
+  assert est.compute_s < hardware.estimate_step(h200, 600e12, 0.0, []).compute_s and "FP8" in est.flops_from
+  with pytest.raises(ValueError, match="moe_fp8"):
+    hardware.estimate_step(hardware.GPUS["b200"], 600e12, 0.0, [], fp8_flops=1.0)
+
+
 # --- bad input: one line naming the key, exit 2, nothing compiled ----------------------------
 
 
@@ -201,7 +225,8 @@ def test_recompute_term_follows_the_remat_policy(monkeypatch):
     (["recipe_num_gpus=3", "ici_fsdp_parallelism=1", "ici_expert_parallelism=3"], "num_experts=8"),
     (["recipe_num_gpus=4", "target_gpu=a100"], "target_gpu"),
     (["recipe_num_gpus=4", "stepz=3"], "stepz"),
-], ids=["mesh", "experts-over-ep", "target", "unknown-key"])
+    (["recipe_num_gpus=4", "target_gpu=b200", "moe_block=ours", "moe_fp8=blockwise"], "moe_fp8=blockwise"),
+], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper"])
 def test_bad_input_is_one_line_and_exit_2(args, key):
   out = _plan_cli("configs/deepseek3-tiny.yml", *args, timeout=120)
   assert out.returncode == 2, out.stderr[-1000:]
