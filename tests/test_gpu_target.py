@@ -103,6 +103,28 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu(tmp_path):
+  """moe_fp8's Mosaic GPU kernels (forward, dlhs, dW) through XLA's GPU pipeline for sm_90a, two devices at EP=2
+  with a2a_padded: the path CI can compile but never run. The estimate costs the routed GEMMs at the FP8 rate."""
+  if gpu_target.unavailable_reason("h200"):
+    pytest.skip(gpu_target.unavailable_reason("h200"))
+  path, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", "target_gpu=h200",
+                        "recipe_num_gpus=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1", "moe_block=ours",
+                        "moe_fp8=blockwise", "per_device_batch_size=2", "max_target_length=64", "--json", str(path),
+                        "--hlo", str(hlo)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(path.read_text())
+  assert r["platform"] == "gpu_target" and r["mesh"]["expert"] == 2 and r["verdict"]["fits"]
+  assert 0 < r["estimate"]["fp8_flops"] < r["estimate"]["flops_per_device"]
+  text = hlo.read_text()
+  assert "f8e4m3fn" in text and "mosaic_gpu" in text  # the quantized operands reach our kernels
+  assert any(c["kind"] == "all-to-all" and "expert" in c["axes"] for c in r["collectives"])
+
+
+@pytest.mark.slow
 def test_the_128xh100_recipe_header_is_its_plan(tmp_path):
   """The tightest recipe, compiled for its 128 H100s without a GPU: the figure its header states, and it fits."""
   if gpu_target.unavailable_reason("h100"):
