@@ -9,6 +9,7 @@ compiler's figures against the state's own bytes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -121,6 +122,15 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   assert 0 < r["estimate"]["fp8_flops"] < r["estimate"]["flops_per_device"]
   text = hlo.read_text()
   assert "f8e4m3fn" in text and "mosaic_gpu" in text  # the quantized operands reach our kernels
+  # BENCHMARKS session 12's account: XLA fuses the e4m3 write into the placement of the received rows and
+  # into the SwiGLU of the up-projection kernels' outputs; dW quantizes its own layouts.
+  spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tools" / "hlo_fp8_passes.py")
+  passes = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(passes)
+  rows = passes.fp8_fusions(text)
+  forward_reads = {reads for (_, _, reads, where) in rows if where == "forward"}
+  assert any("all-to-all" in r for r in forward_reads) and any("mpmd_map" in r for r in forward_reads), rows
+  assert any(where == "gmm_drhs" for (_, _, _, where) in rows) and any(where == "gmm_dlhs" for (*_, where) in rows)
   assert any(c["kind"] == "all-to-all" and "expert" in c["axes"] for c in r["collectives"])
 
 
