@@ -30,6 +30,7 @@ refused with a message naming them, never silently sent to upstream.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import jax
@@ -164,13 +165,17 @@ def _ours(layer, inputs, settings: dict):
       dtype=jnp.dtype(cfg.dtype),
       gate_dtype=jnp.float32 if cfg.float32_gate_logits else jnp.dtype(cfg.dtype),
   )
+  # moe_fp8: tokens cross the dispatch in e4m3 tiles, as DeepSeek-V3's did (te_ncclep moves TE's own buffers).
+  block_cfg = dataclasses.replace(block_cfg, fp8_dispatch=block_cfg.gmm_backend in moe_gmm.FP8_BACKENDS
+                                  and not getattr(disp, "global_view", False))
   router = block.Router(kernel_DE=layer.gate.kernel[...],
                         bias_E=None if layer.gate.bias is None else layer.gate.bias[...])
   experts = block.Experts(w0_EDF=layer.wi_0[...], w1_EDF=layer.wi_1[...], wo_EFD=layer.wo[...])
   x_TD = inputs.reshape(batch * seq, hidden)
   sharding = _sharding(layer, batch * seq, ep_size)
   _CALLS[backend] += 1
-  _log(f"routed MoE layer -> our block (dispatch {backend}, gmm {block_cfg.gmm_backend}, EP {ep_size})")
+  _log(f"routed MoE layer -> our block (dispatch {backend}{' in fp8' if block_cfg.fp8_dispatch else ''}, "
+       f"gmm {block_cfg.gmm_backend}, EP {ep_size})")
   y_TD, r, overflow, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
   if settings.get("moe_metrics"):  # moe_metrics_every_n_steps > 0: small arrays, read in the step (moe_metrics.py)

@@ -96,19 +96,22 @@ def _on_mesh(backend, mesh_shape, axes, **options):
   return disp, block.Sharding(mesh=mesh, token_axes=axes, expert_axis=expert_axis)
 
 
-def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), gmm_backend="xla", **options):
-  """A dispatch backend on a mesh vs `local` on one device (the same grouped GEMM): loss and grads."""
+def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), gmm_backend="xla", fp8_dispatch=False,
+            **options):
+  """A dispatch backend on a mesh vs `local` on one device (the same grouped GEMM): loss and grads.
+  fp8_dispatch: the mesh's tokens are quantized before they move; one device quantizes after."""
   cfg = _cfg(top_k, gmm_backend)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
-  val, grads, overflow = _loss_and_grads(cfg, *_on_mesh(backend, mesh_shape, axes, **options), bias)
+  val, grads, overflow = _loss_and_grads(dataclasses.replace(cfg, fp8_dispatch=fp8_dispatch),
+                                         *_on_mesh(backend, mesh_shape, axes, **options), bias)
   if gmm_backend == "xla_fp8":
     # dW's 128-row tiles are formed from each token shard's rows of a group, so on a mesh the expert
     # weights' gradients are another quantization of the same sum: equal within FP8's error, not exactly.
     x_err, kernel_err = (_max_err(grads[i], want_grads[i]) for i in (0, 1))
     norm = lambda t: float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in jax.tree.leaves(t))))  # noqa: E731
     dw_rel = norm(jax.tree.map(lambda a, b: a - b, grads[2], want_grads[2])) / norm(want_grads[2])
-    return {"backend": backend, "gmm": gmm_backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
-            "loss_err": abs(float(val - want_val)), "x_and_router_grad_err": max(x_err, kernel_err),
+    return {"backend": backend, "gmm": gmm_backend, "fp8_dispatch": fp8_dispatch, "mesh": dict(zip(axes, mesh_shape)),
+            "top_k": top_k, "loss_err": abs(float(val - want_val)), "x_and_router_grad_err": max(x_err, kernel_err),
             "expert_grad_rel_err": dw_rel, "overflow": bool(overflow)}
   return {"backend": backend, "gmm": gmm_backend, "mesh": dict(zip(axes, mesh_shape)), "top_k": top_k,
           "loss_err": abs(float(val - want_val)), "grad_err": _max_err(grads, want_grads), "overflow": bool(overflow)}
@@ -136,7 +139,8 @@ def trace_with_kernel_typing(gmm_backend, backend, mesh_shape, axes):
   from MaxText.moe.gmm import mgpu  # pylint: disable=import-outside-toplevel
 
   mgpu.unavailable_reason = lambda: None  # its kernels (and mgpu_fp8's) are only traced here, never run
-  cfg = dataclasses.replace(_cfg(2), gmm_backend=gmm_backend, dtype=jnp.bfloat16)
+  # mgpu_fp8 as moe_fp8 configures it: tokens quantized before the dispatch (MaxText/moe/fp8_dispatch.py).
+  cfg = dataclasses.replace(_cfg(2), gmm_backend=gmm_backend, dtype=jnp.bfloat16, fp8_dispatch=gmm_backend == "mgpu_fp8")
   disp, sharding = _on_mesh(backend, mesh_shape, axes, **({"capacity_factor": 4.0} if backend == "a2a_padded" else {}))
   x, router, ex = make_params(jax.random.key(0), tokens=TOKENS)
 
@@ -163,11 +167,14 @@ def main(case: str):
       for backend in backends:
         opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
         print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, **opts)), flush=True)
-  elif case in ("meshes_fp8", "meshes_fp8_quick"):  # moe_fp8=blockwise's CPU backend: FP8 on a mesh = on one device
-    for axes, shape, backends in MESHES if case == "meshes_fp8" else QUICK_MESHES:
+  elif case in ("meshes_fp8", "meshes_fp8_quick", "meshes_fp8_dispatch", "meshes_fp8_dispatch_quick"):
+    # moe_fp8=blockwise's CPU backend: FP8 on a mesh = on one device, with the tokens quantized after the
+    # dispatch or (as moe_fp8 runs) before it
+    for axes, shape, backends in MESHES if case in ("meshes_fp8", "meshes_fp8_dispatch") else QUICK_MESHES:
       for backend in backends:
         opts = {"capacity_factor": 4.0} if backend == "a2a_padded" else {}
-        print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, gmm_backend="xla_fp8", **opts)), flush=True)
+        print(json.dumps(compare(backend, shape, 8, balanced, axes=axes, gmm_backend="xla_fp8",
+                                 fp8_dispatch="dispatch" in case, **opts)), flush=True)
   elif case in ("kernel_typing", "kernel_typing_quick"):
     for axes, shape, backends in MESHES if case == "kernel_typing" else QUICK_MESHES:
       for backend in (*backends, *(("ragged_a2a",) if "expert" in axes else ())):

@@ -331,6 +331,7 @@ def test_a_tiny_run_with_fp8_experts_trains_like_the_unquantized_one(tmp_path):
   base = run_train(tmp_path, *common, run_name="base")
   assert base.returncode == 0, base.stderr[-3000:]
   assert "grouped-GEMM backend xla_fp8" in fp8.stdout
+  assert "(dispatch local in fp8, gmm xla_fp8, EP 1)" in fp8.stdout  # tokens quantized before the dispatch
   a, b = fp8.losses(), base.losses()
   assert sorted(a) == sorted(b) and len(a) == 8
   worst = max(abs(a[s] - b[s]) / b[s] for s in a)

@@ -5,6 +5,7 @@
     y_MD = expert_ffn(x_MD, meta, experts)           # three grouped GEMMs
     y = dispatcher.combine(y_MD, routing.weights, meta)
 
+With FP8 experts the tokens cross the dispatch already quantized (`fp8_dispatch`, BlockConfig.fp8_dispatch).
 Routing runs in the global (auto-sharded) view; dispatch -> combine runs per
 shard inside `jax.shard_map` when a mesh is given, the expert axis carrying
 expert parallelism (the dispatcher owns its collectives); a `global_view`
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from MaxText.moe import fp8_dispatch
 from MaxText.moe import routing as routing_lib
 from MaxText.moe.dispatch import Dispatcher
 from MaxText.moe.gmm import gmm
@@ -65,6 +67,8 @@ class BlockConfig:
     gmm_backend: MaxText.moe.gmm backend name.
     dtype: compute dtype of the grouped GEMMs and the output.
     gate_dtype: dtype of the router matmul (upstream: float32_gate_logits).
+    fp8_dispatch: quantize tokens to 1x128 e4m3 tiles before the dispatch and move them so
+      (MaxText/moe/fp8_dispatch.py); needs an FP8 gmm_backend. Not for `global_view` dispatchers.
   """
 
   router: routing_lib.RouterConfig
@@ -72,17 +76,19 @@ class BlockConfig:
   gmm_backend: str = "xla"
   dtype: jnp.dtype = jnp.float32
   gate_dtype: jnp.dtype | None = None
+  fp8_dispatch: bool = False
 
 
-def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig):
-  """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo."""
+def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
+  """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo. x_tiles: x_MD's rows already
+  quantized (the FP8 dispatch), which both up-projections multiply."""
   with jax.named_scope("gmm"):
     kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
     # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
     # token axes (MaxText/moe/vma.py).
     w0, w1, wo = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
-    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, **kw), "mlpwi_0")
-    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, **kw), "mlpwi_1")
+    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, **kw), "mlpwi_0")
+    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, **kw), "mlpwi_1")
     h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
     return _tag(gmm(h_MF, wo, meta.group_sizes_G, **kw), "mlpwo")
 
@@ -103,8 +109,11 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
   rows over capacity (dropped)], zeros for dispatchers without such a buffer.
   """
   with jax.named_scope("dispatch"):
-    x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
-  y_MD = expert_ffn(x_MD, meta, experts, cfg)
+    if cfg.fp8_dispatch:
+      x_MD, x_tiles, meta = fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
+    else:
+      (x_MD, meta), x_tiles = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK), None
+  y_MD = expert_ffn(x_MD, meta, experts, cfg, x_tiles)
   with jax.named_scope("combine"):
     y_TD = dispatcher.combine(y_MD, weights_TK, meta)
   return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)

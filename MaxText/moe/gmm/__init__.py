@@ -6,8 +6,11 @@ Rows of lhs_MK are sorted by group: global group g owns rows
 [sum(gs[:g]), sum(gs[:g+1])). rhs_GKN holds the weights of the LOCAL groups,
 global ids [group_offset, group_offset + G_local) (ring-of-experts EP), while
 group_sizes_G has one entry per GLOBAL group. Rows of other groups and rows past
-sum(group_sizes_G) (padding) come out as zeros. notes/GMM_SPEC.md is the
-protocol every backend implements.
+sum(group_sizes_G) (padding) come out as zeros. Every backend module has NAME,
+unavailable_reason(), gmm(lhs_MK, rhs, group_sizes_G, *, group_offset, transpose_rhs,
+out_dtype) and tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups,
+out_dtype) with this contract (`xla.py` is the reference); the FP8 backends' gmm also
+takes lhs_tiles, the rows already quantized (the FP8 dispatch, MaxText/moe/fp8_dispatch.py).
 
 The backward pass is a custom VJP built from each backend's two primitives:
 
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.moe import vma
+from MaxText.moe.gmm import fp8_quant
 
 BackendName = Literal[
     "xla",  # jax.lax.ragged_dot_general: portable float32 reference, the CPU path
@@ -42,6 +46,8 @@ BackendName = Literal[
     "xla_fp8",  # the same FP8 quantization emulated in float32: the CPU path and mgpu_fp8's reference
 ]
 BACKENDS: tuple[str, ...] = typing.get_args(BackendName)
+# Backends that take lhs already quantized (gmm's lhs_tiles: the FP8 dispatch moved it in e4m3).
+FP8_BACKENDS = ("mgpu_fp8", "xla_fp8")
 # "auto" picks per platform: GPU -> mgpu, else tokamax, else xla; CPU/TPU -> xla.
 Choice = BackendName | Literal["auto"]
 CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
@@ -68,7 +74,7 @@ def _import_backend(name: str):
     raise BackendUnavailable(f"grouped-GEMM backend {name!r}: {__name__}.{name} does not import: {e}") from e
   missing = [a for a in ("NAME", "unavailable_reason", "gmm", "tgmm") if not hasattr(module, a)]
   if missing:
-    raise BackendUnavailable(f"grouped-GEMM backend {name!r} lacks {', '.join(missing)} (see notes/GMM_SPEC.md)")
+    raise BackendUnavailable(f"grouped-GEMM backend {name!r} lacks {', '.join(missing)} (see this module's doc)")
   return module
 
 
@@ -127,12 +133,12 @@ class _Static:
   out_dtype: np.dtype
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm(lhs_MK, rhs_GKN, group_sizes_G, group_offset, static: _Static):
-  return _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, group_offset, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
+  return _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static)[0]
 
 
-def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, group_offset, static: _Static):
+def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
   out_MN = _import_backend(static.backend).gmm(
       lhs_MK,
       rhs_GKN,
@@ -140,14 +146,15 @@ def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, group_offset, static: _Static):
       group_offset=group_offset,
       transpose_rhs=static.transpose_rhs,
       out_dtype=static.out_dtype,
+      **({} if lhs_tiles is None else {"lhs_tiles": lhs_tiles}),
   )
   # Kernel outputs (Pallas, TE, tokamax) carry no varying manual axes: type them as a lax op would.
   out_MN = vma.like_operands(out_MN, lhs_MK, rhs_GKN, group_sizes_G, group_offset)
-  return out_MN, (lhs_MK, rhs_GKN, group_sizes_G, group_offset)
+  return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset)
 
 
 def _gmm_bwd(static: _Static, residuals, dout_MN):
-  lhs_MK, rhs_GKN, group_sizes_G, group_offset = residuals
+  lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset = residuals
   backend = _import_backend(static.backend)
   # The kernels take equal-dtype operands: dout is rounded to the compute dtype
   # as the forward's inputs were (a float32 out_dtype still accumulates in f32).
@@ -179,7 +186,9 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
   # Each cotangent typed like its primal: dW of weights shared by every row shard is
   # summed over the shards here (MaxText/moe/vma.py). group_sizes and group_offset are
   # int32 here (see gmm): no cotangent.
-  return vma.like_primal(dlhs_MK, lhs_MK), vma.like_primal(drhs_GXY, rhs_GKN), None, None
+  # lhs_tiles are lhs_MK's quantization, moved (the FP8 dispatch): lhs_MK carries the gradient.
+  no_tiles = None if lhs_tiles is None else jax.tree.map(jnp.zeros_like, lhs_tiles)
+  return vma.like_primal(dlhs_MK, lhs_MK), no_tiles, vma.like_primal(drhs_GXY, rhs_GKN), None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -205,6 +214,7 @@ def gmm(
     group_offset: int | jax.Array = 0,
     preferred_element_type: jnp.dtype | None = None,
     transpose_rhs: bool = False,
+    lhs_tiles: fp8_quant.RowTiles | None = None,
 ) -> jax.Array:
   """Grouped GEMM of row-sorted lhs_MK with the local groups' weights; see the module doc.
 
@@ -219,6 +229,8 @@ def gmm(
     preferred_element_type: dtype of the result; default the promoted input dtype.
       Backends accumulate in float32 whatever this is.
     transpose_rhs: rhs given as [G_local, N, K] (as upstream megablox's flag).
+    lhs_tiles: lhs_MK's rows already quantized to 1x128 tiles (FP8 backends only): the forward multiplies
+      these, and lhs_MK (their values) is what dW quantizes and the gradient flows to.
 
   Returns:
     out_MN: [M, N]; zero in rows outside the local groups.
@@ -235,14 +247,19 @@ def gmm(
     raise ValueError(f"group_sizes has {group_sizes_G.shape[0]} groups, fewer than rhs's {rhs_GKN.shape[0]}")
   _check_offset(group_offset, group_sizes_G.shape[0], rhs_GKN.shape[0])
   compute_dtype = jnp.promote_types(lhs_MK.dtype, rhs_GKN.dtype)
+  name = resolve_backend(backend).NAME
+  if lhs_tiles is not None and name not in FP8_BACKENDS:
+    raise ValueError(f"gmm: lhs_tiles (rows quantized before the dispatch) need an FP8 backend "
+                     f"({', '.join(FP8_BACKENDS)}), not {name!r}")
   static = _Static(
-      backend=resolve_backend(backend).NAME,
+      backend=name,
       transpose_rhs=bool(transpose_rhs),
       out_dtype=np.dtype(preferred_element_type or compute_dtype),
   )
   with jax.named_scope("gmm"):
     return _gmm(
         lhs_MK.astype(compute_dtype),
+        None if lhs_tiles is None else jax.lax.stop_gradient(fp8_quant.RowTiles(*lhs_tiles)),
         rhs_GKN.astype(compute_dtype),
         group_sizes_G.astype(jnp.int32),
         jnp.asarray(group_offset, jnp.int32).reshape(()),

@@ -73,6 +73,43 @@ def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:
   return (blocks * scale_GKbNb[:, :, None, :, None]).reshape(g, k, n)
 
 
+# --- rows quantized before they move (the FP8 dispatch, MaxText/moe/fp8_dispatch.py) ---
+
+
+class RowTiles(NamedTuple):
+  """Rows already in 1x128 tiles: q_MK e4m3 [M, K'] and scale_MKb f32 [M, K'/128], K' = K rounded up to 128
+  (zero columns: they change no tile's amax). Row-major scales: a row's scales travel with the row."""
+
+  q_MK: jax.Array
+  scale_MKb: jax.Array
+
+
+def quantize_rows(x_MK: jax.Array) -> RowTiles:
+  """x [M, K] -> RowTiles, K zero-padded to a multiple of 128. Bit for bit what `quantize_row_tiles` gives
+  the same rows later, wherever they moved in between: a tile is one row's 128 columns."""
+  m, k = x_MK.shape
+  pad = -k % BLOCK
+  x_MK = jnp.pad(x_MK, ((0, 0), (0, pad))) if pad else x_MK
+  q_MK, scale_KbM = quantize_row_tiles(x_MK)
+  return RowTiles(q_MK, scale_KbM.T)
+
+
+def rows_for_kernel(tiles: RowTiles, num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """(q [num_rows, K'], scale [K'/128, num_rows]) as the kernels take them: zero rows (scale 1, as
+  `quantize_row_tiles` gives an all-zero tile) past the tiles' rows."""
+  extra = num_rows - tiles.q_MK.shape[0]
+  q_MK, scale_MKb = tiles
+  if extra:
+    q_MK = jnp.pad(q_MK, ((0, extra), (0, 0)))
+    scale_MKb = jnp.pad(scale_MKb, ((0, extra), (0, 0)), constant_values=1.0)
+  return q_MK, scale_MKb.T
+
+
+def dequantize_rows(tiles: RowTiles, k: int, dtype) -> jax.Array:
+  """The values the tiles stand for, the first k columns, in dtype."""
+  return dequantize_row_tiles(tiles.q_MK, tiles.scale_MKb.T)[:, :k].astype(dtype)
+
+
 # --- dW: the contraction runs over rows, so both operands are quantized in 128-row blocks ---
 
 

@@ -216,16 +216,20 @@ def unavailable_reason() -> str | None:
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
-        tiling: Fp8Tiling = Fp8Tiling()):
+        tiling: Fp8Tiling = Fp8Tiling(), lhs_tiles: fp8_quant.RowTiles | None = None):
   """The grouped GEMM's contract with both operands quantized to blockwise e4m3 here:
   out[rows of local group g] = lhs[rows] @ rhs[g] (rhs[g].T with transpose_rhs), zeros elsewhere.
   rhs is [G_local, K, N] (or [G_local, N, K]). Other shapes are zero-padded to the kernel's
-  multiples (`_pad`; zeros change no tile's amax, so the quantization is the same)."""
+  multiples (`_pad`; zeros change no tile's amax, so the quantization is the same). With lhs_tiles
+  (the FP8 dispatch moved lhs already quantized) the kernel reads those and lhs_MK only gives the shape."""
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   tiling = tiling.fit_output(out_dtype.itemsize)
 
   def kernel(lhs_PK, rhs):
-    lhs_q_PK, lhs_scale_KbP = fp8_quant.quantize_row_tiles(lhs_PK)
+    if lhs_tiles is None:
+      lhs_q_PK, lhs_scale_KbP = fp8_quant.quantize_row_tiles(lhs_PK)
+    else:
+      lhs_q_PK, lhs_scale_KbP = fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0])
     w_q, w_scale = fp8_quant.quantize_blocks(rhs)
     # The kernel wants rhs as [G, out, contraction]: the forward's [G, K, N] weights transposed,
     # dlhs's ([G, N, K] with transpose_rhs: contraction N) as stored.

@@ -21,11 +21,14 @@ def unavailable_reason() -> str | None:
   return None  # plain JAX
 
 
-def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype):
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype, lhs_tiles=None):
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
 
   def emulated(lhs_PK, rhs):
-    lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(lhs_PK))
+    if lhs_tiles is None:
+      lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(lhs_PK))
+    else:  # quantized before the dispatch (the same tiles, bit for bit)
+      lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0]))
     rhs = fp8_quant.dequantize_blocks(*fp8_quant.quantize_blocks(rhs))
     return xla.gmm(lhs_PK, rhs, group_sizes_G, group_offset=group_offset, transpose_rhs=transpose_rhs,
                    out_dtype=out_dtype)
