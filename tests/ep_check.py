@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
@@ -182,6 +183,16 @@ def main(case: str):
           error = trace_with_kernel_typing(gmm_backend, backend, shape, axes)
           print(json.dumps({"gmm": gmm_backend, "backend": backend, "mesh": dict(zip(axes, shape)), "error": error}),
                 flush=True)
+  elif case == "fp8_dispatch_callbacks":
+    # a2a_padded's overflow check is a host callback: the FP8 dispatch's backward re-traces the dispatcher to
+    # build its transpose, and must not bring a second check into the step (XLA cannot drop a callback).
+    cfg = dataclasses.replace(_cfg(8, "xla_fp8"), fp8_dispatch=True)
+    disp, sharding = _on_mesh("a2a_padded", (4,), ("expert",), capacity_factor=4.0)
+    x, router, ex = make_params(jax.random.key(0), tokens=TOKENS)
+    loss = lambda x, k, e: jnp.sum(block.moe_block(x, block.Router(k, None), e, cfg, disp, sharding)[0])  # noqa: E731
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, router.kernel_DE, ex).compile().as_text()
+    print(json.dumps({"on_overflow": disp.on_overflow, "callbacks": len(re.findall(r"python_cpu_callback", hlo))}),
+          flush=True)
   elif case == "overflow":  # flagged, then raised: one process, one JAX start
     print(json.dumps(compare("a2a_padded", (1, 4), 1, skewed, capacity_factor=1.0, on_overflow="flag")), flush=True)
     compare("a2a_padded", (1, 4), 1, skewed, capacity_factor=1.0, on_overflow="error")

@@ -129,6 +129,13 @@ def test_fp8_experts_on_every_mesh_match_one_device(case, n):
       assert 0 < r["expert_grad_rel_err"] < 0.06, r
 
 
+def test_fp8_dispatch_backward_adds_no_overflow_check():
+  """The FP8 dispatch's backward re-traces the dispatcher for its transpose; a2a_padded's host callback
+  (on_overflow=error) would survive there, so the backward's copy runs with on_overflow=flag."""
+  rows = _json_lines(_ep_check("fp8_dispatch_callbacks"))
+  assert rows == [{"on_overflow": "error", "callbacks": 1}]
+
+
 # The entry point on 4 simulated CPU devices: (mesh keys, dispatch backend). One MoE layer (3 dense + 1)
 # and 64 tokens per sequence keep the runs short; each uses the same global batch of 8 sequences.
 ENTRY_MESHES = [

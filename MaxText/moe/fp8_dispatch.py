@@ -19,6 +19,7 @@ by FP8's rounding (tests/test_fp8_dispatch.py bounds it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,6 +65,9 @@ def _dispatch_bwd(dispatcher, residuals, cotangents):
   ids_TK, x_stamp = residuals
   ct_MD = cotangents[0]
   zeros_TD = vma.like_operands(jnp.zeros((ids_TK.shape[0], ct_MD.shape[1]), x_stamp.dtype), x_stamp)
+  if getattr(dispatcher, "on_overflow", "flag") != "flag":
+    # The forward already checked its buffers; a host callback here would survive XLA's dead-code pass.
+    dispatcher = dataclasses.replace(dispatcher, on_overflow="flag")
   _, pullback = jax.vjp(lambda x: dispatcher.dispatch(x, ids_TK)[0], zeros_TD)
   (dx_TD,) = pullback(ct_MD.astype(x_stamp.dtype))
   return vma.like_primal(dx_TD, x_stamp), None
