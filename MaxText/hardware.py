@@ -151,6 +151,7 @@ class StepEstimate:
   collectives_s: float
   flops_used: float
   flops_from: str
+  fp8_flops: float = 0.0  # of flops_used, at the FP8 grouped-GEMM rate
 
   @property
   def step_s(self) -> float:
@@ -233,4 +234,4 @@ def estimate_step(gpu: Gpu, model_flops: float, hlo_flops: float, collectives: l
     compute_s = (flops - fp8_flops) / gpu.gemm_flops.value + fp8_flops / gpu.fp8_grouped_flops.value
     source += f"; {fp8_flops / 1e12:.4g} T of it routed-expert GEMMs at the FP8 grouped rate (moe_fp8)"
   comm = sum(row["wire_bytes"] / link_bytes(gpu, row["kind"], row["crosses_nodes"]).value for row in collectives)
-  return StepEstimate(compute_s, comm, flops, source)
+  return StepEstimate(compute_s, comm, flops, source, fp8_flops)

@@ -242,7 +242,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
           "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
           "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
           "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
-          "recompute_flops": child.get("recompute_flops", 0.0), "fp8_flops": min(fp8_flops, est.flops_used),
+          "recompute_flops": child.get("recompute_flops", 0.0), "fp8_flops": est.fp8_flops,
           "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
       },
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],

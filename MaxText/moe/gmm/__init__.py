@@ -259,7 +259,7 @@ def gmm(
   with jax.named_scope("gmm"):
     return _gmm(
         lhs_MK.astype(compute_dtype),
-        None if lhs_tiles is None else jax.lax.stop_gradient(fp8_quant.RowTiles(*lhs_tiles)),
+        None if lhs_tiles is None else jax.lax.stop_gradient(lhs_tiles),
         rhs_GKN.astype(compute_dtype),
         group_sizes_G.astype(jnp.int32),
         jnp.asarray(group_offset, jnp.int32).reshape(()),

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe.gmm import _pad
+
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128  # the tile/block edge, and the promotion interval along the contraction
@@ -87,10 +89,7 @@ class RowTiles(NamedTuple):
 def quantize_rows(x_MK: jax.Array) -> RowTiles:
   """x [M, K] -> RowTiles, K zero-padded to a multiple of 128. Bit for bit what `quantize_row_tiles` gives
   the same rows later, wherever they moved in between: a tile is one row's 128 columns."""
-  m, k = x_MK.shape
-  pad = -k % BLOCK
-  x_MK = jnp.pad(x_MK, ((0, 0), (0, pad))) if pad else x_MK
-  q_MK, scale_KbM = quantize_row_tiles(x_MK)
+  q_MK, scale_KbM = quantize_row_tiles(_pad.pad_axes(x_MK, {1: BLOCK}))
   return RowTiles(q_MK, scale_KbM.T)
 
 
