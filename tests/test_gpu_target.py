@@ -103,6 +103,40 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
 
 
+_FP8_ROUND_TRIP = """
+import sys
+from MaxText import gpu_target
+device = gpu_target.enter("h200", 1, 8)[0]
+import jax, jax.numpy as jnp
+from MaxText.moe.gmm import fp8_quant, xla_fp8
+s = jax.sharding.SingleDeviceSharding(device)
+arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+row_tiles = lambda x: fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(x))
+blocks = lambda w: fp8_quant.dequantize_blocks(*fp8_quant.quantize_blocks(w))
+gmm = lambda x, w: xla_fp8.gmm(x, w, jnp.array([100, 156], jnp.int32), group_offset=0, transpose_rhs=False,
+                               out_dtype=jnp.float32)
+for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("blocks", blocks, (arg(2, 256, 256),)),
+                       ("xla_fp8 gmm", gmm, (arg(256, 256), arg(2, 256, 256)))):
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  print(name, "keeps e4m3" if "f8e4m3fn" in text else "LOST e4m3")
+"""
+
+
+@pytest.mark.slow
+def test_the_e4m3_rounding_survives_xlas_gpu_pipeline():
+  """Session 13's self-test on the H200: under jit XLA's GPU pipeline dropped the quantize-then-dequantize
+  convert pair as excess precision, so xla_fp8 (the FP8 reference) multiplied unquantized values. Compiled
+  for a compile-only H200, the e4m3 converts must still be in the optimized HLO."""
+  if gpu_target.unavailable_reason("h200"):
+    pytest.skip(gpu_target.unavailable_reason("h200"))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, "-c", _FP8_ROUND_TRIP], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.count("keeps e4m3") == 3, out.stdout
+
+
 @pytest.mark.slow
 def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu(tmp_path):
   """moe_fp8's Mosaic GPU kernels (forward, dlhs, dW) and FP8 dispatch through XLA's GPU pipeline for sm_90a, two

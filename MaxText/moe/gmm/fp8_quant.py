@@ -47,10 +47,19 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q_MK, scale_MKb.T
 
 
+def _kept(q: jax.Array) -> jax.Array:
+  """q as stored. Under jit, XLA's GPU pipeline drops an f32 -> e4m3 -> f32 convert pair as "excess
+  precision" (SimplifyFPConversions, on by default through xla_allow_excess_precision): the e4m3
+  rounding of a quantize followed by its dequantize vanished, and xla_fp8 on a GPU multiplied the
+  unquantized values (the self-test's FP8 reference, 3.7e-2 from mgpu_fp8, session 13). The barrier
+  keeps the rounding; it costs nothing where q is already in memory (the FP8 dispatch's moved tiles)."""
+  return jax.lax.optimization_barrier(q)
+
+
 def dequantize_row_tiles(q_MK: jax.Array, scale_KbM: jax.Array) -> jax.Array:
   """The float32 values q_MK stands for (tests and the reference GEMM)."""
   m, k = q_MK.shape
-  tiles = q_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+  tiles = _kept(q_MK).astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   return (tiles * scale_KbM.T[..., None]).reshape(m, k)
 
 
@@ -71,7 +80,7 @@ def quantize_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:
   g, k, n = q_GKN.shape
-  blocks = q_GKN.astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
+  blocks = _kept(q_GKN).astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
   return (blocks * scale_GKbNb[:, :, None, :, None]).reshape(g, k, n)
 
 
