@@ -128,7 +128,7 @@ def parse_tilings(spec: str | None) -> dict[str, "mgpu_fp8.Fp8Tiling"]:
     fields = {}
     for pair in item.split(","):
       key, _, value = pair.partition("=")
-      if key not in {f.name for f in dataclasses.fields(mgpu_fp8.Fp8Tiling)} or not value.isdigit():  # overlap=1
+      if key not in {f.name for f in dataclasses.fields(mgpu_fp8.Fp8Tiling)} or not value.isdigit():
         raise SystemExit(f"--tilings: {pair!r} is not an Fp8Tiling field=integer")
       fields[key] = int(value)
     out[f"mgpu_fp8 [{item}]"] = mgpu_fp8.Fp8Tiling(**fields)

@@ -55,11 +55,10 @@ class Fp8Tiling:
 
   stages: int = 5
   epi_n: int = 64
+  # Measured on the H200 (BENCHMARKS.md, session 13): a band of 16 column tiles was +3% on the balanced
+  # cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the previous step's partial while this step's
+  # wgmma ran (a third 64x128 f32 array in registers) was 7-11% slower on every case and was removed.
   grid_block_n: int = 4
-  # Promote the previous step's partial while this step's wgmma runs (one more 64x128 partial in
-  # registers: 192 per thread), instead of after waiting for it. Written, interpreted and compiled,
-  # not yet timed (the next GPU session: tools/bench_fp8.py --tilings overlap=1); removed if not faster.
-  overlap: bool = False
 
   block_m = 2 * WG_ROWS
   cta_n = BLOCK
@@ -155,11 +154,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
           def compute_context(run_pipeline):
             zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-            if t.overlap:  # carry: (sum, the last step's partial, its scales)
-              no_scale = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-              acc = promote(*run_pipeline((zeros, zeros, no_scale)))
-            else:
-              acc = run_pipeline(zeros)
+            acc = run_pipeline(zeros)
             with jax.named_scope("epilogue"):
               out = acc.astype(out_dtype)
               epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
@@ -171,15 +166,12 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
             def mma(partial_ref):
               plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
-              promoted = promote(*carry) if t.overlap else carry  # while the wgmma runs
-              return promoted, partial_ref[...]  # reading the partial waits for it
+              return partial_ref[...]  # reading the partial waits for it
 
             w_scale = rhs_scale_Kb[ki]  # issued before the wait: its latency hides behind the MMA
-            acc, partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
             row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
-            if t.overlap:
-              return acc, partial, row_scale * w_scale
-            return promote(acc, partial, row_scale * w_scale)
+            return promote(carry, partial, row_scale * w_scale)
 
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
