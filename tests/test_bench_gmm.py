@@ -26,3 +26,19 @@ def test_cases_of_one_shape_share_compiled_functions(monkeypatch):
   ours = [r for r in rows if r["backend"] == "xla_vjp"]
   assert len(ours) == 4 and all(float(r["err"]) < bench.TOL for r in ours)
   assert {r["backend"] for r in rows} == {"dense", "xla_vjp"}
+
+
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_fp8_rows_are_quantized_and_held_to_their_own_bound(monkeypatch):
+  """xla_fp8 (the CPU stand-in for mgpu_fp8, the same quantization): its GEMM and FFN rows are further from
+  the float32 reference than bf16's 1e-2 (FP8's own error) and pass under FP8_TOL."""
+  monkeypatch.setattr(bench, "ARGS", argparse.Namespace(xla_bwd=False, ffn_dims="256,128"), raising=False)
+  bks = bench.backends(["xla_fp8"])
+  rows = []
+  bench.run_gemm_case("tiny", 512, 4, "zipf1.2", bks, ["fwd", "bwd"], 0, rows)
+  bench.run_ffn_case(512, 4, "zipf1.2", bks, 1, rows)
+  fp8 = [r for r in rows if r["backend"] == "xla_fp8"]
+  assert [r["pass_"] for r in fp8] == ["fwd", "bwd", "ffn"]
+  errs = [float(r["err"]) for r in fp8]  # a "FAIL ..." string would not parse
+  bounds = [bench.FP8_TOL["gemm"]] * 2 + [bench.FP8_TOL["ffn"]]
+  assert all(bench.TOL < e < bound for e, bound in zip(errs, bounds)), errs

@@ -24,6 +24,9 @@
 #   fp8       the blockwise-FP8 kernels (the self-test's cases for mgpu_fp8; tools/bench_fp8.py: PASS/FAIL per case, speed against dense bf16/FP8
 #             and our bf16 kernels), then the proxy with FP8 experts against ours in bf16 (bench_train.py
 #             --variants ours,ours_fp8, 100 steps: step time and the loss curves side by side)
+#   fp8-gmm   issue 19's bench_gmm run: --quick (DeepSeek-V3 up/down fwd+bwd and the expert FFN) for mgpu and
+#             mgpu_fp8 in one process, FP8 quantization inside the timed calls (its own limit, GPU_CHECK_FP8_GMM_S,
+#             default 540 s)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -145,6 +148,10 @@ PY
           --steps 100 --out "$out/bt-fp8") >"$out/bt-fp8.log" 2>&1
       echo "[gpu_checks] bench_train fp8 exit $?"; tail -n 6 "$out/bt-fp8.log"
       ;;
+    fp8-gmm)
+      (cd "$repo" && timeout "${GPU_CHECK_FP8_GMM_S:-540}" python3 tools/bench_gmm.py --quick --backends mgpu,mgpu_fp8 \
+          --out "$out/gmm-fp8") 2>&1 | tee "$out/bench_gmm-fp8.log" | grep -E " (dense|mgpu|mgpu_fp8) " | tail -n 24
+      ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
       # (no bias update, no top-k renormalisation): TE's block supports neither. In one process our
@@ -152,7 +159,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, fp8, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, fp8, fp8-gmm, te-block)"; exit 2 ;;
   esac
 done
 
