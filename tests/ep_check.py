@@ -100,11 +100,10 @@ def _on_mesh(backend, mesh_shape, axes, **options):
 def compare(backend, mesh_shape, top_k, bias, axes=("data", "expert"), gmm_backend="xla", fp8_dispatch=False,
             **options):
   """A dispatch backend on a mesh vs `local` on one device (the same grouped GEMM): loss and grads.
-  fp8_dispatch: the mesh's tokens are quantized before they move; one device quantizes after."""
-  cfg = _cfg(top_k, gmm_backend)
+  fp8_dispatch on both: the tokens, and the combine's cotangent in the backward, quantized before they move."""
+  cfg = dataclasses.replace(_cfg(top_k, gmm_backend), fp8_dispatch=fp8_dispatch)
   want_val, want_grads, _ = _loss_and_grads(cfg, dispatch.make("local", num_experts=8), None, bias)
-  val, grads, overflow = _loss_and_grads(dataclasses.replace(cfg, fp8_dispatch=fp8_dispatch),
-                                         *_on_mesh(backend, mesh_shape, axes, **options), bias)
+  val, grads, overflow = _loss_and_grads(cfg, *_on_mesh(backend, mesh_shape, axes, **options), bias)
   if gmm_backend == "xla_fp8":
     # dW's 128-row tiles are formed from each token shard's rows of a group, so on a mesh the expert
     # weights' gradients are another quantization of the same sum: equal within FP8's error, not exactly.

@@ -5,7 +5,8 @@
     y_MD = expert_ffn(x_MD, meta, experts)           # three grouped GEMMs
     y = dispatcher.combine(y_MD, routing.weights, meta)
 
-With FP8 experts the tokens cross the dispatch already quantized (`fp8_dispatch`, BlockConfig.fp8_dispatch).
+With FP8 experts the tokens cross the dispatch already quantized, and so does the combine's cotangent on
+its way back to the experts (`fp8_dispatch`, BlockConfig.fp8_dispatch).
 Routing runs in the global (auto-sharded) view; dispatch -> combine runs per
 shard inside `jax.shard_map` when a mesh is given, the expert axis carrying
 expert parallelism (the dispatcher owns its collectives); a `global_view`
@@ -67,8 +68,9 @@ class BlockConfig:
     gmm_backend: MaxText.moe.gmm backend name.
     dtype: compute dtype of the grouped GEMMs and the output.
     gate_dtype: dtype of the router matmul (upstream: float32_gate_logits).
-    fp8_dispatch: quantize tokens to 1x128 e4m3 tiles before the dispatch and move them so
-      (MaxText/moe/fp8_dispatch.py); needs an FP8 gmm_backend. Not for `global_view` dispatchers.
+    fp8_dispatch: quantize tokens to 1x128 e4m3 tiles before the dispatch and move them so, and the
+      combine's cotangent before the backward's exchange towards the experts (MaxText/moe/fp8_dispatch.py);
+      needs an FP8 gmm_backend. Not for `global_view` dispatchers.
   """
 
   router: routing_lib.RouterConfig
@@ -115,7 +117,10 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
       (x_MD, meta), x_tiles = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK), None
   y_MD = expert_ffn(x_MD, meta, experts, cfg, x_tiles)
   with jax.named_scope("combine"):
-    y_TD = dispatcher.combine(y_MD, weights_TK, meta)
+    if cfg.fp8_dispatch:  # bf16, its backward's exchange towards the experts in FP8
+      y_TD = fp8_dispatch.combine(dispatcher, y_MD, weights_TK, meta, ids_TK)
+    else:
+      y_TD = dispatcher.combine(y_MD, weights_TK, meta)
   return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
 
 
