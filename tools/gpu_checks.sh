@@ -17,6 +17,9 @@
 #                   compiler memory / measured peak, estimated / measured step time
 #   plan-ep         the planner on the proxy's multi-GPU layouts with moe_block=ours, each on this one
 #                   GPU: FSDP 2, EP 2, FSDP 2 x EP 2, EP 8
+#   plan-fp8        the planner with moe_fp8=blockwise on the proxy's EP=2 and EP=8 layouts, on this GPU with a mocked
+#                   topology (its own autotuning and memory; EP=8 compiles for over 190 s, so its limit is
+#                   GPU_CHECK_PLAN_FP8_S, default 420 s)
 #   plan-recipes    the planner on every configs/recipes/*.yml: verdict, TFLOP/s/GPU, compile time
 #   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
 #             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
@@ -124,6 +127,15 @@ PY
         rows+=("plan-$name exit $rc  $(grep -E "verdict|^estimate|compiled on|plan error" "$out/plan-$name.log" | tr '\n' ' ' | cut -c1-300)")
       done
       ;;
+    plan-fp8)
+      for cfg in proxy-2xh200-ep2 proxy-8xh200-ep8; do
+        (cd "$repo" && timeout "${GPU_CHECK_PLAN_FP8_S:-420}" python3 -m MaxText.plan "configs/bench/$cfg.yml" moe_block=ours \
+            moe_fp8=blockwise --mock --timeout $((${GPU_CHECK_PLAN_FP8_S:-420} - 20)) --json "$out/plan-$cfg-fp8.json") \
+            >"$out/plan-$cfg-fp8.log" 2>&1
+        rc=$?
+        rows+=("plan-$cfg-fp8 exit $rc  $(grep -E "verdict|^estimate|compiled on|plan error" "$out/plan-$cfg-fp8.log" | tr '\n' ' ' | cut -c1-300)")
+      done
+      ;;
     plan-recipes)
       for recipe in "$repo"/configs/recipes/deepseek3-671b-*x*.yml; do
         name=$(basename "$recipe" .yml)
@@ -159,7 +171,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-recipes, te, fp8, fp8-gmm, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-gmm, te-block)"; exit 2 ;;
   esac
 done
 
