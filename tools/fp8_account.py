@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Where a step's FP8 time goes: tools/bench_fp8.py's kernel and quantization times, scaled to a model's MoE layers.
+
+  python3 tools/fp8_account.py BENCH_FP8_JSON [--dist balanced] [--rows 131072] [--tokens 16384]
+      [--moe-layers 3] [--remat full]
+
+Prints per step, bf16 against FP8: the routed GEMMs (forward, its remat, dlhs, dW) and each quantization pass
+FP8 adds, then the total. BENCHMARKS.md (session 13) compares this account with a bench_train.py run. The
+defaults are the 1xH200 proxy (configs/bench/proxy-1xh200.yml): 16,384 tokens, top-8, so 131,072 rows per MoE
+layer, 3 MoE layers, full remat.
+
+What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/moe/fp8_dispatch.py):
+  * times scale with rows from bench_fp8's M (65,536): the kernels' tiles and XLA's passes are row-parallel;
+  * per layer, the forward is wi_0 and wi_1 at the "up" shape (K 7168, N 2048) and wo at "down"; dlhs is wo's at
+    "up" and wi_0's and wi_1's at "down"; dW is two "up" and one "down" (bench_fp8 times each shape's dW);
+  * x is quantized over the T token rows before the dispatch, once per forward pass, and the combine's cotangent
+    over T rows before the backward's exchange (--bf16-backward-exchange: not, the code session 13 ran); the
+    SwiGLU output over all rows, once per forward pass;
+  * dlhs quantizes its douts over all rows: dy (7168 columns), dh0 and dh1 (2048);
+  * dW quantizes x (shared by wi_0 and wi_1), dh0, dh1, the SwiGLU output and dy into 128x1 tiles: 20,480
+    columns, at bench_fp8's cost per column;
+  * the three weights are quantized once per step (CSE merges the forward's, the remat's and dlhs's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BENCH_ROWS = 65536
+UP_K, DOWN_K = 7168, 2048
+
+
+def times(results: list[dict], dist: str) -> dict[str, dict[str, float]]:
+  """{"up"|"down": {what: ms}} for one group-size distribution of a bench_fp8.json."""
+  out: dict[str, dict[str, float]] = {}
+  for row in results:
+    if row.get("kind") == "speed" and row["case"].endswith(f" {dist}"):
+      out.setdefault(row["case"].split()[0], {})[row["what"]] = row["ms"]
+  if set(out) != {"up", "down"}:
+    raise SystemExit(f"fp8_account: the file has no up and down speed rows for dist {dist!r}")
+  return out
+
+
+def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layers: int, remat: str,
+            fp8_backward_exchange: bool = True) -> list[tuple]:
+  """[(what, bf16 ms, fp8 ms)] per step."""
+  up, down = t["up"], t["down"]
+  per_row = rows / BENCH_ROWS
+  passes = 2 if remat == "full" else 1  # the forward, and its recompute under full remat
+  scale = per_row * moe_layers
+
+  def gemms(what):
+    return (2 * up[what] + down[what]) * scale
+
+  dw_quant_per_column = (up["dW quantize x and dout (128x1)"] + down["dW quantize x and dout (128x1)"]) / 2 / (UP_K + DOWN_K)
+  token_share = tokens / BENCH_ROWS * moe_layers
+  return [
+      ("routed GEMMs: forward" + (" + remat" if passes == 2 else ""), passes * gemms("mgpu bf16"),
+       passes * gemms("mgpu_fp8")),
+      ("routed GEMMs: dlhs", (up["mgpu bf16"] + 2 * down["mgpu bf16"]) * scale,
+       (up["mgpu_fp8"] + 2 * down["mgpu_fp8"]) * scale),
+      ("routed GEMMs: dW", (2 * up["dW mgpu bf16"] + down["dW mgpu bf16"]) * scale,
+       (2 * up["dW mgpu_fp8"] + down["dW mgpu_fp8"]) * scale),
+      ("quantize: x over T rows (FP8 dispatch), per forward pass", 0.0, passes * up["quantize x (1x128)"] * token_share),
+      ("quantize: SwiGLU output, per forward pass", 0.0, passes * down["quantize x (1x128)"] * scale),
+      ("quantize: combine's cotangent over T rows (FP8 backward exchange)", 0.0,
+       up["quantize x (1x128)"] * token_share if fp8_backward_exchange else 0.0),
+      ("quantize: dlhs douts (dy, dh0, dh1)", 0.0, (up["quantize x (1x128)"] + 2 * down["quantize x (1x128)"]) * scale),
+      ("quantize: dW operands, 128x1 (20,480 columns)", 0.0,
+       dw_quant_per_column * (2 * UP_K + 3 * DOWN_K) * scale),
+      ("quantize: three weights, once per step", 0.0, 3 * up["quantize w (128x128, N-major copy)"] * moe_layers),
+  ]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("bench_fp8_json")
+  ap.add_argument("--dist", default="balanced")
+  ap.add_argument("--rows", type=int, default=131072, help="dispatched rows per MoE layer (tokens x top-k)")
+  ap.add_argument("--tokens", type=int, default=16384)
+  ap.add_argument("--moe-layers", type=int, default=3)
+  ap.add_argument("--remat", choices=("full", "none"), default="full")
+  ap.add_argument("--bf16-backward-exchange", action="store_true",
+                  help="the combine's cotangent crosses in bf16 (the code before ffcbd11, as session 13's run)")
+  args = ap.parse_args(argv)
+  with open(args.bench_fp8_json, encoding="utf-8") as f:
+    rows = account(times(json.load(f), args.dist), rows=args.rows, tokens=args.tokens, moe_layers=args.moe_layers,
+                   remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange)
+  print(f"{'per step (' + str(args.moe_layers) + ' MoE layers, ' + args.dist + ')':66s} {'bf16 ms':>8s} {'FP8 ms':>8s} {'FP8 - bf16':>10s}")
+  for what, bf16, fp8 in rows:
+    print(f"{what:66s} {bf16:8.1f} {fp8:8.1f} {fp8 - bf16:+10.1f}")
+  bf16, fp8 = sum(r[1] for r in rows), sum(r[2] for r in rows)
+  print(f"{'total':66s} {bf16:8.1f} {fp8:8.1f} {fp8 - bf16:+10.1f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
