@@ -156,6 +156,7 @@ PY
           | grep -E "^(PASS|FAIL|ALL|[0-9]+ FAILED|INCOMPLETE)"
       (cd "$repo" && timeout "$limit" python3 tools/bench_fp8.py --out "$out/fp8") 2>&1 | tee "$out/bench_fp8.log" \
           | grep -E "^(FAIL|checks)|M=65536|dW:"
+      python3 "$repo/tools/fp8_account.py" "$out/fp8/bench_fp8.json"  # the proxy's per-step account from those times
       (cd "$repo" && timeout "${GPU_CHECK_FP8_TRAIN_S:-540}" python3 tools/bench_train.py --variants ours,ours_fp8 \
           --steps 100 --out "$out/bt-fp8") >"$out/bt-fp8.log" 2>&1
       echo "[gpu_checks] bench_train fp8 exit $?"; tail -n 6 "$out/bt-fp8.log"
