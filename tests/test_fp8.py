@@ -118,8 +118,10 @@ def test_group_row_blocks_quantize_each_column_per_128_rows():
   x = rng.standard_normal((150, 256)).astype(np.float32)
   x[:5] = np.nan  # a foreign group's rows: never read
   layout = fp8_quant.group_blocks(jnp.asarray([5, 130, 0, 3, 9], jnp.int32), 1, 3, 150)
-  qT, scale = fp8_quant.quantize_group_row_blocks(jnp.asarray(x), layout)
-  assert qT.shape == (256, 640) and scale.shape == (5, 256) and not np.isnan(np.asarray(scale)).any()
+  q_blocks, scale = fp8_quant.quantize_group_row_blocks(jnp.asarray(x), layout)
+  assert q_blocks.shape == (5, 256, 128) and scale.shape == (5, 256) and not np.isnan(np.asarray(scale)).any()
+  qT = fp8_quant.group_row_blocks_KP(q_blocks)  # block b's column k holds rows [128b, 128b + 128) of column k
+  np.testing.assert_array_equal(np.asarray(qT[:, 128:256], np.float32), np.asarray(q_blocks[1], np.float32))
   rows = np.zeros((640, 256), np.float32)
   rows[:130], rows[256:259] = x[5:135], x[135:138]
   want = np.abs(rows.reshape(5, 128, 256)).max(1) / 448.0

@@ -111,12 +111,12 @@ import jax, jax.numpy as jnp
 from MaxText.moe.gmm import fp8_quant, xla_fp8
 s = jax.sharding.SingleDeviceSharding(device)
 arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
-row_tiles = lambda x: fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(x))
-blocks = lambda w: fp8_quant.dequantize_blocks(*fp8_quant.quantize_blocks(w))
-gmm = lambda x, w: xla_fp8.gmm(x, w, jnp.array([100, 156], jnp.int32), group_offset=0, transpose_rhs=False,
-                               out_dtype=jnp.float32)
-for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("blocks", blocks, (arg(2, 256, 256),)),
-                       ("xla_fp8 gmm", gmm, (arg(256, 256), arg(2, 256, 256)))):
+sizes = jnp.array([100, 156], jnp.int32)
+row_tiles = lambda x: fp8_quant.dequantize_row_tiles(*fp8_quant.kept(fp8_quant.quantize_row_tiles(x)))
+gmm = lambda x, w: xla_fp8.gmm(x, w, sizes, group_offset=0, transpose_rhs=False, out_dtype=jnp.float32)
+tgmm = lambda x, d: xla_fp8.tgmm(x, d, sizes, group_offset=0, num_local_groups=2, out_dtype=jnp.float32)
+for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("xla_fp8 gmm", gmm, (arg(256, 256), arg(2, 256, 256))),
+                       ("xla_fp8 tgmm", tgmm, (arg(256, 256), arg(256, 384)))):
   text = jax.jit(fn).lower(*args).compile().as_text()
   print(name, "keeps e4m3" if "f8e4m3fn" in text else "LOST e4m3")
 """
@@ -126,7 +126,8 @@ for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("blocks", bl
 def test_the_e4m3_rounding_survives_xlas_gpu_pipeline():
   """Session 13's self-test on the H200: under jit XLA's GPU pipeline dropped the quantize-then-dequantize
   convert pair as excess precision, so xla_fp8 (the FP8 reference) multiplied unquantized values. Compiled
-  for a compile-only H200, the e4m3 converts must still be in the optimized HLO."""
+  for a compile-only H200, the e4m3 converts must still be in the optimized HLO of fp8_quant.kept's round
+  trip and of xla_fp8's products (the forward and dlhs form, and dW's)."""
   if gpu_target.unavailable_reason("h200"):
     pytest.skip(gpu_target.unavailable_reason("h200"))
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}

@@ -47,19 +47,23 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q_MK, scale_MKb.T
 
 
-def _kept(q: jax.Array) -> jax.Array:
-  """q as stored. Under jit, XLA's GPU pipeline drops an f32 -> e4m3 -> f32 convert pair as "excess
-  precision" (SimplifyFPConversions, on by default through xla_allow_excess_precision): the e4m3
-  rounding of a quantize followed by its dequantize vanished, and xla_fp8 on a GPU multiplied the
-  unquantized values (the self-test's FP8 reference, 3.7e-2 from mgpu_fp8, session 13). The barrier
-  keeps the rounding; it costs nothing where q is already in memory (the FP8 dispatch's moved tiles)."""
-  return jax.lax.optimization_barrier(q)
+def kept(quantized):
+  """A quantize's outputs (a pytree), to be dequantized right away without losing the rounding.
+
+  Under jit, XLA's GPU pipeline drops an f32 -> e4m3 -> f32 convert pair as "excess precision"
+  (SimplifyFPConversions, on by default through xla_allow_excess_precision): quantize-then-dequantize
+  lost its e4m3 rounding, and xla_fp8 on a GPU multiplied the unquantized values (the self-test's FP8
+  reference, 3.7e-2 from mgpu_fp8, session 13). The barrier keeps the rounding. Only the emulation
+  needs it: the kernels take the e4m3 arrays themselves, and the FP8 dispatch's tiles come from
+  memory. There it would cost a copy: the moved tiles' e4m3 bytes sliced out of the exchanged
+  buffer, 0.9 GiB more on the 1-GPU proxy's compiled step."""
+  return jax.lax.optimization_barrier(quantized)
 
 
 def dequantize_row_tiles(q_MK: jax.Array, scale_KbM: jax.Array) -> jax.Array:
   """The float32 values q_MK stands for (tests and the reference GEMM)."""
   m, k = q_MK.shape
-  tiles = _kept(q_MK).astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+  tiles = q_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   return (tiles * scale_KbM.T[..., None]).reshape(m, k)
 
 
@@ -80,7 +84,7 @@ def quantize_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:
   g, k, n = q_GKN.shape
-  blocks = _kept(q_GKN).astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
+  blocks = q_GKN.astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
   return (blocks * scale_GKbNb[:, :, None, :, None]).reshape(g, k, n)
 
 
@@ -165,8 +169,22 @@ def group_blocks(group_sizes_G, group_offset, num_local_groups: int, num_rows: i
 
 
 def quantize_group_row_blocks(x_MK: jax.Array, layout: GroupBlocks) -> tuple[jax.Array, jax.Array]:
-  """x [M, K] -> (qT_KP e4m3 [K, P], scale_PbK f32 [P/128, K]): the group-aligned rows, transposed
-  (dW's wgmma contracts over rows, and e4m3 operands must be contraction-major), one scale per
-  column and 128-row block. Gap rows are zeros (scale 1 where a whole block is empty)."""
+  """x [M, K] -> (q_PbKB e4m3 [P/128, K, 128], scale_PbK f32 [P/128, K]): the group-aligned rows in
+  128-row blocks, each block transposed (dW's wgmma contracts over rows, and e4m3 operands must be
+  contraction-major: a column's 128 values of one block are contiguous), one scale per column and
+  block. Gap rows are zeros (scale 1 where a whole block is empty).
+
+  Blocks, not one [K, P] transpose: XLA writes this layout in the quantizing pass itself, and made
+  [K, P] from it with a second pass over the e4m3 bytes (session 13's compiled HLO; one read and
+  one write of every byte, dW's operands being 20,480 columns per MoE layer). The dW kernel reads a
+  block's [128, 128] tile as one contiguous 16 KiB TMA box."""
   rows_PK = jnp.take(x_MK, layout.src_P, axis=0, mode="fill", fill_value=0)
-  return quantize_row_tiles(rows_PK.T)
+  p, k = rows_PK.shape
+  qT_KP, scale_PbK = quantize_row_tiles(rows_PK.T)
+  return qT_KP.reshape(k, p // BLOCK, BLOCK).transpose(1, 0, 2), scale_PbK
+
+
+def group_row_blocks_KP(q_PbKB: jax.Array) -> jax.Array:
+  """quantize_group_row_blocks's blocks as one [K, P] matrix (the emulation and tests)."""
+  pb, k, _ = q_PbKB.shape
+  return q_PbKB.transpose(1, 0, 2).reshape(k, pb * BLOCK)

@@ -6,7 +6,7 @@ transposed: the contraction runs over rows, and e4m3 wgmma wants both operands
 contraction-major. So
 
   drhs[g][k, n] = sum over g's row blocks b of
-      (lhsT_q[k, b] . doutT_q[n, b]) * lhs_scale[b, k] * dout_scale[b, n]
+      (lhs_q[b, k, :] . dout_q[b, n, :]) * lhs_scale[b, k] * dout_scale[b, n]
 
 and each step's partial is promoted with an outer product of two scale vectors: one value per
 output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_matmul_fp8`'s: a
@@ -34,19 +34,19 @@ GRID_BLOCK_N = 4
 
 
 def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
-  stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4  # lhsT and doutT blocks (e4m3), their scale rows
+  stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4  # lhs and dout blocks (e4m3), their scale rows
   return stages * stage + 2 * WG_ROWS * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
 
-def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_scale_PbN, block0_L, blocks_L, *,
+def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
                                   out_dtype=jnp.bfloat16):
-  """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands and `group_blocks`'s
-  block0_L / blocks_L."""
-  k, p = lhsT_q_KP.shape
-  n, p2 = doutT_q_NP.shape
-  if p != p2 or p % BLOCK or lhs_scale_PbK.shape != (p // BLOCK, k) or dout_scale_PbN.shape != (p // BLOCK, n):
-    raise ValueError(f"blockwise-FP8 dW operands disagree: lhsT {lhsT_q_KP.shape}, lhs_scale {lhs_scale_PbK.shape}, "
-                     f"doutT {doutT_q_NP.shape}, dout_scale {dout_scale_PbN.shape}")
+  """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
+  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L."""
+  pb, k, b = lhs_q_PbKB.shape
+  pb2, n, b2 = dout_q_PbNB.shape
+  if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
+    raise ValueError(f"blockwise-FP8 dW operands disagree: lhs {lhs_q_PbKB.shape}, lhs_scale {lhs_scale_PbK.shape}, "
+                     f"dout {dout_q_PbNB.shape}, dout_scale {dout_scale_PbN.shape}")
   for name, size in (("K", k), ("N", n)):
     if size % BLOCK:
       raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
@@ -63,9 +63,9 @@ def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_sca
         body,
         grid=(steps,),
         memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((BLOCK, BLOCK), lambda si: (0, si), transforms=transforms),
-            plgpu.BlockSpec((BLOCK, BLOCK), lambda si: (0, si), transforms=transforms),
+        in_specs=[  # step si: row block si of the group, one contiguous [128 columns, 128 rows] tile
+            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
+            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
             plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
             plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
         ],
@@ -77,7 +77,7 @@ def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_sca
 
   def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
     ignore = lambda *_, **__: None
-    shapes = (lhs_gmem.at[pl.ds(0, BLOCK)], dout_gmem.at[pl.ds(0, BLOCK)], lhs_scale_gmem.at[:, pl.ds(0, BLOCK)],
+    shapes = (lhs_gmem.at[:, pl.ds(0, BLOCK)], dout_gmem.at[:, pl.ds(0, BLOCK)], lhs_scale_gmem.at[:, pl.ds(0, BLOCK)],
               dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
 
     @functools.partial(
@@ -124,10 +124,9 @@ def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_sca
 
         @pl.when(steps > 0)
         def _compute():
-          window = pl.ds(first * BLOCK, p)  # may run past the end: the pipeline reads `steps` blocks only
-          blocks = pl.ds(first, p // BLOCK)
+          blocks = pl.ds(first, pb)  # may run past the end: the pipeline reads `steps` blocks only
           pipeline(step, compute_context, steps)(
-              lhs_gmem.at[pl.ds(mi * BLOCK, BLOCK), window], dout_gmem.at[pl.ds(ni * BLOCK, BLOCK), window],
+              lhs_gmem.at[blocks, pl.ds(mi * BLOCK, BLOCK)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
               lhs_scale_gmem.at[blocks, pl.ds(mi * BLOCK, BLOCK)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
               allocations=allocs)
 
@@ -146,7 +145,7 @@ def transposed_grouped_matmul_fp8(lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_sca
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(None),
   )
-  return kernel(block0_L, blocks_L, lhsT_q_KP, lhs_scale_PbK, doutT_q_NP, dout_scale_PbN)
+  return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
@@ -159,9 +158,9 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
 
   def kernel(lhs_MK, dout_MN):
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
-    lhsT_q, lhs_scale = fp8_quant.quantize_group_row_blocks(lhs_MK, layout)
-    doutT_q, dout_scale = fp8_quant.quantize_group_row_blocks(dout_MN, layout)
-    return transposed_grouped_matmul_fp8(lhsT_q, lhs_scale, doutT_q, dout_scale, layout.block0_L, layout.blocks_L,
+    lhs_q, lhs_scale = fp8_quant.quantize_group_row_blocks(lhs_MK, layout)
+    dout_q, dout_scale = fp8_quant.quantize_group_row_blocks(dout_MN, layout)
+    return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
                                          out_dtype=out_dtype)
 
   return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_pad.Align(m=1, k=BLOCK, n=BLOCK))

@@ -1,8 +1,8 @@
 """Backend "xla_fp8": blockwise FP8 emulated in float32, the CPU path and the reference of `mgpu_fp8`.
 
 Both operands go through `fp8_quant` exactly as the Hopper kernel's do (1x128 row tiles for the
-activations, 128x128 blocks for the weights, e4m3), are dequantized, and multiplied by the xla
-backend in float32. The kernel computes the same sum with the FP8 MMA and a promotion every 128
+activations, 128x128 blocks for the weights, e4m3), are dequantized (behind `fp8_quant.kept`, so that
+XLA's GPU pipeline keeps the rounding), and multiplied by the xla backend in float32. The kernel computes the same sum with the FP8 MMA and a promotion every 128
 of the contraction, so the two differ only in summation order (and the MMA's own accumulation on
 a GPU: tools/bench_fp8.py). dW quantizes both operands in 128x1 tiles along the rows, as the kernel
 does.
@@ -26,10 +26,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 
   def emulated(lhs_PK, rhs):
     if lhs_tiles is None:
-      lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_row_tiles(lhs_PK))
+      lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.kept(fp8_quant.quantize_row_tiles(lhs_PK)))
     else:  # quantized before the dispatch (the same tiles, bit for bit)
       lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0]))
-    rhs = fp8_quant.dequantize_blocks(*fp8_quant.quantize_blocks(rhs))
+    rhs = fp8_quant.dequantize_blocks(*fp8_quant.kept(fp8_quant.quantize_blocks(rhs)))
     return xla.gmm(lhs_PK, rhs, group_sizes_G, group_offset=group_offset, transpose_rhs=transpose_rhs,
                    out_dtype=out_dtype)
 
@@ -45,8 +45,11 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_
 
   def emulated(lhs_MK, dout_MN):
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, lhs_MK.shape[0])
-    lhs_PK, dout_PN = (fp8_quant.dequantize_row_tiles(*fp8_quant.quantize_group_row_blocks(a, layout)).T
-                       for a in (lhs_MK, dout_MN))
+    def values_PK(a):
+      q_PbKB, scale_PbK = fp8_quant.kept(fp8_quant.quantize_group_row_blocks(a, layout))
+      return fp8_quant.dequantize_row_tiles(fp8_quant.group_row_blocks_KP(q_PbKB), scale_PbK).T
+
+    lhs_PK, dout_PN = values_PK(lhs_MK), values_PK(dout_MN)
     return xla.tgmm(lhs_PK, dout_PN, layout.sizes_L, group_offset=0, num_local_groups=num_local_groups,
                     out_dtype=out_dtype)
 
