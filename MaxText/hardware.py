@@ -73,7 +73,7 @@ _RAGGED_H200 = Figure(5.3 * GB, "measured: jax.lax.ragged_all_to_all, 2xH200 NVL
 # with mgpu_fp8 *and the quantization passes FP8 adds* (the kernels alone: 161.3 ms, 825-915 TF/s forward,
 # 730-781 dW). The proxy step moved 1.008x. Costing the kernels' rate alone (820 TF/s, sessions 11-12)
 # promised 45 ms per step where 6 came; 648 x 219.5 / 209.9 keeps the planner's FP8 term to what a step gains.
-_H200_FP8_GROUPED = Figure(648e12 * 219.5 / 209.9, "measured: the routed GEMMs with their FP8 quantization at 1.046x "
+_H200_FP8_GROUPED = Figure(_H200_GEMM.value * 219.5 / 209.9, "measured: the routed GEMMs with their FP8 quantization at 1.046x "
                            "our bf16 kernels on one H200 (BENCHMARKS.md, session 13), on the dense bf16 rate's scale")
 
 GPUS: dict[str, Gpu] = {

@@ -32,8 +32,13 @@ def test_the_backward_fp8_exchange_adds_one_pass_over_the_token_rows():
   assert 0.4 < with_exchange - without < 0.8  # x's 1x128 pass at K = 7168 over 16,384 rows, per layer
 
 
-def test_a_file_without_the_cases_says_so(tmp_path, capsys):
+def test_a_file_without_the_cases_says_so(tmp_path):
   path = tmp_path / "b.json"
   path.write_text("[]")
   with pytest.raises(SystemExit, match="no up and down speed rows"):
     account.main([str(path)])
+  path.write_text("{not json")
+  with pytest.raises(SystemExit, match=f"fp8_account: {path}: Expecting"):
+    account.main([str(path)])
+  with pytest.raises(SystemExit, match="fp8_account: .*missing.json: .*No such file"):
+    account.main([str(tmp_path / "missing.json")])

@@ -51,18 +51,16 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
   passes = 2 if remat == "full" else 1  # the forward, and its recompute under full remat
   scale = per_row * moe_layers
 
-  def gemms(what):
-    return (2 * up[what] + down[what]) * scale
+  def gemms(what, n_up, n_down):  # per step: n_up products per layer at the "up" shape, n_down at "down"
+    return (n_up * up[what] + n_down * down[what]) * scale
 
   dw_quant_per_column = (up["dW quantize x and dout (128x1)"] + down["dW quantize x and dout (128x1)"]) / 2 / (UP_K + DOWN_K)
   token_share = tokens / BENCH_ROWS * moe_layers
   return [
-      ("routed GEMMs: forward" + (" + remat" if passes == 2 else ""), passes * gemms("mgpu bf16"),
-       passes * gemms("mgpu_fp8")),
-      ("routed GEMMs: dlhs", (up["mgpu bf16"] + 2 * down["mgpu bf16"]) * scale,
-       (up["mgpu_fp8"] + 2 * down["mgpu_fp8"]) * scale),
-      ("routed GEMMs: dW", (2 * up["dW mgpu bf16"] + down["dW mgpu bf16"]) * scale,
-       (2 * up["dW mgpu_fp8"] + down["dW mgpu_fp8"]) * scale),
+      ("routed GEMMs: forward" + (" + remat" if passes == 2 else ""), passes * gemms("mgpu bf16", 2, 1),
+       passes * gemms("mgpu_fp8", 2, 1)),
+      ("routed GEMMs: dlhs", gemms("mgpu bf16", 1, 2), gemms("mgpu_fp8", 1, 2)),
+      ("routed GEMMs: dW", gemms("dW mgpu bf16", 2, 1), gemms("dW mgpu_fp8", 2, 1)),
       ("quantize: x over T rows (FP8 dispatch), per forward pass", 0.0, passes * up["quantize x (1x128)"] * token_share),
       ("quantize: SwiGLU output, per forward pass", 0.0, passes * down["quantize x (1x128)"] * scale),
       ("quantize: combine's cotangent over T rows (FP8 backward exchange)", 0.0,
@@ -85,9 +83,13 @@ def main(argv=None) -> int:
   ap.add_argument("--bf16-backward-exchange", action="store_true",
                   help="the combine's cotangent crosses in bf16 (the code before ffcbd11, as session 13's run)")
   args = ap.parse_args(argv)
-  with open(args.bench_fp8_json, encoding="utf-8") as f:
-    rows = account(times(json.load(f), args.dist), rows=args.rows, tokens=args.tokens, moe_layers=args.moe_layers,
-                   remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange)
+  try:
+    with open(args.bench_fp8_json, encoding="utf-8") as f:
+      results = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise SystemExit(f"fp8_account: {args.bench_fp8_json}: {e}") from None
+  rows = account(times(results, args.dist), rows=args.rows, tokens=args.tokens, moe_layers=args.moe_layers,
+                 remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange)
   print(f"{'per step (' + str(args.moe_layers) + ' MoE layers, ' + args.dist + ')':66s} {'bf16 ms':>8s} {'FP8 ms':>8s} {'FP8 - bf16':>10s}")
   for what, bf16, fp8 in rows:
     print(f"{what:66s} {bf16:8.1f} {fp8:8.1f} {fp8 - bf16:+10.1f}")

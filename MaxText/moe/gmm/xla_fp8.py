@@ -1,10 +1,10 @@
 """Backend "xla_fp8": blockwise FP8 emulated in float32, the CPU path and the reference of `mgpu_fp8`.
 
 Both operands go through `fp8_quant` exactly as the Hopper kernel's do (1x128 row tiles for the
-activations, 128x128 blocks for the weights, e4m3), are dequantized (behind `fp8_quant.kept`, so that
-XLA's GPU pipeline keeps the rounding), and multiplied by the xla backend in float32. The kernel computes the same sum with the FP8 MMA and a promotion every 128
-of the contraction, so the two differ only in summation order (and the MMA's own accumulation on
-a GPU: tools/bench_fp8.py). dW quantizes both operands in 128x1 tiles along the rows, as the kernel
+activations, 128x128 blocks for the weights, e4m3), are dequantized (behind `fp8_quant.kept`, so
+that XLA's GPU pipeline keeps the rounding), and multiplied by the xla backend in float32. The
+kernel computes the same sum with the FP8 MMA and a promotion every 128 of the contraction, so the
+two differ only in summation order (and the MMA's own accumulation on a GPU: tools/bench_fp8.py). dW quantizes both operands in 128x1 tiles along the rows, as the kernel
 does.
 """
 
