@@ -4,6 +4,8 @@ The GPU checks (PASS/FAIL per case) and timings are tools/bench_fp8.py's."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -149,12 +151,22 @@ def test_kernel_lowers_for_cuda_at_deepseek_shapes(transpose):
   assert "mosaic_gpu" in text
 
 
-def test_dw_kernel_lowers_for_cuda_at_deepseek_shapes():
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
-
-  text = _lower(lambda x, d, gs: mgpu_fp8_tgmm.tgmm(x, d, gs, num_local_groups=32),
+@pytest.mark.parametrize("gathered", [(False, False), (True, False), (False, True)])
+def test_dw_kernel_lowers_for_cuda_at_deepseek_shapes(gathered):
+  """Through the backend's protocol entry, as gmm's VJP calls it: one Mosaic kernel for the product and
+  one per operand quantized in one pass (the gathered ones are XLA's)."""
+  text = _lower(lambda x, d, gs: mgpu_fp8.tgmm(x, d, gs, num_local_groups=32, gathered=gathered),
                 ((4096, 7168), jnp.bfloat16), ((4096, 2048), jnp.bfloat16), ((32,), jnp.int32))
-  assert "mosaic_gpu" in text
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1 + gathered.count(False)
+
+
+def test_every_fp8_backends_dw_takes_the_gathered_flags():
+  import inspect  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  for name in gmm_lib.FP8_BACKENDS:
+    assert "gathered" in inspect.signature(gmm_lib._import_backend(name).tgmm).parameters, name  # pylint: disable=protected-access
 
 
 def test_tiling_fits_an_f32_epilogue_by_dropping_stages():
@@ -210,6 +222,42 @@ def test_kernel_interpreted_matches_its_quantization(name):
 
 
 # ------------------------------------------------------------------ the backends, the VJP, the key
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmms_vjp_tells_fp8_backends_which_dw_operand_is_gathered(monkeypatch, transpose_rhs):
+  """dw_gathered names (lhs, dout); dW's backend call takes (a, b) = (lhs, dout), or (dout, lhs) for a
+  [G, N, K] rhs: the flags must follow their operands. The values do not depend on them."""
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  real = xla_fp8.tgmm
+  monkeypatch.setattr(xla_fp8, "tgmm", lambda *a, **kw: (seen.append(kw["gathered"]), real(*a, **kw))[1])
+  x = jax.random.normal(jax.random.key(1), (256, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (2, 256, 128) if transpose_rhs else (2, 128, 256), jnp.float32)
+  gs = jnp.asarray([100, 156], jnp.int32)
+  f = lambda x, w, flags: gmm_lib.gmm(x, w, gs, backend="xla_fp8", transpose_rhs=transpose_rhs, dw_gathered=flags)
+  grads = [jax.grad(lambda x, w: f(x, w, flags).sum(), argnums=(0, 1))(x, w) for flags in ((True, False), (False, False))]
+  assert seen == [(False, True) if transpose_rhs else (True, False), (False, False)]
+  for a, b in zip(*grads):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_expert_ffn_marks_the_dispatched_rows_and_the_combines_cotangent_as_gathered(monkeypatch):
+  """x_MD (wi_0, wi_1's lhs) and wo's output cotangent are gathers of token rows; h and its gradients
+  are not. A bf16 backend ignores the flags."""
+  from MaxText.moe import block  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  real = block.gmm
+  monkeypatch.setattr(block, "gmm", lambda *a, **kw: (seen.append(kw["dw_gathered"]), real(*a, **kw))[1])
+  d, f, e = 128, 128, 2
+  experts = block.Experts(*(jax.random.normal(jax.random.key(i), s, jnp.float32) / 16
+                            for i, s in enumerate(((e, d, f), (e, d, f), (e, f, d)))))
+  meta = type("Meta", (), dict(group_sizes_G=jnp.asarray([60, 68], jnp.int32), group_offset=0))()
+  cfg = block.BlockConfig(router=None, gmm_backend="xla")
+  block.expert_ffn(jax.random.normal(jax.random.key(5), (128, d), jnp.float32), meta, experts, cfg)
+  assert seen == [(True, False), (True, False), (False, True)]
 
 
 def test_xla_fp8_through_gmms_vjp_quantizes_all_three_products():
@@ -311,6 +359,61 @@ def test_dw_kernel_interpreted_matches_its_quantization(name):
   empty = [g for g in range(num_local) if sizes[offset + g] == 0]
   assert empty and all((got[g] == 0).all() for g in empty)
   assert _rel(got, want) < (1e-5 if out_dtype == jnp.float32 else 1e-2)
+
+
+def test_each_padded_block_is_one_run_of_source_rows():
+  """The one-pass kernel's view of the layout: a block is `valid` consecutive source rows from `row0`
+  (no block spans two groups), then the gap's zero rows; blocks of the bound's slack have none."""
+  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
+
+  layout = fp8_quant.group_blocks(jnp.asarray([5, 130, 0, 3, 9], jnp.int32), 1, 3, 150)
+  row0, valid = mgpu_fp8_quant.block_rows(layout, 150)
+  np.testing.assert_array_equal(valid, [128, 2, 3, 0, 0])
+  np.testing.assert_array_equal(row0[:3], [5, 133, 135])
+  src = np.asarray(layout.src_P).reshape(5, 128)
+  for b in range(5):
+    np.testing.assert_array_equal(src[b, :valid[b]], row0[b] + np.arange(valid[b]))
+    assert (src[b, valid[b]:] == 150).all()
+
+
+def test_dw_quantize_kernel_lowers_for_cuda_at_deepseek_shapes():
+  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
+
+  def quantize(x, gs):
+    return mgpu_fp8_quant.quantize_group_row_blocks(x, fp8_quant.group_blocks(gs, 0, 32, x.shape[0]))
+
+  for k in (7168, 2048):
+    assert "mosaic_gpu" in _lower(quantize, ((4096, k), jnp.bfloat16), ((32,), jnp.int32))
+
+
+DW_QUANT_CASES = {  # name: (m, k, sizes, group_offset, num_local)
+    "ring_2_of_6_nan_foreign_past_m": (296, 256, [70, 0, 130, 1, 0, 85], 2, 3),  # the last block's box runs past M
+    "one_hot_expert": (2048, 384, [8, 1900, 20, 120], 0, 4),
+    "rows_past_groups_empty_group": (1024, 128, [100, 0, 300, 37], 0, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DW_QUANT_CASES))
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_dw_quantize_kernel_interpreted_is_bit_for_bit_fp8_quant(name):
+  """The one-pass kernel (TMA, shared memory and the warpgroup's transposed store simulated on the CPU)
+  gives exactly fp8_quant.quantize_group_row_blocks's bytes and scales: the same f32 amax and division.
+  NaN in a foreign group's rows, and the next group's rows inside a block's TMA box, leak nowhere."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
+
+  m, k, sizes, offset, num_local = DW_QUANT_CASES[name]
+  x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16) * 4
+  if offset:
+    x = x.at[:sum(sizes[:offset])].set(jnp.nan)
+  layout = fp8_quant.group_blocks(jnp.asarray(sizes, jnp.int32), offset, num_local, m)
+  want_q, want_s = fp8_quant.quantize_group_row_blocks(x, layout)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got_q, got_s = jax.block_until_ready(mgpu_fp8_quant.quantize_group_row_blocks(x, layout))
+  np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+  np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+  assert not np.isnan(np.asarray(got_q, np.float32)).any()
 
 
 @pytest.mark.slow  # two short training runs

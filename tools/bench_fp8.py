@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
+from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
 from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
 
 # Kernel against its own quantization, dequantized, in float32. Within a 128-wide step Hopper's
@@ -114,6 +114,22 @@ def check_dw(results, name, x, dout, gs, offset, num_local, out_dtype):
         f"{err:.2e}  vs unquantized {fp8_err:.2e}  empty groups zero {empty_zero}", flush=True)
   results.append(dict(kind="check", case=f"dW {name}", out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
                       fp8_err=fp8_err))
+  if out_dtype == jnp.float32:  # the operands' quantization does not depend on the output dtype
+    check_dw_quantize(results, name, x, dout, gs, offset, num_local)
+
+
+def check_dw_quantize(results, name, x, dout, gs, offset, num_local):
+  """dW's one-pass quantization kernel against fp8_quant's (XLA's two passes): the same bytes and scales."""
+  layout = fp8_quant.group_blocks(gs, offset, num_local, x.shape[0])
+  for what, a in (("x", x), ("dout", dout)):
+    want_q, want_s = jax.jit(fp8_quant.quantize_group_row_blocks)(a, layout)
+    got_q, got_s = jax.jit(mgpu_fp8_quant.quantize_group_row_blocks)(a, layout)
+    ok = bool(np.array_equal(np.asarray(got_s), np.asarray(want_s))
+              and np.array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8)))
+    print(f"{'PASS' if ok else 'FAIL'} fp8 dW quantize {name:23s} {what:4s} one-pass kernel bit-identical to "
+          f"fp8_quant: {ok}", flush=True)
+    results.append(dict(kind="check", case=f"dW quantize {name} {what}", out_dtype=None, ok=ok, err=None,
+                        fp8_err=None))
 
 
 def _dense_fp8(x_q, wT_q):
@@ -198,11 +214,18 @@ def dw_times(x, w, gs, _):
     return (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(d, layout),
             layout.block0_L, layout.blocks_L)
 
+  @jax.jit
+  def quantize_one_pass(x, d, gs):
+    layout = fp8_quant.group_blocks(gs, 0, g, m)
+    return (*mgpu_fp8_quant.quantize_group_row_blocks(x, layout), *mgpu_fp8_quant.quantize_group_row_blocks(d, layout),
+            layout.block0_L, layout.blocks_L)
+
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
   return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
           "dW mgpu_fp8": time_ms(kernel, quantized)[0],
-          "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0]}
+          "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0],
+          "dW quantize x and dout (one-pass kernel)": time_ms(quantize_one_pass, (x, dout, gs))[0]}
 
 
 def print_table(results):
@@ -225,7 +248,9 @@ def print_table(results):
       print(f"{'':28s} {label}: {rows[label]['ms']:.3f} ms = {d8 / rows[label]['ms']:.2f} of dense fp8")
     dw16, dw8 = rows["dW mgpu bf16"]["ms"], rows["dW mgpu_fp8"]["ms"]
     print(f"{'':28s} dW: mgpu bf16 {dw16:.3f} ms | mgpu_fp8 {dw8:.3f} ms = {d8 / dw8:.2f} of dense fp8, "
-          f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms")
+          f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout: XLA {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms"
+          + (f", one-pass kernel {one_pass['ms']:.3f} ms"
+             if (one_pass := rows.get("dW quantize x and dout (one-pass kernel)")) else ""))
 
 
 def main():

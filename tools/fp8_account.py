@@ -18,7 +18,9 @@ What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/mo
     SwiGLU output over all rows, once per forward pass;
   * dlhs quantizes its douts over all rows: dy (7168 columns), dh0 and dh1 (2048);
   * dW quantizes x (shared by wi_0 and wi_1), dh0, dh1, the SwiGLU output and dy into 128x1 tiles: 20,480
-    columns, at bench_fp8's cost per column;
+    columns. x and dy are gathers of token rows and stay XLA's (at bench_fp8's XLA cost per column); the
+    SwiGLU output, dh0 and dh1 are materialized rows and go to the one-pass kernel (mgpu_fp8_quant), at its
+    cost per column where the file has it (bench_fp8 since session 14), else at XLA's;
   * the three weights are quantized once per step (CSE merges the forward's, the remat's and dlhs's).
 """
 
@@ -54,7 +56,12 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
   def gemms(what, n_up, n_down):  # per step: n_up products per layer at the "up" shape, n_down at "down"
     return (n_up * up[what] + n_down * down[what]) * scale
 
-  dw_quant_per_column = (up["dW quantize x and dout (128x1)"] + down["dW quantize x and dout (128x1)"]) / 2 / (UP_K + DOWN_K)
+  def dw_quant_per_column(what):
+    return (up[what] + down[what]) / 2 / (UP_K + DOWN_K)
+
+  xla_dw_quant = dw_quant_per_column("dW quantize x and dout (128x1)")
+  one_pass = "dW quantize x and dout (one-pass kernel)"
+  kernel_dw_quant = dw_quant_per_column(one_pass) if one_pass in up and one_pass in down else xla_dw_quant
   token_share = tokens / BENCH_ROWS * moe_layers
   return [
       ("routed GEMMs: forward" + (" + remat" if passes == 2 else ""), passes * gemms("mgpu bf16", 2, 1),
@@ -66,8 +73,8 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
       ("quantize: combine's cotangent over T rows (FP8 backward exchange)", 0.0,
        up["quantize x (1x128)"] * token_share if fp8_backward_exchange else 0.0),
       ("quantize: dlhs douts (dy, dh0, dh1)", 0.0, (up["quantize x (1x128)"] + 2 * down["quantize x (1x128)"]) * scale),
-      ("quantize: dW operands, 128x1 (20,480 columns)", 0.0,
-       dw_quant_per_column * (2 * UP_K + 3 * DOWN_K) * scale),
+      ("quantize: dW operands gathered from token rows, 128x1 (x, dy: XLA)", 0.0, xla_dw_quant * 2 * UP_K * scale),
+      ("quantize: dW operands materialized, 128x1 (h, dh0, dh1: one pass)", 0.0, kernel_dw_quant * 3 * DOWN_K * scale),
       ("quantize: three weights, once per step", 0.0, 3 * up["quantize w (128x128, N-major copy)"] * moe_layers),
   ]
 

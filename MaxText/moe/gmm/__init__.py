@@ -131,6 +131,7 @@ class _Static:
   backend: str
   transpose_rhs: bool
   out_dtype: np.dtype
+  dw_gathered: tuple[bool, bool] = (False, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -174,6 +175,10 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
   with jax.named_scope("gmm_drhs"):
     # drhs[g] = lhs_g.T @ dout_g, or dout_g.T @ lhs_g for a [G, N, K] rhs.
     a_MX, b_MY = (dout_MN, lhs_MK) if static.transpose_rhs else (lhs_MK, dout_MN)
+    gathered_lhs, gathered_dout = static.dw_gathered
+    fp8_kw = {}
+    if static.backend in FP8_BACKENDS:  # which operand XLA should quantize, fusing its gather
+      fp8_kw["gathered"] = (gathered_dout, gathered_lhs) if static.transpose_rhs else (gathered_lhs, gathered_dout)
     drhs_GXY = backend.tgmm(
         a_MX,
         b_MY,
@@ -181,6 +186,7 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
         group_offset=group_offset,
         num_local_groups=rhs_GKN.shape[0],
         out_dtype=rhs_GKN.dtype,
+        **fp8_kw,
     )
     drhs_GXY = vma.like_operands(drhs_GXY, a_MX, b_MY, group_sizes_G, group_offset)
   # Each cotangent typed like its primal: dW of weights shared by every row shard is
@@ -215,6 +221,7 @@ def gmm(
     preferred_element_type: jnp.dtype | None = None,
     transpose_rhs: bool = False,
     lhs_tiles: fp8_quant.RowTiles | None = None,
+    dw_gathered: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
   """Grouped GEMM of row-sorted lhs_MK with the local groups' weights; see the module doc.
 
@@ -231,6 +238,10 @@ def gmm(
     transpose_rhs: rhs given as [G_local, N, K] (as upstream megablox's flag).
     lhs_tiles: lhs_MK's rows already quantized to 1x128 tiles (FP8 backends only): the forward multiplies
       these, and lhs_MK (their values) is what dW quantizes and the gradient flows to.
+    dw_gathered: (lhs, the output's cotangent): which of dW's operands are gathers of token rows (the
+      dispatch's output; the combine's cotangent). FP8 backends leave those to XLA's quantization, which
+      fuses the gather and reads the compact token rows (each routed k times), and quantize the others,
+      materialized rows, in one pass (`mgpu_fp8_quant`). No effect on the values.
 
   Returns:
     out_MN: [M, N]; zero in rows outside the local groups.
@@ -255,6 +266,7 @@ def gmm(
       backend=name,
       transpose_rhs=bool(transpose_rhs),
       out_dtype=np.dtype(preferred_element_type or compute_dtype),
+      dw_gathered=(bool(dw_gathered[0]), bool(dw_gathered[1])),
   )
   with jax.named_scope("gmm"):
     return _gmm(

@@ -234,9 +234,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
                   align=_pad.Align(m=TMA_ROW_ALIGN, k=BLOCK, n=tiling.cta_n))
 
 
-def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
-  """dW in FP8 too: both operands in 128x1 tiles along the rows, groups 128-aligned (`mgpu_fp8_tgmm`)."""
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None, gathered=(False, False)):
+  """dW in FP8 too: both operands in 128x1 tiles along the rows, groups 128-aligned (`mgpu_fp8_tgmm`;
+  gathered: which operands XLA quantizes, see there)."""
   from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   return mgpu_fp8_tgmm.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset,
-                            num_local_groups=num_local_groups, out_dtype=out_dtype)
+                            num_local_groups=num_local_groups, out_dtype=out_dtype, gathered=gathered)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import fp8_quant, mgpu_kernels
+from MaxText.moe.gmm import fp8_quant, mgpu_fp8_quant, mgpu_kernels
 from MaxText.moe.gmm.mgpu_fp8 import BLOCK, WG_ROWS
 from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES
 
@@ -148,18 +148,29 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
 
-def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None):
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None,
+         gathered=(False, False)):
   """The grouped-GEMM protocol's dW with both operands quantized here (K and N are padded to 128:
-  zero columns give output columns the slice drops)."""
+  zero columns give output columns the slice drops).
+
+  gathered (lhs, dout): an operand that is a gather of token rows is quantized by XLA, which fuses the
+  gather (and the FP8 dispatch's dequantization) into its two passes and so reads the compact token
+  rows: the proxy's compiled step reads x and the combine's cotangent from [16384, 7392]-byte e4m3
+  buffers, never materializing the [131072, 7168] rows (session 14). The kernel would need them
+  materialized. Other operands (the SwiGLU's output and its gradients) are materialized rows, and the
+  one-pass kernel reads them once where XLA reads them twice (0.15 against 0.32 ms at 65,536 x 2,048)."""
   from MaxText.moe.gmm import _pad  # pylint: disable=import-outside-toplevel
+
+  def _quantize(gathered_operand: bool):
+    return fp8_quant.quantize_group_row_blocks if gathered_operand else mgpu_fp8_quant.quantize_group_row_blocks
 
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   m = lhs_MK.shape[0]
 
   def kernel(lhs_MK, dout_MN):
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
-    lhs_q, lhs_scale = fp8_quant.quantize_group_row_blocks(lhs_MK, layout)
-    dout_q, dout_scale = fp8_quant.quantize_group_row_blocks(dout_MN, layout)
+    lhs_q, lhs_scale = _quantize(gathered[0])(lhs_MK, layout)
+    dout_q, dout_scale = _quantize(gathered[1])(dout_MN, layout)
     return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
                                          out_dtype=out_dtype)
 

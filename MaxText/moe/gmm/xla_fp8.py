@@ -38,9 +38,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
                   align=_pad.Align(m=1, k=fp8_quant.BLOCK, n=fp8_quant.BLOCK))
 
 
-def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype):
+def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype, gathered=(False, False)):
   """dW from both operands quantized in 128x1 tiles along the rows, each group's rows 128-aligned
-  (`fp8_quant.group_blocks`, as `mgpu_fp8_tgmm`), dequantized, multiplied in float32."""
+  (`fp8_quant.group_blocks`, as `mgpu_fp8_tgmm`), dequantized, multiplied in float32. gathered (which
+  pass quantizes each operand on a GPU) changes no value: mgpu_fp8_quant is fp8_quant bit for bit."""
+  del gathered
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
 
   def emulated(lhs_MK, dout_MN):

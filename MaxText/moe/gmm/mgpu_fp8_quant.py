@@ -1,0 +1,105 @@
+"""dW's FP8 operands in one pass over HBM: a Pallas Mosaic-GPU kernel for Hopper.
+
+`fp8_quant.quantize_group_row_blocks` gives dW's operands: the local groups' rows laid out from
+multiples of 128 (`fp8_quant.group_blocks`), quantized in 128x1 tiles along the rows, each
+128-row block stored transposed, [P/128, K, 128]. XLA compiles it to two fusions, each reading
+every row: a column reduction (the tiles' amax) and the transposing quantize. Measured on the
+H200 at M = 65,536, K = 7,168: 1.10 ms, where a plain bf16 copy of x takes 0.57 ms; this kernel
+0.456 ms (3.1 TB/s of reads and writes), and 0.150 against 0.325 ms at K = 2,048 (session 14,
+BENCHMARKS.md). Which operands it takes in a step is mgpu_fp8_tgmm.tgmm's `gathered`.
+
+This kernel reads each [128 rows, 128 columns] tile once: TMA brings it into shared memory, one
+warpgroup takes its columns' amax over the block's valid rows, scales, converts to e4m3 and
+stores it transposed into shared memory, and TMA writes the [128 columns, 128 rows] tile and its
+128 scales. A block's rows are contiguous in x (a group's rows are, and no block spans two
+groups), so a block is one TMA box from its first source row; rows past the block's valid count
+(the next group's, or past M, which TMA fills with zeros) are masked to zero before the amax,
+so a NaN there leaks nowhere. Blocks with no valid row are zeros with scale 1, as in fp8_quant.
+
+Bit for bit `fp8_quant.quantize_group_row_blocks`: the same f32 amax, the same division, the
+same round-to-nearest-even conversion (tests/test_fp8.py runs it in the Mosaic-GPU interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from MaxText.moe.gmm import fp8_quant, mgpu_kernels
+
+BLOCK = fp8_quant.BLOCK
+# Column tiles per block of the grid: each block pipelines this many tiles of one 128-row block.
+# Measured on the H200 (session 14): 4, 8 and 16 within 2% at K = 7,168; 16 was 12% slower at 2,048.
+CHUNK = 8
+STAGES = 2
+
+
+def block_rows(layout: fp8_quant.GroupBlocks, num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """(row0_Pb, valid_Pb) int32 [P/128]: each padded block's first source row, and how many of its
+  128 rows are the group's (the rest are the layout's zero gap). A block's valid rows are the
+  contiguous source rows row0 .. row0 + valid."""
+  src_PbB = layout.src_P.reshape(-1, BLOCK)
+  valid_Pb = jnp.sum(src_PbB < num_rows, axis=1, dtype=jnp.int32)
+  return src_PbB[:, 0], valid_Pb
+
+
+def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) -> tuple[jax.Array, jax.Array]:
+  """The kernel form of `fp8_quant.quantize_group_row_blocks`: (q_PbKB e4m3, scale_PbK f32)."""
+  m, k = x_MK.shape
+  if k % BLOCK:
+    raise ValueError(f"dW quantization: K = {k} must be a multiple of {BLOCK}")
+  row0_Pb, valid_Pb = block_rows(layout, m)
+  pb = row0_Pb.shape[0]
+  kb = k // BLOCK
+  chunk = max(c for c in range(1, CHUNK + 1) if kb % c == 0)
+  # The e4m3 tile is swizzled in shared memory (its TMA store reads it so); x's tile cannot be: a
+  # tiled TMA box must start at a multiple of 8 rows, and a block starts at its group's first row.
+  out_transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
+
+  def body(row0_gmem, valid_gmem, x_gmem, q_gmem, s_gmem):
+    b, c = lax.axis_index("b"), lax.axis_index("c")
+    row0, valid = row0_gmem[b], valid_gmem[b]
+    cols = pl.ds(c * chunk * BLOCK, chunk * BLOCK)
+
+    @functools.partial(pl.run_scoped, q_smem=plgpu.SMEM((2, BLOCK, BLOCK), fp8_quant.E4M3, transforms=out_transforms),
+                       s_smem=plgpu.SMEM((2, 1, BLOCK), jnp.float32))
+    def _scope(q_smem, s_smem):
+      def tile(idx, x_smem):
+        (j,) = idx
+        slot = j % 2
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this slot's stores of two tiles ago have read it
+        x_RC = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+        x_RC = jnp.where(rows < valid, x_RC, 0.0)
+        amax_C = jnp.max(jnp.abs(x_RC), axis=0)
+        scale_C = jnp.where(amax_C > 0, amax_C / fp8_quant.E4M3_MAX, 1.0)
+        q_RC = x_RC / lax.broadcast_in_dim(scale_C, (BLOCK, BLOCK), [1])
+        # The transposed register layout holds a column's rows as vectors: stored contiguously below.
+        q_RC = plgpu.layout_cast(q_RC, plgpu.Layout.WGMMA_TRANSPOSED)
+        q_smem.at[slot].transpose((1, 0))[...] = q_RC.astype(fp8_quant.E4M3)
+        s_smem.at[slot, 0][...] = scale_C
+        plgpu.commit_smem()
+        col = (c * chunk + j) * BLOCK
+        plgpu.copy_smem_to_gmem(q_smem.at[slot], q_gmem.at[b, pl.ds(col, BLOCK)])
+        plgpu.copy_smem_to_gmem(s_smem.at[slot], s_gmem.at[pl.ds(b, 1), pl.ds(col, BLOCK)])
+
+      plgpu.emit_pipeline(
+          tile,
+          grid=(chunk,),
+          in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (0, j))],
+          max_concurrent_steps=STAGES,
+      )(x_gmem.at[pl.ds(row0, BLOCK), cols])
+      plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((pb, k, BLOCK), fp8_quant.E4M3), jax.ShapeDtypeStruct((pb, k), jnp.float32)),
+      grid=(pb, kb // chunk),
+      grid_names=("b", "c"),
+  )
+  return kernel(row0_Pb, valid_Pb, x_MK)
