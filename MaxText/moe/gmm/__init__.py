@@ -42,7 +42,7 @@ BackendName = Literal[
     "tokamax",  # tokamax 0.0.17's ragged_dot, mosaic implementation (NVIDIA GPU)
     "mgpu",  # JAX Pallas Mosaic GPU Hopper kernels with a per-shape tiling table (mgpu.py)
     "te",  # Transformer Engine's cuBLAS grouped GEMM (needs transformer_engine.jax)
-    "mgpu_fp8",  # blockwise FP8 (DeepSeek-V3's tiles and blocks) Hopper kernels (mgpu_fp8.py, mgpu_fp8_tgmm.py)
+    "mgpu_fp8",  # blockwise FP8 (DeepSeek-V3's tiles and blocks) Hopper kernels (mgpu_fp8.py, mgpu_fp8_tgmm.py, mgpu_fp8_quant.py)
     "xla_fp8",  # the same FP8 quantization emulated in float32: the CPU path and mgpu_fp8's reference
 ]
 BACKENDS: tuple[str, ...] = typing.get_args(BackendName)
