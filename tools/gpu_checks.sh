@@ -27,6 +27,9 @@
 #   fp8       the blockwise-FP8 kernels (the self-test's cases for mgpu_fp8; tools/bench_fp8.py: PASS/FAIL per case, speed against dense bf16/FP8
 #             and our bf16 kernels), then the proxy with FP8 experts against ours in bf16 (bench_train.py
 #             --variants ours,ours_fp8, 100 steps: step time and the loss curves side by side)
+#   fp8-profile  the proxy with FP8 experts, 8 steps, 2 of them traced (bench_train.py --profile): the step's
+#             breakdown, and each trace copied to $GPU_CHECK_OUT/traces/ (the device tool returns files at most
+#             a few folders deep; the run's own trace sits seven down)
 #   fp8-gmm   issue 19's bench_gmm run: --quick (DeepSeek-V3 up/down fwd+bwd and the expert FFN) for mgpu and
 #             mgpu_fp8 in one process, FP8 quantization inside the timed calls (its own limit, GPU_CHECK_FP8_GMM_S,
 #             default 540 s)
@@ -161,6 +164,14 @@ PY
           --steps 100 --out "$out/bt-fp8") >"$out/bt-fp8.log" 2>&1
       echo "[gpu_checks] bench_train fp8 exit $?"; tail -n 6 "$out/bt-fp8.log"
       ;;
+    fp8-profile)
+      (cd "$repo" && timeout "$limit" python3 tools/bench_train.py --variants ours_fp8 --steps 8 --profile \
+          --profile-steps 2 --timeout $((limit - 10)) --out "$out/prof-fp8") >"$out/prof-fp8.log" 2>&1
+      echo "[gpu_checks] bench_train fp8 profile exit $?"; grep -A 8 "^step breakdown" "$out/prof-fp8.log"
+      mkdir -p "$out/traces"
+      find "$out/prof-fp8" -name '*.trace.json.gz' -exec cp {} "$out/traces/" \;
+      ls "$out/traces"
+      ;;
     fp8-gmm)
       (cd "$repo" && timeout "${GPU_CHECK_FP8_GMM_S:-540}" python3 tools/bench_gmm.py --quick --backends mgpu,mgpu_fp8 \
           --out "$out/gmm-fp8") 2>&1 | tee "$out/bench_gmm-fp8.log" | grep -E " (dense|mgpu|mgpu_fp8) " | tail -n 24
@@ -172,7 +183,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-gmm, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-profile, fp8-gmm, te-block)"; exit 2 ;;
   esac
 done
 
