@@ -208,18 +208,17 @@ def dw_times(x, w, gs, _):
   g = w.shape[0]
   bf16 = jax.jit(lambda x, d, gs: mgpu.tgmm(x, d, gs, num_local_groups=g))
 
-  @jax.jit
-  def quantize(x, d, gs):
-    layout = fp8_quant.group_blocks(gs, 0, g, m)
-    return (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(d, layout),
-            layout.block0_L, layout.blocks_L)
+  def quantizer(quantize_group_row_blocks):
+    """x and dout quantized over the same group-aligned 128-row blocks, in the kernel's argument order."""
+    @jax.jit
+    def quantize(x, d, gs):
+      layout = fp8_quant.group_blocks(gs, 0, g, m)
+      return (*quantize_group_row_blocks(x, layout), *quantize_group_row_blocks(d, layout),
+              layout.block0_L, layout.blocks_L)
+    return quantize
 
-  @jax.jit
-  def quantize_one_pass(x, d, gs):
-    layout = fp8_quant.group_blocks(gs, 0, g, m)
-    return (*mgpu_fp8_quant.quantize_group_row_blocks(x, layout), *mgpu_fp8_quant.quantize_group_row_blocks(d, layout),
-            layout.block0_L, layout.blocks_L)
-
+  quantize = quantizer(fp8_quant.quantize_group_row_blocks)
+  quantize_one_pass = quantizer(mgpu_fp8_quant.quantize_group_row_blocks)
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
   return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
