@@ -65,7 +65,7 @@ def test_run_writes_only_under_its_run_directory(tmp_path):
   cwd.mkdir()
   started = time.time()
   result = run_train(tmp_path, str(Path(__file__).parent.parent / TINY), "steps=2", "enable_checkpointing=false",
-                     env={"HOME": str(home)}, cwd=cwd)
+                     env={"HOME": str(home)}, cwd=cwd, shared_cache=False)
   assert result.returncode == 0, result.stderr[-3000:]
 
   assert _files_under(home) == set(), f"written to $HOME: {sorted(_files_under(home))}"

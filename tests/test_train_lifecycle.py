@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TrainResult, run_train
+from conftest import REPO, TrainResult, cached, run_train
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -61,7 +61,7 @@ def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, r
   """Starts a run, sends `sig` `times` when `[progress] step at_step/` appears."""
   out_dir = tmp_path / "outputs"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}",
+  proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *cached(args), f"base_output_directory={out_dir}",
                            f"run_name={run_name}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   stdout = []
@@ -107,8 +107,9 @@ def test_first_sigint_stops_cleanly_and_a_second_aborts(tmp_path):
 def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
   out_dir = tmp_path / "outputs"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", TINY, "steps=100000", "checkpoint_period=100000",
-                            f"base_output_directory={out_dir}", "run_name=twin"], cwd=REPO, env=env,
+  args = cached([TINY, "steps=100000", "checkpoint_period=100000"])
+  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}",
+                            "run_name=twin"], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   try:
     for line in first.stdout:
