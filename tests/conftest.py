@@ -68,28 +68,30 @@ def _shared_jax_cache(tmp_path_factory):
   _SHARED_JAX_CACHE.clear()
 
 
-def cached(args) -> list[str]:
-  """`args` with the session's compile cache, unless the run sets its own or must compile: a cached
-  program is not compiled again, so it dumps no HLO (dump_hlo=true)."""
-  args = list(args)
-  if _SHARED_JAX_CACHE and not any(a.startswith("jax_cache_dir=") or a == "dump_hlo=true" for a in args):
-    args.append(f"jax_cache_dir={_SHARED_JAX_CACHE[0]}")
-  return args
+def train_command(tmp_path: Path, *args: str, run_name: str = "run", env: dict | None = None,
+                  shared_cache: bool = True) -> tuple[list[str], dict, Path]:
+  """(command, environment, run directory) of `python -m MaxText.train` with outputs under
+  tmp_path/outputs/<run_name>; with the session's compile cache unless shared_cache=False (a test of where a
+  run writes), the run sets its own, or it must compile: a cached program is not compiled again, so it dumps no
+  HLO (dump_hlo=true)."""
+  out_dir = tmp_path / "outputs"
+  full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  full_env.update(env or {})
+  own_cache = any(a.startswith("jax_cache_dir=") or a == "dump_hlo=true" for a in args)
+  if shared_cache and _SHARED_JAX_CACHE and not own_cache:
+    args = (*args, f"jax_cache_dir={_SHARED_JAX_CACHE[0]}")
+  cmd = [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}", f"run_name={run_name}"]
+  return cmd, full_env, out_dir / run_name
 
 
 def run_train(tmp_path: Path, *args: str, run_name: str = "run", env: dict | None = None,
               cwd: Path | None = None, timeout: int = 600, shared_cache: bool = True) -> TrainResult:
-  """Runs the entry point with outputs under tmp_path/outputs/<run_name>; with the session's compile
-  cache unless shared_cache=False (a test of where a run writes). The timeout is a hang's, not a pace:
-  a tiny run takes 35-90 s, and more beside another worker on a slow machine (300 s was hit once)."""
-  out_dir = tmp_path / "outputs"
-  full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  full_env.update(env or {})
-  args = cached(args) if shared_cache else list(args)
-  cmd = [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}", f"run_name={run_name}"]
+  """Runs `train_command` to its end. The timeout is a hang's, not a pace: a tiny run takes 35-90 s, and
+  more beside another worker on a slow machine (300 s was hit once)."""
+  cmd, full_env, run_dir = train_command(tmp_path, *args, run_name=run_name, env=env, shared_cache=shared_cache)
   proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
                         check=False)
-  return TrainResult(proc.returncode, proc.stdout, proc.stderr, out_dir / run_name)
+  return TrainResult(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
 def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:

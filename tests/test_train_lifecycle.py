@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TrainResult, cached, run_train
+from conftest import REPO, TrainResult, run_train, train_command
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -59,11 +59,8 @@ def test_a_diverging_run_never_saves_a_non_finite_state_and_resumes_from_the_las
 
 def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, run_name: str = "run"):
   """Starts a run, sends `sig` `times` when `[progress] step at_step/` appears."""
-  out_dir = tmp_path / "outputs"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *cached(args), f"base_output_directory={out_dir}",
-                           f"run_name={run_name}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  cmd, env, run_dir = train_command(tmp_path, *args, run_name=run_name)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   stdout = []
   for line in proc.stdout:
     stdout.append(line)
@@ -73,7 +70,7 @@ def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, r
         time.sleep(0.2)
       break
   rest, stderr = proc.communicate(timeout=300)
-  return TrainResult(proc.returncode, "".join(stdout) + rest, stderr, out_dir / run_name)
+  return TrainResult(proc.returncode, "".join(stdout) + rest, stderr, run_dir)
 
 
 @pytest.mark.slow
@@ -105,12 +102,8 @@ def test_first_sigint_stops_cleanly_and_a_second_aborts(tmp_path):
 
 @pytest.mark.slow
 def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
-  out_dir = tmp_path / "outputs"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  args = cached([TINY, "steps=100000", "checkpoint_period=100000"])
-  first = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}",
-                            "run_name=twin"], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  cmd, env, _ = train_command(tmp_path, TINY, "steps=100000", "checkpoint_period=100000", run_name="twin")
+  first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   try:
     for line in first.stdout:
       if "[progress] step 2/" in line:
