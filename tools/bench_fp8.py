@@ -51,7 +51,8 @@ def edge_cases():
   }
 
 
-def run_checks(results):
+def run_checks(results, tilings=None):
+  """tilings: forward-kernel variants checked on every forward and dlhs case beside the default."""
   for name, (m, k, n, sizes, offset, num_local, transpose, nan_foreign) in edge_cases().items():
     rng = np.random.default_rng(0)
     if sizes is None:
@@ -82,9 +83,29 @@ def run_checks(results):
       print(line, flush=True)
       results.append(dict(kind="check", case=name, out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
                           fp8_err=fp8_err))
+      for label, tiling in (tilings or {}).items():
+        check_tiling(results, name, label, tiling, got, want, (lo, hi), x, w, gs,
+                     dict(group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype))
       if not transpose:
         check_tiles(results, name, x, w, gs, offset, out_dtype, got)
         check_dw(results, name, x, jax.random.normal(kw, (m, n), jnp.bfloat16), gs, offset, num_local, out_dtype)
+
+
+def check_tiling(results, name, label, tiling, got_default, want, local_rows, x, w, gs, kw):
+  """A variant tiling on the same case: within the same bound of its quantization, zeros outside the
+  local rows, and how far from the default tiling (the same wgmma per 128 columns and the same
+  promotion order: expected bit for bit)."""
+  got = mgpu_fp8.gmm(x, w, gs, tiling=tiling, **kw)
+  err = rel_err(got, want)
+  got32 = np.asarray(got, np.float32)
+  lo, hi = local_rows
+  outside_zero = bool((got32[:lo] == 0).all() and (got32[hi:] == 0).all())
+  diff = float(np.nanmax(np.abs(got32 - np.asarray(got_default, np.float32))))
+  dtype = jnp.dtype(kw["out_dtype"]).name
+  ok = err < TOL_SAME_QUANT[dtype] and outside_zero
+  print(f"{'PASS' if ok else 'FAIL'} fp8 {label} {name:22s} {dtype:8s} vs own quantization {err:.2e}  zeros outside "
+        f"{outside_zero}  largest difference from the default tiling {diff:.2e}", flush=True)
+  results.append(dict(kind="check", case=f"{label} {name}", out_dtype=dtype, ok=ok, err=err, fp8_err=None))
 
 
 def check_tiles(results, name, x, w, gs, offset, out_dtype, got):
@@ -258,13 +279,14 @@ def main():
   ap.add_argument("--dists", default="balanced,zipf1.2")
   ap.add_argument("--out", default=None)
   ap.add_argument("--tilings", default=None,
-                  help="forward-kernel tilings timed beside the default, ';'-separated, e.g. "
+                  help="forward-kernel tilings checked and timed beside the default, ';'-separated, e.g. "
                        "'grid_block_n=16;stages=6,grid_block_n=16'")
   args = ap.parse_args()
   results = []
-  run_checks(results)
+  tilings = parse_tilings(args.tilings)
+  run_checks(results, tilings)
   if not args.check_only:
-    run_speed(results, args.dists.split(","), parse_tilings(args.tilings))
+    run_speed(results, args.dists.split(","), tilings)
   print_table(results)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
