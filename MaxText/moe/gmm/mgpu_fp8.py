@@ -50,26 +50,20 @@ WG_ROWS = 64
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tiling:
-  """A tile is 128 rows x cta_n columns: compute warpgroup w takes rows [64w, 64w + 64) of it, in
-  cta_n / 128 column blocks of one weight block each, multiplied one after the other into the same
-  64x128 partial (a 64x256 partial beside a 64x256 sum would need 256 registers per thread). A stage
-  is 128 of the contraction (128 B of e4m3, one swizzle row)."""
+  """A tile is 128 rows x 128 columns (one weight block column): compute warpgroup w takes rows
+  [64w, 64w + 64) of it. A stage is 128 of the contraction (128 B of e4m3, one swizzle row)."""
 
   stages: int = 5
   epi_n: int = 64
   # Measured on the H200 (BENCHMARKS.md, session 13): a band of 16 column tiles was +3% on the balanced
   # cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the previous step's partial while this step's
   # wgmma ran (a third 64x128 f32 array in registers) was 7-11% slower on every case and was removed.
+  # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
+  # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
   grid_block_n: int = 4
-  # 256: each lhs stage serves twice the columns (171 FLOP per loaded byte instead of 128, and half the
-  # tiles' fixed cost per FLOP), at 4 stages instead of 5 in the same shared memory.
-  cta_n: int = BLOCK
 
   block_m = 2 * WG_ROWS
-
-  @property
-  def col_blocks(self) -> int:
-    return self.cta_n // BLOCK
+  cta_n = BLOCK
 
   def smem_bytes(self, out_itemsize: int) -> int:
     """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
@@ -84,8 +78,6 @@ class Fp8Tiling:
     return tiling
 
   def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
-    if self.cta_n not in (BLOCK, 2 * BLOCK):
-      raise ValueError(f"blockwise-FP8 grouped GEMM: cta_n = {self.cta_n} must be {BLOCK} or {2 * BLOCK}")
     for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
       if size % multiple:
         raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")
@@ -157,38 +149,31 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
         @pl.when(kind == COMPUTE)
         def _compute():
+          rhs_scale_Kb = rhs_scale_gmem.at[group, ni]  # the tile's weight block column
+
           def promote(acc, partial, scale_rows):  # acc + partial * (row scale x weight scale), per row
             return acc + partial * lax.broadcast_in_dim(scale_rows, (WG_ROWS, BLOCK), [0])
 
           def compute_context(run_pipeline):
             zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-            acc_blocks = run_pipeline((zeros,) * t.col_blocks)  # [64, 128] f32 per column block
+            acc = run_pipeline(zeros)
             with jax.named_scope("epilogue"):
-              out_blocks = [acc.astype(out_dtype) for acc in acc_blocks]
-              col = lambda c: (c * t.epi_n) % BLOCK  # the chunk's first column within its block
-              epilogue(lambda c: out_blocks[c * t.epi_n // BLOCK][:, col(c):col(c) + t.epi_n])
+              out = acc.astype(out_dtype)
+              epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
 
           def step(idx, lhs_smem, rhs_smem, lhs_scale_smem, carry):
             (ki,) = idx
             lhs_wg = lhs_smem.at[pl.ds(wg_lo, WG_ROWS)]
-            # Issued before the first wait: their latency hides behind the MMA. A tile's column block
-            # cb is weight block ni * col_blocks + cb.
-            w_scales = [rhs_scale_gmem[group, ni * t.col_blocks + cb, ki] for cb in range(t.col_blocks)]
-            row_scale = None
-            out = []
-            for cb, acc in enumerate(carry):
-              rhs_KN = rhs_smem.at[pl.ds(cb * BLOCK, BLOCK)].transpose((1, 0))  # [128 K, 128 N], K-major
+            rhs_KN = rhs_smem.transpose((1, 0))  # [128 K, 128 N], K-major as e4m3 wgmma needs
 
-              def mma(partial_ref):
-                plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
-                return partial_ref[...]  # reading the partial waits for it
+            def mma(partial_ref):
+              plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
+              return partial_ref[...]  # reading the partial waits for it
 
-              partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-              if row_scale is None:
-                row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)],
-                                       layout=plgpu.Layout.WGMMA.reduce(1))
-              out.append(promote(acc, partial, row_scale * w_scales[cb]))
-            return tuple(out)
+            w_scale = rhs_scale_Kb[ki]  # issued before the wait: its latency hides behind the MMA
+            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
+            return promote(carry, partial, row_scale * w_scale)
 
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
