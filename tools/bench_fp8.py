@@ -51,9 +51,12 @@ def edge_cases():
   }
 
 
-def run_checks(results, tilings=None):
-  """tilings: forward-kernel variants checked on every forward and dlhs case beside the default."""
+def run_checks(results, tilings=None, names=None):
+  """tilings: forward-kernel variants checked on every forward and dlhs case beside the default;
+  names: the edge cases to run (all by default)."""
   for name, (m, k, n, sizes, offset, num_local, transpose, nan_foreign) in edge_cases().items():
+    if names and name not in names:
+      continue
     rng = np.random.default_rng(0)
     if sizes is None:
       sizes = group_sizes("zipf1.2", m, num_local, rng)
@@ -276,6 +279,7 @@ def print_table(results):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--checks", default=None, help="only these edge cases, ','-separated (default: all)")
   ap.add_argument("--dists", default="balanced,zipf1.2")
   ap.add_argument("--out", default=None)
   ap.add_argument("--tilings", default=None,
@@ -284,7 +288,7 @@ def main():
   args = ap.parse_args()
   results = []
   tilings = parse_tilings(args.tilings)
-  run_checks(results, tilings)
+  run_checks(results, tilings, args.checks and args.checks.split(","))
   if not args.check_only:
     run_speed(results, args.dists.split(","), tilings)
   print_table(results)

@@ -61,6 +61,10 @@ class Fp8Tiling:
   # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
   # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
   grid_block_n: int = 4
+  # 1: load step ki + 1's weight scale (a global load) during step ki, so that its latency has a whole
+  # step to pass, not just this step's MMA (the SASS had it consumed right after the wgmma wait), and
+  # read the row scales from shared memory before the MMA instead of after its wait.
+  prefetch_w_scale: int = 0
 
   block_m = 2 * WG_ROWS
   cta_n = BLOCK
@@ -156,7 +160,10 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
           def compute_context(run_pipeline):
             zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-            acc = run_pipeline(zeros)
+            if t.prefetch_w_scale:
+              acc, _ = run_pipeline((zeros, rhs_scale_Kb[0]))
+            else:
+              acc = run_pipeline(zeros)
             with jax.named_scope("epilogue"):
               out = acc.astype(out_dtype)
               epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
@@ -170,10 +177,19 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
               plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
               return partial_ref[...]  # reading the partial waits for it
 
-            w_scale = rhs_scale_Kb[ki]  # issued before the wait: its latency hides behind the MMA
-            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-            row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
-            return promote(carry, partial, row_scale * w_scale)
+            load_row_scale = lambda: plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)],
+                                                layout=plgpu.Layout.WGMMA.reduce(1))
+            if t.prefetch_w_scale:  # this step's scale came with the carry; the next one's loads now
+              acc, w_scale = carry
+              w_scale_next = rhs_scale_Kb[jnp.minimum(ki + 1, k_steps - 1)]
+              row_scale = load_row_scale()  # the stage is in shared memory already: read before the MMA
+              partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            else:
+              acc, w_scale = carry, rhs_scale_Kb[ki]  # a global load, issued before the wait
+              partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+              row_scale = load_row_scale()
+            acc = promote(acc, partial, row_scale * w_scale)
+            return (acc, w_scale_next) if t.prefetch_w_scale else acc
 
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
