@@ -18,7 +18,7 @@ the same work table, ZERO rows written as zeros) with what e4m3 needs:
 * A tile is 128 rows x 128 columns and each compute warpgroup takes 64 of its rows (WG_ROWS):
   the running sum and the step's partial are 64 registers per thread each.
 * The scales travel with the stage: lhs_scale is stored [K/128, M] so that a step's 128 row
-  scales are one contiguous row for TMA; rhs_scale is read as a scalar per step.
+  scales are one contiguous row for TMA; rhs_scale is read as a scalar, a step ahead of its use.
 
 Shapes: K and N multiples of 128, M of 8 (TMA rows). DeepSeek-V3's expert shapes need no
 padding. Measured on the H200 (BENCHMARKS.md, session 11).
@@ -61,10 +61,6 @@ class Fp8Tiling:
   # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
   # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
   grid_block_n: int = 4
-  # 1: load step ki + 1's weight scale (a global load) during step ki, so that its latency has a whole
-  # step to pass, not just this step's MMA (the SASS had it consumed right after the wgmma wait), and
-  # read the row scales from shared memory before the MMA instead of after its wait.
-  prefetch_w_scale: int = 0
 
   block_m = 2 * WG_ROWS
   cta_n = BLOCK
@@ -160,10 +156,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
           def compute_context(run_pipeline):
             zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-            if t.prefetch_w_scale:
-              acc, _ = run_pipeline((zeros, rhs_scale_Kb[0]))
-            else:
-              acc = run_pipeline(zeros)
+            acc, _ = run_pipeline((zeros, rhs_scale_Kb[0]))  # (running sum, this step's weight scale)
             with jax.named_scope("epilogue"):
               out = acc.astype(out_dtype)
               epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
@@ -177,19 +170,15 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
               plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
               return partial_ref[...]  # reading the partial waits for it
 
-            load_row_scale = lambda: plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)],
-                                                layout=plgpu.Layout.WGMMA.reduce(1))
-            if t.prefetch_w_scale:  # this step's scale came with the carry; the next one's loads now
-              acc, w_scale = carry
-              w_scale_next = rhs_scale_Kb[jnp.minimum(ki + 1, k_steps - 1)]
-              row_scale = load_row_scale()  # the stage is in shared memory already: read before the MMA
-              partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-            else:
-              acc, w_scale = carry, rhs_scale_Kb[ki]  # a global load, issued before the wait
-              partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-              row_scale = load_row_scale()
-            acc = promote(acc, partial, row_scale * w_scale)
-            return (acc, w_scale_next) if t.prefetch_w_scale else acc
+            # This step's weight scale came with the carry; the next step's is loaded from global memory
+            # now, a whole step before its use. Loaded in the step that uses it, the SASS consumed it
+            # right after the wgmma's wait, and the tile was 4% slower (BENCHMARKS.md, session 16).
+            # The row scales are read from the stage before the MMA, not after its wait, for the same reason.
+            acc, w_scale = carry
+            w_scale_next = rhs_scale_Kb[jnp.minimum(ki + 1, k_steps - 1)]
+            row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
+            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            return promote(acc, partial, row_scale * w_scale), w_scale_next
 
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
