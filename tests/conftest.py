@@ -101,14 +101,13 @@ class BackgroundRun:
   """`train_command` started and left running, for a test that acts when a line appears (a signal, a twin job).
 
   Two threads read its stdout and stderr as they come, so neither pipe fills, and every wait has a deadline: a
-  test that iterated over the pipe itself had no timeout, and two CI runs (stops 31 and 32) ran out of time while
-  such tests were in progress. A run still going when the `with` block ends is killed."""
+  test that iterated over the pipe itself could wait forever if the run hung (none was seen to; CI's slow-tier
+  hang was the interpreter's, `in_own_process` below). A run still going when the `with` block ends is killed."""
 
   def __init__(self, tmp_path: Path, *args: str, run_name: str = "run", env: dict | None = None):
     cmd, full_env, self.run_dir = train_command(tmp_path, *args, run_name=run_name, env=env)
     self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
-    self.pid = self.proc.pid
     self._stdout: list[str] = []
     self._stderr: list[str] = []
     self._new_stdout: queue.Queue = queue.Queue()  # each stdout line, then None at its end

@@ -99,7 +99,7 @@ def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
   with BackgroundRun(tmp_path, TINY, "steps=100000", "checkpoint_period=100000", run_name="twin") as first:
     first.wait_for("[progress] step 2/")
     second = run_train(tmp_path, TINY, "steps=200", run_name="twin")
-    _one_line(second, 5, f"in use by host {os.uname().nodename} pid {first.pid} since")
+    _one_line(second, 5, f"in use by host {os.uname().nodename} pid {first.proc.pid} since")
     first.send_signal(signal.SIGTERM)
     assert first.finish(timeout=300).returncode == 75  # the first job was never disturbed
 
