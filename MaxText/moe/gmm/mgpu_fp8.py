@@ -61,6 +61,9 @@ class Fp8Tiling:
   # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
   # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
   grid_block_n: int = 4
+  # Steps ahead that a weight scale is loaded (to measure, branch fp8-next): at 1, ptxas moves the load's
+  # result into its carry register before the step's wgmma wait, so the load must land within one MMA.
+  w_scale_lead: int = 1
 
   block_m = 2 * WG_ROWS
   cta_n = BLOCK
@@ -156,7 +159,9 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
           def compute_context(run_pipeline):
             zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-            acc, _ = run_pipeline((zeros, rhs_scale_Kb[0]))  # (running sum, this step's weight scale)
+            # (running sum, the weight scales of this step and the next w_scale_lead - 1)
+            first = tuple(rhs_scale_Kb[min(i, k_steps - 1)] for i in range(t.w_scale_lead))
+            acc, *_ = run_pipeline((zeros, *first))
             with jax.named_scope("epilogue"):
               out = acc.astype(out_dtype)
               epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
@@ -174,11 +179,11 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             # now, a whole step before its use. Loaded in the step that uses it, the SASS consumed it
             # right after the wgmma's wait, and the tile was 4% slower (BENCHMARKS.md, session 16).
             # The row scales are read from the stage before the MMA, not after its wait, for the same reason.
-            acc, w_scale = carry
-            w_scale_next = rhs_scale_Kb[jnp.minimum(ki + 1, k_steps - 1)]
+            acc, w_scale, *ahead = carry
+            w_scale_next = rhs_scale_Kb[jnp.minimum(ki + t.w_scale_lead, k_steps - 1)]
             row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg_lo, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
             partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-            return promote(acc, partial, row_scale * w_scale), w_scale_next
+            return promote(acc, partial, row_scale * w_scale), *ahead, w_scale_next
 
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
