@@ -17,8 +17,11 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +95,75 @@ def run_train(tmp_path: Path, *args: str, run_name: str = "run", env: dict | Non
   proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
                         check=False)
   return TrainResult(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+class BackgroundRun:
+  """`train_command` started and left running, for a test that acts when a line appears (a signal, a twin job).
+
+  Two threads read its stdout and stderr as they come, so neither pipe fills, and every wait has a deadline: a
+  test that iterated over the pipe itself had no timeout, and two CI runs (stops 31 and 32) ran out of time while
+  such tests were in progress. A run still going when the `with` block ends is killed."""
+
+  def __init__(self, tmp_path: Path, *args: str, run_name: str = "run", env: dict | None = None):
+    cmd, full_env, self.run_dir = train_command(tmp_path, *args, run_name=run_name, env=env)
+    self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+    self.pid = self.proc.pid
+    self._stdout: list[str] = []
+    self._stderr: list[str] = []
+    self._new_stdout: queue.Queue = queue.Queue()  # each stdout line, then None at its end
+    self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self._stdout, self._new_stdout)),
+                     threading.Thread(target=self._read, args=(self.proc.stderr, self._stderr, None))]
+    for reader in self._readers:
+      reader.daemon = True
+      reader.start()
+
+  @staticmethod
+  def _read(pipe, lines: list[str], new: queue.Queue | None) -> None:
+    for line in pipe:
+      lines.append(line)
+      if new is not None:
+        new.put(line)
+    if new is not None:
+      new.put(None)
+
+  def _fail(self, why: str) -> None:
+    self.proc.kill()
+    pytest.fail(f"{why}; its stderr ends:\n{''.join(self._stderr)[-3000:]}", pytrace=False)
+
+  def wait_for(self, text: str, timeout: float = 600) -> None:
+    """Returns once a stdout line contains `text`; fails the test (run killed) at its end or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        line = self._new_stdout.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        self._fail(f"no {text!r} on the run's stdout within {timeout:.0f} s")
+      if line is None:
+        self._fail(f"the run ended (exit {self.proc.wait()}) without printing {text!r}")
+      if text in line:
+        return
+
+  def send_signal(self, sig: int) -> None:
+    self.proc.send_signal(sig)
+
+  def finish(self, timeout: float = 600) -> TrainResult:
+    """Waits for the run's end (the timeout is a hang's) and returns all it printed."""
+    try:
+      self.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self._fail(f"the run did not end within {timeout:.0f} s")
+    for reader in self._readers:
+      reader.join(timeout=60)
+    return TrainResult(self.proc.returncode, "".join(self._stdout), "".join(self._stderr), self.run_dir)
+
+  def __enter__(self) -> "BackgroundRun":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
 
 
 def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:

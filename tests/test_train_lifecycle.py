@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TrainResult, run_train, train_command
+from conftest import REPO, BackgroundRun, TrainResult, run_train
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -59,18 +59,12 @@ def test_a_diverging_run_never_saves_a_non_finite_state_and_resumes_from_the_las
 
 def _train_and_signal(tmp_path, sig, times: int, *args: str, at_step: int = 3, run_name: str = "run"):
   """Starts a run, sends `sig` `times` when `[progress] step at_step/` appears."""
-  cmd, env, run_dir = train_command(tmp_path, *args, run_name=run_name)
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  stdout = []
-  for line in proc.stdout:
-    stdout.append(line)
-    if f"[progress] step {at_step}/" in line:
-      for _ in range(times):
-        proc.send_signal(sig)
-        time.sleep(0.2)
-      break
-  rest, stderr = proc.communicate(timeout=300)
-  return TrainResult(proc.returncode, "".join(stdout) + rest, stderr, run_dir)
+  with BackgroundRun(tmp_path, *args, run_name=run_name) as run:
+    run.wait_for(f"[progress] step {at_step}/")
+    for _ in range(times):
+      run.send_signal(sig)
+      time.sleep(0.2)
+    return run.finish(timeout=300)
 
 
 @pytest.mark.slow
@@ -102,18 +96,12 @@ def test_first_sigint_stops_cleanly_and_a_second_aborts(tmp_path):
 
 @pytest.mark.slow
 def test_a_twin_job_is_refused_while_the_first_runs(tmp_path):
-  cmd, env, _ = train_command(tmp_path, TINY, "steps=100000", "checkpoint_period=100000", run_name="twin")
-  first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  try:
-    for line in first.stdout:
-      if "[progress] step 2/" in line:
-        break
+  with BackgroundRun(tmp_path, TINY, "steps=100000", "checkpoint_period=100000", run_name="twin") as first:
+    first.wait_for("[progress] step 2/")
     second = run_train(tmp_path, TINY, "steps=200", run_name="twin")
     _one_line(second, 5, f"in use by host {os.uname().nodename} pid {first.pid} since")
-  finally:
     first.send_signal(signal.SIGTERM)
-    first.communicate(timeout=300)
-  assert first.returncode == 75  # the first job was never disturbed
+    assert first.finish(timeout=300).returncode == 75  # the first job was never disturbed
 
 
 @pytest.mark.slow

@@ -71,27 +71,34 @@ def run_checks(results, tilings=None, names=None):
     for out_dtype in (jnp.float32, jnp.bfloat16):
       got = mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype)
       want = xla_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=jnp.float32)
-      err = rel_err(got, want)
       lo = int(sizes[:offset].sum())
-      hi = lo + int(sizes[offset:offset + num_local].sum())
-      got32 = np.asarray(got, np.float32)
-      outside_zero = bool((got32[:lo] == 0).all() and (got32[hi:] == 0).all())
+      local_rows = (lo, lo + int(sizes[offset:offset + num_local].sum()))
+      err, outside_zero, ok = against_own_quantization(got, want, local_rows)
       # What FP8 itself costs: against the unquantized product in float32.
       full = xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=offset,
                               transpose_rhs=transpose, out_dtype=jnp.float32)
       fp8_err = rel_err(got, full)
-      ok = err < TOL_SAME_QUANT[jnp.dtype(out_dtype).name] and outside_zero
       line = (f"{'PASS' if ok else 'FAIL'} fp8 {name:26s} {jnp.dtype(out_dtype).name:8s} vs own quantization "
               f"{err:.2e}  vs unquantized {fp8_err:.2e}  zeros outside {outside_zero}")
       print(line, flush=True)
       results.append(dict(kind="check", case=name, out_dtype=jnp.dtype(out_dtype).name, ok=ok, err=err,
                           fp8_err=fp8_err))
       for label, tiling in (tilings or {}).items():
-        check_tiling(results, name, label, tiling, got, want, (lo, hi), x, w, gs,
+        check_tiling(results, name, label, tiling, got, want, local_rows, x, w, gs,
                      dict(group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype))
       if not transpose:
         check_tiles(results, name, x, w, gs, offset, out_dtype, got)
         check_dw(results, name, x, jax.random.normal(kw, (m, n), jnp.bfloat16), gs, offset, num_local, out_dtype)
+
+
+def against_own_quantization(got, want, local_rows):
+  """(error against the same quantization in float32, rows outside [lo, hi) exactly zero, PASS) of a
+  forward/dlhs kernel output; the bound is its output dtype's."""
+  lo, hi = local_rows
+  got32 = np.asarray(got, np.float32)
+  err = rel_err(got, want)
+  outside_zero = bool((got32[:lo] == 0).all() and (got32[hi:] == 0).all())
+  return err, outside_zero, err < TOL_SAME_QUANT[jnp.dtype(got.dtype).name] and outside_zero
 
 
 def check_tiling(results, name, label, tiling, got_default, want, local_rows, x, w, gs, kw):
@@ -99,13 +106,9 @@ def check_tiling(results, name, label, tiling, got_default, want, local_rows, x,
   local rows, and how far from the default tiling (the same wgmma per 128 columns and the same
   promotion order: expected bit for bit)."""
   got = mgpu_fp8.gmm(x, w, gs, tiling=tiling, **kw)
-  err = rel_err(got, want)
-  got32 = np.asarray(got, np.float32)
-  lo, hi = local_rows
-  outside_zero = bool((got32[:lo] == 0).all() and (got32[hi:] == 0).all())
-  diff = float(np.nanmax(np.abs(got32 - np.asarray(got_default, np.float32))))
+  err, outside_zero, ok = against_own_quantization(got, want, local_rows)
+  diff = float(np.nanmax(np.abs(np.asarray(got, np.float32) - np.asarray(got_default, np.float32))))
   dtype = jnp.dtype(kw["out_dtype"]).name
-  ok = err < TOL_SAME_QUANT[dtype] and outside_zero
   print(f"{'PASS' if ok else 'FAIL'} fp8 {label} {name:22s} {dtype:8s} vs own quantization {err:.2e}  zeros outside "
         f"{outside_zero}  largest difference from the default tiling {diff:.2e}", flush=True)
   results.append(dict(kind="check", case=f"{label} {name}", out_dtype=dtype, ok=ok, err=err, fp8_err=None))
@@ -288,7 +291,10 @@ def main():
   args = ap.parse_args()
   results = []
   tilings = parse_tilings(args.tilings)
-  run_checks(results, tilings, args.checks and args.checks.split(","))
+  names = args.checks.split(",") if args.checks else None
+  if unknown := sorted(set(names or ()) - set(edge_cases())):
+    raise SystemExit(f"--checks: no edge case {', '.join(unknown)} (cases: {', '.join(edge_cases())})")
+  run_checks(results, tilings, names)
   if not args.check_only:
     run_speed(results, args.dists.split(","), tilings)
   print_table(results)

@@ -29,7 +29,8 @@
 #             --variants ours,ours_fp8, 100 steps: step time and the loss curves side by side)
 #   fp8-profile  the proxy with FP8 experts, 8 steps, 2 of them traced (bench_train.py --profile): the step's
 #             breakdown, and each trace copied to $GPU_CHECK_OUT/traces/ (the device tool returns files at most
-#             a few folders deep; the run's own trace sits seven down)
+#             a few folders deep; the run's own trace sits seven down). The tool returns at most 8 files: run this
+#             item alone, or with GPU_CHECK_OUT apart from $OUT for the others (session 16 lost the trace to a 9th file)
 #   fp8-gmm   issue 19's bench_gmm run: --quick (DeepSeek-V3 up/down fwd+bwd and the expert FFN) for mgpu and
 #             mgpu_fp8 in one process, FP8 quantization inside the timed calls (its own limit, GPU_CHECK_FP8_GMM_S,
 #             default 540 s)

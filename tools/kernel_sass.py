@@ -1,15 +1,17 @@
 """What ptxas made of our Mosaic-GPU grouped GEMMs: registers, spills and the SASS opcode mix of
-each kernel, from Mosaic GPU's own dumps (MOSAIC_GPU_DUMP_PTXAS and MOSAIC_GPU_DUMP_SASS, which
-print to the process's stdout).
+each kernel, from Mosaic GPU's own dumps (MOSAIC_GPU_DUMP_PTX and MOSAIC_GPU_DUMP_PTXAS, which print
+to the process's stdout), the PTX assembled again with ptxas and disassembled with nvdisasm.
 
   python tools/kernel_sass.py --out DIR [--kernels fp8_fwd,fp8_dw,bf16_fwd] [--m 16384] [--target h200]
 
-Each kernel is compiled and run once, in a process of its own, at DeepSeek-V3's up-projection
-shape (K=7168, N=2048, G=32 balanced groups; M rows); that process's output is DIR/<kernel>.log. Printed per kernel: ptxas's registers
-per thread and spill bytes, and the opcodes of the whole SASS by count. Read against the FP8
-kernel's design (`mgpu_fp8.py`): each 128-wide contraction step of a warpgroup is four HGMMAs, a
-wait, and its promotion, 64 FFMAs (or FMUL + FADD pairs if the scale multiply did not fuse) per
-thread; a spill (STL/LDL) inside that loop would cost the tensor cores their overlap.
+Each kernel is compiled once, in a process of its own, at DeepSeek-V3's up-projection shape
+(K=7168, N=2048, G=32 balanced groups; M rows), on this machine's GPU or, with --target, for a
+compile-only GPU on the CPU; that process's output is DIR/<kernel>.log, its PTX DIR/<kernel>.ptx.
+Printed per kernel: ptxas's registers per thread and spill bytes, and the opcodes of the whole SASS
+by count. Read against the FP8 kernel's design (`mgpu_fp8.py`): each 128-wide contraction step of a
+warpgroup is four QGMMAs (FP8; the bf16 kernel's are HGMMAs), a wait, and its promotion, 64 FFMAs
+(or FMUL + FADD pairs if the scale multiply did not fuse) per thread; a spill (STL/LDL) inside that
+loop would cost the tensor cores their overlap. Exit 1 if a kernel gave no SASS.
 
 The summary functions read text only, so they are tested on CPU (tests/test_kernel_sass.py).
 """
@@ -87,10 +89,15 @@ def disassemble(log: str, stem: Path) -> str:
   tools = cuda_bin()
   for cmd in ([f"{tools}/ptxas", "-arch=sm_90a", "-o", str(cubin), str(stem.with_suffix(".ptx"))],
               [f"{tools}/nvdisasm", "-c", str(cubin)]):
+    if not os.path.isfile(cmd[0]):
+      return f"\n[kernel_sass] no {cmd[0]}: set KERNEL_SASS_CUDA_BIN (see cuda_bin)\n"
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
       return f"\n[kernel_sass] {' '.join(cmd)} failed: {proc.stderr.strip()[:300]}\n"
   return proc.stdout
+
+
+KERNELS = ("fp8_fwd", "fp8_dw", "bf16_fwd")
 
 
 def _kernels(m: int, sharding=None):
@@ -137,7 +144,7 @@ def _compile_one(name: str, m: int, target: str | None) -> None:
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
-  ap.add_argument("--kernels", default="fp8_fwd,fp8_dw,bf16_fwd")
+  ap.add_argument("--kernels", default=",".join(KERNELS))
   ap.add_argument("--m", type=int, default=16384)
   ap.add_argument("--target", default=None,
                   help="compile on the CPU for this compile-only GPU (a MaxText/hardware.py key, e.g. h200) "
@@ -147,20 +154,30 @@ def main() -> int:
   if args.one:
     _compile_one(args.one, args.m, args.target)
     return 0
+  names = args.kernels.split(",")
+  if unknown := [n for n in names if n not in KERNELS]:
+    raise SystemExit(f"--kernels: no kernel {', '.join(unknown)} (kernels: {', '.join(KERNELS)})")
+  if args.target:
+    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+
+    if reason := gpu_target.unavailable_reason(args.target):
+      raise SystemExit(f"--target: {reason}")
   # Mosaic's own SASS dump could not spawn nvdisasm on the GPU image (jax 0.11.2), so the PTX it
   # prints is assembled again here with the image's ptxas and disassembled with nvdisasm.
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1")
   os.makedirs(args.out, exist_ok=True)
   rows = {}
-  for name in args.kernels.split(","):
+  for name in names:
     child = [sys.executable, __file__, "--out", args.out, "--m", str(args.m), "--one", name]
     proc = subprocess.run(child + (["--target", args.target] if args.target else []),
                           env=env, capture_output=True, text=True, check=False)
     log = proc.stdout + proc.stderr
-    log += disassemble(log, Path(args.out, name))
+    sass = disassemble(log, Path(args.out, name))
+    log += sass
     Path(args.out, f"{name}.log").write_text(log)
     rows[name] = summarize(log)
-    print(f"[kernel_sass] {name}: exit {proc.returncode}, top opcodes {rows[name]['top']}", flush=True)
+    why = "" if rows[name]["instructions"] else f" -- no SASS: {sass.strip()[:300]}"
+    print(f"[kernel_sass] {name}: exit {proc.returncode}, top opcodes {rows[name]['top']}{why}", flush=True)
   import jax  # pylint: disable=import-outside-toplevel
 
   where = f"compile-only {args.target} on the CPU" if args.target else jax.devices()[0].device_kind
@@ -170,7 +187,7 @@ def main() -> int:
     spills = f"{r['spill_stores_bytes']}/{r['spill_loads_bytes']}"
     print(f"{name:10s} {r['registers']!s:>5s} {spills:>14s} {r['instructions']:>7d}  "
           + " ".join(f"{r['watched'][op]:>6d}" for op in WATCHED))
-  return 0
+  return 0 if all(r["instructions"] for r in rows.values()) else 1
 
 
 if __name__ == "__main__":
