@@ -64,14 +64,28 @@ class Fp8Tiling:
   # Steps ahead that a weight scale is loaded (to measure, branch fp8-next): at 1, ptxas moves the load's
   # result into its carry register before the step's wgmma wait, so the load must land within one MMA.
   w_scale_lead: int = 1
+  # Compute warpgroups per tile, 64 rows each (to measure, branch fp8-next). A warpgroup's tensor-core work stops
+  # from its wgmma wait to its next MMA (the promotion, the stage barrier): with 2, the other's one MMA must cover
+  # that; with 3, two others' do. The register file then gives each compute thread 160 instead of 232
+  # (`memory_registers`), against the 128 of the running sum and the partial: kernel_sass shows whether it spills.
+  compute_wgs: int = 2
 
-  block_m = 2 * WG_ROWS
   cta_n = BLOCK
+
+  @property
+  def block_m(self) -> int:
+    return self.compute_wgs * WG_ROWS
+
+  @property
+  def memory_registers(self) -> int:
+    """The memory warpgroup's registers: 40 as JAX's pipeline default; 24 (setmaxnreg's least) with 3 compute
+    warpgroups, so that they get (512 - 24) / 3 -> 160 each."""
+    return 40 if self.compute_wgs == 2 else 24
 
   def smem_bytes(self, out_itemsize: int) -> int:
     """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
     stage = self.block_m * BLOCK + self.cta_n * BLOCK + self.block_m * 4  # lhs, rhs (e4m3), row scales
-    return self.stages * stage + 2 * WG_ROWS * self.epi_n * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+    return self.stages * stage + self.block_m * self.epi_n * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
   def fit_output(self, out_itemsize: int) -> "Fp8Tiling":
     """Fewer stages where an f32 epilogue buffer needs the room."""
@@ -81,6 +95,8 @@ class Fp8Tiling:
     return tiling
 
   def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
+    if self.compute_wgs not in (2, 3):  # 4 would leave (512 - 24) / 4 -> 120 registers: less than the two arrays
+      raise ValueError(f"{self}: compute_wgs must be 2 or 3")
     for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
       if size % multiple:
         raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")
@@ -110,14 +126,14 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
-        memory_registers=40,
+        memory_registers=t.memory_registers,
         in_specs=[
             plgpu.BlockSpec((t.block_m, BLOCK), lambda ki: (0, ki), transforms=transforms),
             plgpu.BlockSpec((t.cta_n, BLOCK), lambda ki: (0, ki), transforms=transforms),
             plgpu.BlockSpec((1, t.block_m), lambda ki: (ki, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=2,
+        num_compute_wgs=t.compute_wgs,
         max_concurrent_steps=t.stages,
         compute_context=compute_context,
     )
@@ -129,7 +145,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0], lhs_scale_gmem),
-        out_smem=plgpu.SMEM((2, WG_ROWS, t.epi_n), out_dtype),
+        out_smem=plgpu.SMEM((t.compute_wgs, WG_ROWS, t.epi_n), out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -190,7 +206,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             pipeline(step, compute_context)(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
                                             lhs_scale_gmem.at[:, window], allocations=allocs)
 
-        @pl.when((kind == ZERO) & (wg < 2))
+        @pl.when((kind == ZERO) & (wg < t.compute_wgs))
         def _zero():
           with jax.named_scope("zero_tile"):
             epilogue(lambda c: plgpu.layout_cast(jnp.zeros((WG_ROWS, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
@@ -202,7 +218,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=mgpu_kernels.NUM_WARPGROUPS,
+      num_threads=t.compute_wgs + 1,
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(None),
   )
