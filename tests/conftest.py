@@ -166,6 +166,29 @@ class BackgroundRun:
       self.proc.wait()
 
 
+# Pallas' GPU interpreter runs each simulated warpgroup as a thread inside an XLA CPU execution, and the
+# warpgroups of a block (of a cluster, with multicast) must all run at once: they wait on each other's
+# barriers. XLA's CPU client runs only a few executions at once on a 2-core machine, so a kernel with more
+# threads than that can deadlock at its first barrier, depending on timing: CI's slow tier hung for its whole
+# 90 minutes in the 2-SM multicast test (2026-12-03, py-spy: the test's thread in ThreadPoolExecutor.shutdown,
+# every simulated warpgroup waiting). With 8 host devices the client has the threads.
+OWN_PROCESS_ENV = "MAXTEXT_MOE_TEST_IN_OWN_PROCESS"
+MANY_CPU_THREADS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def in_own_process(request, env: dict, timeout: int = 900) -> bool:
+  """Runs this test again in a pytest process of its own, with `env` added; True there (run the body), False
+  here once that process passed (nothing left to do)."""
+  nodeid = request.node.nodeid
+  if os.environ.get(OWN_PROCESS_ENV) == nodeid:
+    return True
+  full_env = {**os.environ, **env, OWN_PROCESS_ENV: nodeid}
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", nodeid],
+                        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  return False
+
+
 def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:
   """A command line that must be refused before the run starts: nonzero exit,
   no run directory. No training runs, so the test needs no `slow` mark."""

@@ -13,50 +13,34 @@ Prints PASS/FAIL per trial and a table last.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import BackgroundRun, run_train  # this folder is on sys.path when the script runs
 
 
-def _cmd(out: Path, name: str, steps: int, period: int) -> list[str]:
-  return [sys.executable, "-m", "MaxText.train", "configs/deepseek3-tiny.yml", f"steps={steps}",
-          f"checkpoint_period={period}", f"learning_rate_schedule_steps={steps}", f"base_output_directory={out}",
-          f"run_name={name}"]
+def _args(steps: int, period: int) -> tuple[str, ...]:
+  return ("configs/deepseek3-tiny.yml", f"steps={steps}", f"checkpoint_period={period}",
+          f"learning_rate_schedule_steps={steps}")
 
 
-def _env() -> dict[str, str]:
-  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-  return {int(k): v for k, v in json.loads((run_dir / "summary.json").read_text())["losses"].items()}
+def _trained(stdout: str) -> int:
+  """The last step a run's progress lines reported."""
+  return max((int(line.split()[2].split("/")[0]) for line in stdout.splitlines()
+              if line.startswith("[progress] step ")), default=0)
 
 
 def trial(out: Path, name: str, sig: signal.Signals, at: int, steps: int, period: int) -> dict:
-  proc = subprocess.Popen(_cmd(out, name, steps, period), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  trained = 0
-  for line in proc.stdout:
-    if line.startswith("[progress] step "):
-      trained = int(line.split()[2].split("/")[0])
-    if f"[progress] step {at}/" in line:
-      proc.send_signal(sig)
-      break
-  rest, err = proc.communicate(timeout=600)
-  for line in rest.splitlines():
-    if line.startswith("[progress] step "):
-      trained = int(line.split()[2].split("/")[0])
-  first = _losses(out / name) if sig != signal.SIGKILL else {}
-  code = proc.returncode
-  resumed = subprocess.run(_cmd(out, name, steps, period), cwd=REPO, env=_env(), capture_output=True, text=True,
-                           timeout=600, check=False)
-  second = _losses(out / name) if resumed.returncode == 0 else {}
+  with BackgroundRun(out, *_args(steps, period), run_name=name) as run:  # every wait with a deadline
+    run.wait_for(f"[progress] step {at}/")
+    run.send_signal(sig)
+    stopped = run.finish(timeout=600)
+  trained, err, code = _trained(stopped.stdout), stopped.stderr, stopped.returncode
+  first = stopped.losses() if sig != signal.SIGKILL else {}
+  resumed = run_train(out, *_args(steps, period), run_name=name)
+  second = resumed.losses() if resumed.returncode == 0 else {}
   restart = min(second) if second else None
   lost = max(trained - restart, 0) if restart is not None else None
   return {"signal": sig.name, "at": at, "exit": code, "trained_before": trained, "resumed_at": restart,
@@ -73,10 +57,9 @@ def main() -> int:
   opts = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp)
-    unbroken = subprocess.run(_cmd(out, "unbroken", opts.steps, opts.period), cwd=REPO, env=_env(),
-                              capture_output=True, text=True, timeout=600, check=False)
+    unbroken = run_train(out, *_args(opts.steps, opts.period), run_name="unbroken")
     assert unbroken.returncode == 0, unbroken.stderr[-2000:]
-    reference = _losses(out / "unbroken")
+    reference = unbroken.losses()
     rows = []
     for i, spec in enumerate(opts.trials):
       name, at = spec.split("@")
