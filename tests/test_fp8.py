@@ -4,10 +4,7 @@ The GPU checks (PASS/FAIL per case) and timings are tools/bench_fp8.py's."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import MANY_CPU_THREADS, in_own_process
 from MaxText.moe.gmm import fp8_quant, mgpu_fp8, xla, xla_fp8
 
 E4M3_NP = ml_dtypes.float8_e4m3fn
@@ -191,7 +188,7 @@ KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype,
 # Three compute warpgroups (192-row tiles): windows straddle more groups, and a warpgroup can get no rows. Their
 # interpreter runs four warpgroup threads, each inside an XLA CPU execution; on a 2-core machine XLA's CPU client
 # runs three at once and the fourth never starts (a deadlock at the first barrier). 8 host devices give it the
-# threads, so these cases run in a process of their own.
+# threads, so these cases run in a process of their own (conftest.in_own_process).
 THREE_WG_CASES = {"ring_2_of_6_f32_nan_foreign": 3, "one_hot_bf16_rows_past": 4}  # name: stages
 
 
@@ -232,40 +229,29 @@ def test_kernel_interpreted_matches_its_quantization(name):
 
 @pytest.mark.parametrize("name", sorted(THREE_WG_CASES))
 @pytest.mark.slow  # long on CPU (interpreted kernels): --all only
-def test_three_compute_warpgroups_interpreted_match_two(name):
+def test_three_compute_warpgroups_interpreted_match_two(request, name):
   """Fp8Tiling(compute_wgs=3) against the default tiling on the same case, both interpreted: the same
   products per tile row, so equal up to f32 summation order."""
-  code = f"""
-import sys; sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / "tests")!r})
-import jax, jax.numpy as jnp, numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from MaxText.moe.gmm import mgpu_fp8
-from test_fp8 import KERNEL_CASES
-sizes, offset, num_local, transpose, out_dtype, nan_foreign, _ = KERNEL_CASES[{name!r}]
-m, k, n = 296, 512, 256
-kx, kw = jax.random.split(jax.random.key(4))
-x = jax.random.normal(kx, (m, n if transpose else k), jnp.bfloat16)
-if nan_foreign:
-  x = x.at[:sum(sizes[:offset]) - 3].set(jnp.nan)
-w = (jax.random.normal(kw, (num_local, k, n)) / 16).astype(jnp.bfloat16)
-gs = jnp.asarray(sizes, jnp.int32)
-outs = []
-for tiling in (mgpu_fp8.Fp8Tiling(compute_wgs=3, stages={THREE_WG_CASES[name]}), mgpu_fp8.Fp8Tiling()):
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    outs.append(np.asarray(jax.block_until_ready(mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose,
-                                                              out_dtype=out_dtype, tiling=tiling)), np.float32))
-three, two = outs
-print("RESULT", bool(np.isnan(three).any()), float(np.abs(three - two).max() / np.abs(two).max()),
-      bool(((three == 0) == (two == 0)).all()))
-"""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                        check=False)
-  rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-  assert rows, proc.stderr[-3000:]
-  _, has_nan, rel, same_zeros = rows[0]
-  tol = 1e-5 if KERNEL_CASES[name][4] == jnp.float32 else 1e-2
-  assert has_nan == "False" and float(rel) < tol and same_zeros == "True", rows[0]
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  sizes, offset, num_local, transpose, out_dtype, nan_foreign, _ = KERNEL_CASES[name]
+  m, k, n = 296, 512, 256
+  kx, kw = jax.random.split(jax.random.key(4))
+  x = jax.random.normal(kx, (m, n if transpose else k), jnp.bfloat16)
+  if nan_foreign:
+    x = x.at[:sum(sizes[:offset]) - 3].set(jnp.nan)
+  w = (jax.random.normal(kw, (num_local, k, n)) / 16).astype(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  outs = []
+  for tiling in (mgpu_fp8.Fp8Tiling(compute_wgs=3, stages=THREE_WG_CASES[name]), mgpu_fp8.Fp8Tiling()):
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out = mgpu_fp8.gmm(x, w, gs, group_offset=offset, transpose_rhs=transpose, out_dtype=out_dtype, tiling=tiling)
+      outs.append(np.asarray(jax.block_until_ready(out), np.float32))
+  three, two = outs
+  assert not np.isnan(three).any() and ((three == 0) == (two == 0)).all()
+  assert _rel(three, two) < (1e-5 if out_dtype == jnp.float32 else 1e-2)
 
 
 # ------------------------------------------------------------------ the backends, the VJP, the key
