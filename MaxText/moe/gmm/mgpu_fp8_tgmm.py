@@ -114,14 +114,12 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
             plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
             return partial_ref[...]
 
-          # The scales are in the stage already: read them and form their outer product before the MMA,
-          # so that only the 64 FFMAs of the promotion wait for it (64 more registers live across the wait).
+          partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
           row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)],
                                  layout=plgpu.Layout.WGMMA.reduce(1))
           col_scale = plgpu.load(dout_scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
           scale = (lax.broadcast_in_dim(row_scale, (WG_ROWS, BLOCK), [0])
                    * lax.broadcast_in_dim(col_scale, (WG_ROWS, BLOCK), [1]))
-          partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
           return acc + partial * scale
 
         @pl.when(steps > 0)
