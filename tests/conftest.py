@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import queue
 import subprocess
@@ -173,6 +174,35 @@ class BackgroundRun:
 # every simulated warpgroup waiting). With 8 host devices the client has the threads.
 OWN_PROCESS_ENV = "MAXTEXT_MOE_TEST_IN_OWN_PROCESS"
 MANY_CPU_THREADS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+# The most warpgroup threads that one interpreted block (or cluster) has run in the suite's own process without a
+# deadlock on 2 cores: the bf16 kernels' three. The FP8 kernel's four deadlocked (session 17).
+SAFE_INTERPRETED_THREADS = 3
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _interpreted_kernels_have_the_threads():
+  """Refuses, when it is traced, an interpreted kernel with more warpgroup threads at once than the suite's
+  process can run, instead of letting it hang CI: such a test must run through `in_own_process` with
+  MANY_CPU_THREADS."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp  # pylint: disable=import-outside-toplevel
+
+  dims_and_threads = interp._get_grid_and_cluster_dims_and_num_threads  # pylint: disable=protected-access
+
+  def checked(*args, **kwargs):
+    grid_dims, cluster_dims, threads_per_block = dims_and_threads(*args, **kwargs)
+    at_once = math.prod(cluster_dims) * threads_per_block
+    if at_once > SAFE_INTERPRETED_THREADS and len(jax.devices("cpu")) < 8:
+      raise RuntimeError(f"an interpreted kernel runs {at_once} warpgroup threads at once, more than "
+                         f"{SAFE_INTERPRETED_THREADS}: run its test through conftest.in_own_process(request, "
+                         "MANY_CPU_THREADS), or it can deadlock on a 2-core machine")
+    return grid_dims, cluster_dims, threads_per_block
+
+  interp._get_grid_and_cluster_dims_and_num_threads = checked  # pylint: disable=protected-access
+  yield
+  interp._get_grid_and_cluster_dims_and_num_threads = dims_and_threads  # pylint: disable=protected-access
 
 
 def in_own_process(request, env: dict, timeout: int = 900) -> bool:

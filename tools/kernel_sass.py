@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -100,7 +101,18 @@ def disassemble(log: str, stem: Path) -> str:
 KERNELS = ("fp8_fwd", "fp8_dw", "bf16_fwd")
 
 
-def _kernels(m: int, sharding=None):
+def _fp8_tiling(spec: str):
+  """`key=value,...` -> mgpu_fp8.Fp8Tiling (fields as tools/bench_fp8.py --tilings takes them)."""
+  from MaxText.moe.gmm import mgpu_fp8  # pylint: disable=import-outside-toplevel
+
+  fields = dict(item.split("=", 1) for item in spec.split(",") if item)
+  names = {f.name for f in dataclasses.fields(mgpu_fp8.Fp8Tiling)}
+  if bad := [k for k, v in fields.items() if k not in names or not v.isdigit()]:
+    raise SystemExit(f"--fp8-tiling: {', '.join(bad)} is not an Fp8Tiling field with an integer value")
+  return mgpu_fp8.Fp8Tiling(**{k: int(v) for k, v in fields.items()})
+
+
+def _kernels(m: int, sharding=None, fp8_tiling: str = ""):
   """name -> (function, argument shapes): each compiled once (compiling is what makes Mosaic GPU print
   its PTX and ptxas report; nothing needs to run)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -115,8 +127,9 @@ def _kernels(m: int, sharding=None):
   def fp8_fwd(x, w, gs):  # the kernel on operands quantized beforehand
     x_q, x_s = fp8_quant.quantize_row_tiles(x)
     w_q, w_s = (a.swapaxes(1, 2) for a in fp8_quant.quantize_blocks(w))
-    table = mgpu_schedule.work_table(gs, 0, g, m, mgpu_fp8.Fp8Tiling.block_m, window_align=8)
-    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table)
+    tiling = _fp8_tiling(fp8_tiling)
+    table = mgpu_schedule.work_table(gs, 0, g, m, tiling.block_m, window_align=8)
+    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling)
 
   return {
       "fp8_fwd": (fp8_fwd, (x, w, gs)),
@@ -125,7 +138,7 @@ def _kernels(m: int, sharding=None):
   }
 
 
-def _compile_one(name: str, m: int, target: str | None) -> None:
+def _compile_one(name: str, m: int, target: str | None, fp8_tiling: str = "") -> None:
   """The child's work: compile one kernel on this process's GPU, or for a compile-only `target` GPU
   on the CPU (MaxText/gpu_target.py: XLA's GPU pipeline compiles Mosaic GPU kernels there too)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -137,7 +150,7 @@ def _compile_one(name: str, m: int, target: str | None) -> None:
     from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
 
     sharding = SingleDeviceSharding(gpu_target.enter(target, 1, 1)[0])
-  fn, shapes = _kernels(m, sharding)[name]
+  fn, shapes = _kernels(m, sharding, fp8_tiling)[name]
   jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).compile()
 
 
@@ -149,10 +162,11 @@ def main() -> int:
   ap.add_argument("--target", default=None,
                   help="compile on the CPU for this compile-only GPU (a MaxText/hardware.py key, e.g. h200) "
                        "instead of on this machine's GPU (needs scripts/bootstrap.sh --gpu-plan)")
+  ap.add_argument("--fp8-tiling", default="", help="fp8_fwd's Fp8Tiling fields, e.g. compute_wgs=3")
   ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: compile this kernel
   args = ap.parse_args()
   if args.one:
-    _compile_one(args.one, args.m, args.target)
+    _compile_one(args.one, args.m, args.target, args.fp8_tiling)
     return 0
   names = args.kernels.split(",")
   if unknown := [n for n in names if n not in KERNELS]:
@@ -168,7 +182,8 @@ def main() -> int:
   os.makedirs(args.out, exist_ok=True)
   rows = {}
   for name in names:
-    child = [sys.executable, __file__, "--out", args.out, "--m", str(args.m), "--one", name]
+    child = [sys.executable, __file__, "--out", args.out, "--m", str(args.m), "--one", name,
+             "--fp8-tiling", args.fp8_tiling]
     proc = subprocess.run(child + (["--target", args.target] if args.target else []),
                           env=env, capture_output=True, text=True, check=False)
     log = proc.stdout + proc.stderr

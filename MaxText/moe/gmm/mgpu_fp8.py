@@ -4,7 +4,7 @@
       (lhs_q[rows, kb] @ rhs_q[g][:, kb]^T)  *  lhs_scale[kb, rows]  *  rhs_scale[g, nb, kb]
 
 with `fp8_quant`'s scales (1x128 row tiles for lhs, 128x128 blocks for rhs). It follows
-`mgpu_kernels.grouped_matmul` (one TMA warpgroup and two wgmma warpgroups on a persistent grid,
+`mgpu_kernels.grouped_matmul` (one TMA warpgroup and wgmma warpgroups on a persistent grid,
 the same work table, ZERO rows written as zeros) with what e4m3 needs:
 
 * Both operands K-major: e4m3 wgmma has no transposed-operand mode, so rhs is stored
@@ -14,14 +14,14 @@ the same work table, ZERO rows written as zeros) with what e4m3 needs:
   one 128-column block into a fresh f32 accumulator, waits for it, and adds it to the running
   sum times lhs_scale (one value per row, loaded from the stage's shared memory in the
   accumulator's row layout) times rhs_scale (one scalar: a tile's 128 columns are one weight
-  block). While one warpgroup scales, the other's wgmma runs.
-* A tile is 128 rows x 128 columns and each compute warpgroup takes 64 of its rows (WG_ROWS):
-  the running sum and the step's partial are 64 registers per thread each.
+  block). While one warpgroup scales, the others' wgmmas run.
+* A tile is 192 rows x 128 columns and each of three compute warpgroups takes 64 of its rows
+  (WG_ROWS): the running sum and the step's partial are 64 registers per thread each.
 * The scales travel with the stage: lhs_scale is stored [K/128, M] so that a step's 128 row
   scales are one contiguous row for TMA; rhs_scale is read as a scalar, a step ahead of its use.
 
 Shapes: K and N multiples of 128, M of 8 (TMA rows). DeepSeek-V3's expert shapes need no
-padding. Measured on the H200 (BENCHMARKS.md, session 11).
+padding. Measured on the H200 (BENCHMARKS.md, sessions 11 and 18).
 """
 
 from __future__ import annotations
@@ -50,10 +50,12 @@ WG_ROWS = 64
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tiling:
-  """A tile is 128 rows x 128 columns (one weight block column): compute warpgroup w takes rows
+  """A tile is 192 rows x 128 columns (one weight block column): compute warpgroup w takes rows
   [64w, 64w + 64) of it. A stage is 128 of the contraction (128 B of e4m3, one swizzle row)."""
 
-  stages: int = 5
+  # 5 stages of 192-row tiles and a bf16 epilogue need 233,216 B of shared memory, over the limit.
+  stages: int = 4
+  # A multiple of 128 B per row (`validate`).
   epi_n: int = 64
   # Measured on the H200 (BENCHMARKS.md, session 13): a band of 16 column tiles was +3% on the balanced
   # cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the previous step's partial while this step's
@@ -61,14 +63,26 @@ class Fp8Tiling:
   # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
   # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
   grid_block_n: int = 4
+  # Loading each weight scale two steps ahead instead of one was 1-6% slower on every case (session 18), and
+  # was removed.
 
-  block_m = 2 * WG_ROWS
+  # Three compute warpgroups of 64 rows. A warpgroup's tensor-core work stops from its wgmma wait to its
+  # next MMA (the promotion, the stage barrier): with two, the other's one MMA must cover that; with three,
+  # two others' do. Against two (128-row tiles, 5 stages), measured on the H200 (session 18): -10% on the
+  # up-projection (0.71 -> 0.79 of dense FP8), -6% on the down-projection balanced, equal on its Zipf-1.2
+  # case; the two-warpgroup option was removed. Four would leave (512 - 24) / 4 -> 120 registers per
+  # thread, less than the running sum and the partial (128).
+  compute_wgs = 3
+  block_m = compute_wgs * WG_ROWS
   cta_n = BLOCK
+  # The memory warpgroup's registers: setmaxnreg's least, so that each compute thread gets
+  # (512 - 24) / 3 -> 160 (kernel_sass: no spills at 4 stages).
+  memory_registers = 24
 
   def smem_bytes(self, out_itemsize: int) -> int:
     """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
     stage = self.block_m * BLOCK + self.cta_n * BLOCK + self.block_m * 4  # lhs, rhs (e4m3), row scales
-    return self.stages * stage + 2 * WG_ROWS * self.epi_n * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+    return self.stages * stage + self.block_m * self.epi_n * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
   def fit_output(self, out_itemsize: int) -> "Fp8Tiling":
     """Fewer stages where an f32 epilogue buffer needs the room."""
@@ -78,6 +92,11 @@ class Fp8Tiling:
     return tiling
 
   def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
+    # A TMA store reads shared memory from a 128-byte aligned address, and a piece of a window can start at
+    # any row of the epilogue buffer. With 64-byte rows (epi_n=32, bf16) a group of odd size stopped the
+    # H200 with CUDA_ERROR_MISALIGNED_ADDRESS (session 18).
+    if self.epi_n * out_itemsize % 128:
+      raise ValueError(f"{self}: epilogue rows of {self.epi_n} x {out_itemsize} B are not a multiple of 128 B")
     for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
       if size % multiple:
         raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")
@@ -87,7 +106,7 @@ class Fp8Tiling:
 
 def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, table, *,
                        tiling: Fp8Tiling = Fp8Tiling(), out_dtype=jnp.bfloat16):
-  """The scaled product above. table: `mgpu_schedule.work_table(..., 128, window_align=8)`."""
+  """The scaled product above. table: `mgpu_schedule.work_table(..., tiling.block_m, window_align=8)`."""
   m, k = lhs_q_MK.shape
   _, n, k2 = rhs_q_GNK.shape
   if k != k2 or lhs_scale_KbM.shape != (k // BLOCK, m) or rhs_scale_GNbKb.shape[1:] != (n // BLOCK, k // BLOCK):
@@ -107,14 +126,14 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
-        memory_registers=40,
+        memory_registers=t.memory_registers,
         in_specs=[
             plgpu.BlockSpec((t.block_m, BLOCK), lambda ki: (0, ki), transforms=transforms),
             plgpu.BlockSpec((t.cta_n, BLOCK), lambda ki: (0, ki), transforms=transforms),
             plgpu.BlockSpec((1, t.block_m), lambda ki: (ki, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=2,
+        num_compute_wgs=t.compute_wgs,
         max_concurrent_steps=t.stages,
         compute_context=compute_context,
     )
@@ -126,7 +145,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0], lhs_scale_gmem),
-        out_smem=plgpu.SMEM((2, WG_ROWS, t.epi_n), out_dtype),
+        out_smem=plgpu.SMEM((t.compute_wgs, WG_ROWS, t.epi_n), out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -185,7 +204,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             pipeline(step, compute_context)(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
                                             lhs_scale_gmem.at[:, window], allocations=allocs)
 
-        @pl.when((kind == ZERO) & (wg < 2))
+        @pl.when((kind == ZERO) & (wg < t.compute_wgs))
         def _zero():
           with jax.named_scope("zero_tile"):
             epilogue(lambda c: plgpu.layout_cast(jnp.zeros((WG_ROWS, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
@@ -197,7 +216,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=mgpu_kernels.NUM_WARPGROUPS,
+      num_threads=t.compute_wgs + 1,
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(None),
   )
