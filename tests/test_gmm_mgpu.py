@@ -312,22 +312,6 @@ def _interpret():
   return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
 
 
-def test_interpreted_kernel_with_four_threads_is_refused_in_the_suites_process():
-  """conftest's guard: four warpgroup threads at once (the FP8 kernel's count, which deadlocked on 2 cores) are
-  refused when the kernel is traced, before any thread starts, unless the test runs through in_own_process."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  if len(jax.devices("cpu")) >= 8:
-    pytest.skip("8 host devices: the guard lets the kernel run")
-
-  def body(out_ref):
-    out_ref[...] = jnp.zeros_like(out_ref)
-
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32), num_threads=4, thread_name="wg")
-  with _interpret(), pytest.raises(RuntimeError, match="runs 4 warpgroup threads at once, more than 3"):
-    jax.jit(kernel)()
-
-
 def _ref_rows(x, w, starts, ends, m):
   out = np.zeros((m, w.shape[-1]), np.float32)
   for g, (s, e) in enumerate(zip(starts, ends)):

@@ -2,13 +2,16 @@
 
 `scripts/test.sh` runs `-m "not slow"` (a newcomer's second command, minutes);
 `scripts/test.sh --all` runs everything. A training run takes 20 s to minutes on
-two cores, so one unmarked training test is what breaks the fast tier.
+two cores, so one unmarked training test is what breaks the fast tier. An interpreted
+kernel with too many warpgroup threads is what can hang the slow tier (conftest's guard).
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, runs_left_under
 
@@ -74,3 +77,22 @@ def test_the_run_time_guard_finds_what_a_run_leaves(tmp_path_factory):
   (tmp_path / "outputs" / "r" / "maxtext-moe" / "effective_config.json").write_text("{}")
   (tmp_path / "elsewhere.json").write_text("{}")
   assert runs_left_under(tmp_path) == [tmp_path / "outputs" / "r" / "maxtext-moe" / "effective_config.json"]
+
+
+def test_interpreted_kernel_with_four_threads_is_refused_in_the_suites_process():
+  """conftest's guard: four warpgroup threads at once (the FP8 kernel's count, which deadlocked on 2 cores) are
+  refused when the kernel is traced, before any thread starts, unless the test runs through in_own_process."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  if len(jax.devices("cpu")) >= 8:
+    pytest.skip("8 host devices: the guard lets the kernel run")
+
+  def body(out_ref):
+    out_ref[...] = jnp.zeros_like(out_ref)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32), num_threads=4, thread_name="wg")
+  refused = pytest.raises(RuntimeError, match="runs 4 warpgroup threads at once, more than 3")
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()), refused:
+    jax.jit(kernel)()
