@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import MANY_CPU_THREADS, in_own_process
-from MaxText.moe.gmm import fp8_quant, mgpu_fp8, xla, xla_fp8
+from MaxText.moe.gmm import fp8_quant, mgpu_fp8, mgpu_tiling, xla, xla_fp8
 
 E4M3_NP = ml_dtypes.float8_e4m3fn
 
@@ -170,7 +170,7 @@ def test_every_fp8_backends_dw_takes_the_gathered_flags():
     assert "gathered" in inspect.signature(gmm_lib._import_backend(name).tgmm).parameters, name  # pylint: disable=protected-access
 
 
-def test_tiling_fits_an_f32_epilogue_by_dropping_stages():
+def test_tiling_fits_an_f32_epilogue_by_dropping_stages_and_refuses_misaligned_rows():
   t = mgpu_fp8.Fp8Tiling()
   assert t.smem_bytes(2) <= mgpu_fp8.SMEM_LIMIT_BYTES
   f32 = mgpu_fp8.Fp8Tiling(stages=7).fit_output(4)
@@ -180,6 +180,9 @@ def test_tiling_fits_an_f32_epilogue_by_dropping_stages():
   with pytest.raises(ValueError, match="epilogue rows of 32 x 2 B are not a multiple of 128 B"):
     mgpu_fp8.Fp8Tiling(epi_n=32).validate(64, 128, 128, 2)
   mgpu_fp8.Fp8Tiling(epi_n=32).validate(64, 128, 128, 4)
+  with pytest.raises(ValueError, match="epilogue rows of 32 x 2 B"):  # the bf16 kernel's tiling: the same rule
+    mgpu_tiling.FwdTiling(epi_n=32).validate(128, 256, 2)
+  mgpu_tiling.FwdTiling(epi_n=32).validate(128, 256, 4)
 
 
 KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign, tiling)

@@ -112,7 +112,7 @@ def profile_tiling(t, tiles_per_sm: int):
   need = max(2 * tiles_per_sm + 1, mk.PROFILE_RANGES_MIN)  # a tile's range and its epilogue's
   fits = lambda t: mk.profile_ranges(t.smem_bytes(), mk.NUM_WARPGROUPS) >= need
   # Stages, not the epilogue: the one profile run with epi_n=32 (bf16, 64-byte rows) ended
-  # in "misaligned address" on the H200 (cause not isolated). A chain keeps its stage count
+  # in "misaligned address" on the H200 (mgpu_tiling.check_epilogue_rows). A chain keeps its stage count
   # a divisor of the K steps by halving it.
   while not fits(t) and t.stages > 2:
     t = dataclasses.replace(t, stages=t.stages // 2 if t.chain else t.stages - 1)

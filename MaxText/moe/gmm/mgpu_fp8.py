@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import _pad, fp8_quant, mgpu, mgpu_kernels, mgpu_schedule
+from MaxText.moe.gmm import _pad, fp8_quant, mgpu, mgpu_kernels, mgpu_schedule, mgpu_tiling
 from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
 from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES, TMA_ROW_ALIGN
 
@@ -55,7 +55,7 @@ class Fp8Tiling:
 
   # 5 stages of 192-row tiles and a bf16 epilogue need 233,216 B of shared memory, over the limit.
   stages: int = 4
-  # A multiple of 128 B per row (`validate`).
+  # A multiple of 128 B per row (mgpu_tiling.check_epilogue_rows).
   epi_n: int = 64
   # Measured on the H200 (BENCHMARKS.md, session 13): a band of 16 column tiles was +3% on the balanced
   # cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the previous step's partial while this step's
@@ -92,11 +92,7 @@ class Fp8Tiling:
     return tiling
 
   def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
-    # A TMA store reads shared memory from a 128-byte aligned address, and a piece of a window can start at
-    # any row of the epilogue buffer. With 64-byte rows (epi_n=32, bf16) a group of odd size stopped the
-    # H200 with CUDA_ERROR_MISALIGNED_ADDRESS (session 18).
-    if self.epi_n * out_itemsize % 128:
-      raise ValueError(f"{self}: epilogue rows of {self.epi_n} x {out_itemsize} B are not a multiple of 128 B")
+    mgpu_tiling.check_epilogue_rows(self, self.epi_n, out_itemsize)
     for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
       if size % multiple:
         raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")

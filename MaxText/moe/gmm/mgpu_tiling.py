@@ -29,6 +29,19 @@ TMA_ROW_ALIGN = 8
 EPI_SWIZZLE_BYTES = 128
 
 
+# A TMA store reads shared memory from a 128-byte aligned address, and a piece of a tile window can start at any row
+# of an epilogue buffer, so the buffer's rows must be a multiple of 128 B. 64-byte rows (epi_n=32 with a bf16 output)
+# stopped the H200 with "misaligned address" twice: in a profile run of this kernel (tools/tune_gmm.py) and in the
+# FP8 kernel on a group of odd size (BENCHMARKS.md, session 18).
+TMA_SMEM_ALIGN_BYTES = 128
+
+
+def check_epilogue_rows(tiling, epi_n: int, out_itemsize: int) -> None:
+  if epi_n * out_itemsize % TMA_SMEM_ALIGN_BYTES:
+    raise ValueError(f"{tiling}: epilogue rows of {epi_n} x {out_itemsize} B are not a multiple of "
+                     f"{TMA_SMEM_ALIGN_BYTES} B")
+
+
 def _check_smem(tiling, out_itemsize: int) -> None:
   if tiling.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
     raise ValueError(f"{tiling} needs {tiling.smem_bytes(out_itemsize)} B of shared memory > {SMEM_LIMIT_BYTES}")
@@ -145,6 +158,7 @@ class FwdTiling:
       raise ValueError(f"epi_swizzle needs {EPI_SWIZZLE_BYTES}-byte epilogue rows: epi_n="
                        f"{EPI_SWIZZLE_BYTES // out_itemsize} for {out_itemsize}-byte outputs, "
                        f"got epi_n={self.epi_n}")
+    check_epilogue_rows(self, self.epi_n, out_itemsize)
     if self.half_tiles and self.block_m % 128:
       raise ValueError(f"half_tiles needs block_m a multiple of 128 (wgmma is 64 rows), got {self.block_m}")
     if self.chain and (k // self.block_k) % self.stages:
