@@ -185,6 +185,19 @@ def test_tiling_fits_an_f32_epilogue_by_dropping_stages_and_refuses_misaligned_r
   mgpu_tiling.FwdTiling(epi_n=32).validate(128, 256, 4)
 
 
+def test_profile_trace_fits_beside_the_kernel_for_every_tile_of_the_down_projection():
+  """bench_fp8 --profile-dir: two ranges per tile (full_tile, epilogue) for every tile an SM takes at DeepSeek-V3's
+  down-projection (the most tiles: N = 7168), balanced, in the shared memory the 4-stage tiling leaves."""
+  from MaxText.moe.gmm import mgpu_kernels  # pylint: disable=import-outside-toplevel
+
+  t = mgpu_fp8.Fp8Tiling()
+  ranges = mgpu_kernels.profile_ranges(t.smem_bytes(2), t.compute_wgs + 1)
+  windows = 32 * -(-2048 // t.block_m)  # 32 groups of 2,048 rows, each cut into 192-row windows from its first row
+  tiles_per_sm = -(-windows * (7168 // t.cta_n) // 132)
+  assert ranges >= 2 * tiles_per_sm + 1, (ranges, tiles_per_sm)
+  assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.compute_wgs + 1).profile_space == ranges
+
+
 KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign, tiling)
     "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, None),
     "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False, None),

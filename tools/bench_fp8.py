@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
+from tools import kernel_timeline  # noqa: E402
 from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
 
 # Kernel against its own quantization, dequantized, in float32. Within a 128-wide step Hopper's
@@ -190,19 +191,11 @@ def run_speed(results, dists, tilings):
     return q.swapaxes(1, 2), s.swapaxes(1, 2)  # the forward's [G, N, K] copy
 
   mgpu_fwd = jax.jit(lambda x, w, gs: mgpu.gmm(x, w, gs))
-
-  @functools.partial(jax.jit, static_argnames="tiling")
-  def fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=mgpu_fp8.Fp8Tiling()):
-    table = mgpu_schedule.work_table(gs, 0, w_q.shape[0], x_q.shape[0], tiling.block_m, window_align=8)
-    return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling)
+  fp8_kernel = _fp8_kernel
 
   for shape in ("up", "down"):
     k, n = SHAPES[shape]
-    kx, kw = jax.random.split(jax.random.key(2))
-    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    x_q, x_s = quant_x(x)
-    w_q, w_s = quant_w(w)
+    x, w, x_q, x_s, w_q, w_s = _operands(m, g, k, n)
     flops = 2.0 * m * k * n
     ref = {"dense bf16": time_ms(dense_bf16, (x, w[0]))[0],
            "dense fp8": time_ms(dense_fp8, (x_q, w_q[0]))[0]}
@@ -225,6 +218,57 @@ def run_speed(results, dists, tilings):
                    fp8_err=err if what == "mgpu_fp8" else None)
         results.append(row)
         print(json.dumps(row), flush=True)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "profile_dir"))
+def _fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=mgpu_fp8.Fp8Tiling(), profile_dir=None):
+  """The forward kernel on operands quantized beforehand."""
+  table = mgpu_schedule.work_table(gs, 0, w_q.shape[0], x_q.shape[0], tiling.block_m, window_align=8)
+  return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling, profile_dir=profile_dir)
+
+
+def _operands(m, g, k, n):
+  """(x, w, x_q, x_s, w_q, w_s): bf16 operands of one expert shape and their quantization, the forward's
+  N-major weight copy."""
+  kx, kw = jax.random.split(jax.random.key(2))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  w_q, w_s = jax.jit(fp8_quant.quantize_blocks)(w)
+  return (x, w, *jax.jit(fp8_quant.quantize_row_tiles)(x), w_q.swapaxes(1, 2), w_s.swapaxes(1, 2))
+
+
+# Dense FP8 wgmma on Hopper: 8192 FLOP per cycle per SM (twice bf16's), the kernel's ceiling inside a tile.
+FP8_FLOP_PER_CYCLE_SM = 8192
+
+
+def run_profiles(profile_dir, dists):
+  """The forward kernel once per shape and distribution under Mosaic GPU's on-device profiler: per-tile scopes
+  (`full_tile`, its `epilogue`, `zero_tile`) in thousands of SM cycles (kc; tools/kernel_timeline.py), against
+  a tile's MMAs at the tensor cores' FP8 peak. A profiled kernel is slower than the timed one: the shares
+  matter, not the total."""
+  m, g, tiling = 65536, 32, mgpu_fp8.Fp8Tiling()
+  for shape in ("up", "down"):
+    k, n = SHAPES[shape]
+    _, _, x_q, x_s, w_q, w_s = _operands(m, g, k, n)
+    for dist in dists:
+      gs = jnp.asarray(group_sizes(dist, m, g, np.random.default_rng(3)))
+      out_dir = os.path.join(profile_dir, f"{shape}_{dist}")
+      os.makedirs(out_dir, exist_ok=True)
+      before = set(os.listdir(out_dir))
+      jax.block_until_ready(_fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=tiling, profile_dir=out_dir))
+      jax.effects_barrier()  # the trace is written by a host callback
+      new = sorted(set(os.listdir(out_dir)) - before)
+      if not new:
+        print(f"# no trace written to {out_dir}", flush=True)
+        continue
+      trace = os.path.join(out_dir, new[-1])
+      with open(trace) as fh:
+        summary = kernel_timeline.summarize(kernel_timeline.load_ranges(json.load(fh)))
+      print(kernel_timeline.format_summary(f"{shape} {dist}: {trace}", summary), flush=True)
+      peak_kc = 2 * tiling.block_m * tiling.cta_n * k / FP8_FLOP_PER_CYCLE_SM / 1000
+      if tile := summary["scopes"].get("full_tile"):
+        print(f"# {shape} {dist}: a full tile's MMAs at the FP8 peak take {peak_kc:.1f} kc; the median tile took "
+              f"{tile['median_kc']:.1f} kc ({peak_kc / tile['median_kc']:.2f} of peak inside the tile)", flush=True)
 
 
 def dw_times(x, w, gs, _):
@@ -285,6 +329,9 @@ def main():
   ap.add_argument("--checks", default=None, help="only these edge cases, ','-separated (default: all)")
   ap.add_argument("--dists", default="balanced,zipf1.2")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--profile-dir", default=None,
+                  help="after the timing, the forward kernel once per shape and distribution under Mosaic GPU's "
+                       "on-device profiler (its traces there, a summary per tile scope printed)")
   ap.add_argument("--tilings", default=None,
                   help="forward-kernel tilings checked and timed beside the default, ';'-separated, e.g. "
                        "'grid_block_n=16;stages=6,grid_block_n=16'")
@@ -301,6 +348,8 @@ def main():
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, "bench_fp8.json").write_text(json.dumps(results, indent=1))
+  if args.profile_dir:  # last: a profiled kernel compiles separately, and a failure there must lose nothing
+    run_profiles(args.profile_dir, args.dists.split(","))
   return 0 if all(r["ok"] for r in results if r["kind"] == "check") else 1
 
 

@@ -101,8 +101,10 @@ class Fp8Tiling:
 
 
 def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, table, *,
-                       tiling: Fp8Tiling = Fp8Tiling(), out_dtype=jnp.bfloat16):
-  """The scaled product above. table: `mgpu_schedule.work_table(..., tiling.block_m, window_align=8)`."""
+                       tiling: Fp8Tiling = Fp8Tiling(), out_dtype=jnp.bfloat16, profile_dir: str | None = None):
+  """The scaled product above. table: `mgpu_schedule.work_table(..., tiling.block_m, window_align=8)`.
+  profile_dir: Mosaic GPU's on-device profiler writes a trace of the named scopes there (diagnostics:
+  tools/bench_fp8.py --profile-dir)."""
   m, k = lhs_q_MK.shape
   _, n, k2 = rhs_q_GNK.shape
   if k != k2 or lhs_scale_KbM.shape != (k // BLOCK, m) or rhs_scale_GNbKb.shape[1:] != (n // BLOCK, k // BLOCK):
@@ -214,7 +216,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
       grid_names=("sm",),
       num_threads=t.compute_wgs + 1,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(None),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, t.smem_bytes(out_itemsize), t.compute_wgs + 1),
   )
   return kernel(*table, lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb)
 
