@@ -185,9 +185,10 @@ def test_tiling_fits_an_f32_epilogue_by_dropping_stages_and_refuses_misaligned_r
   mgpu_tiling.FwdTiling(epi_n=32).validate(128, 256, 4)
 
 
-def test_profile_trace_fits_beside_the_kernel_for_every_tile_of_the_down_projection():
-  """bench_fp8 --profile-dir: two ranges per tile (full_tile, epilogue) for every tile an SM takes at DeepSeek-V3's
-  down-projection (the most tiles: N = 7168), balanced, in the shared memory the 4-stage tiling leaves."""
+def test_profile_traces_fit_beside_the_kernels_for_every_tile():
+  """bench_fp8 --profile-dir: the forward's two ranges per tile (full_tile, epilogue) for every tile an SM takes at
+  DeepSeek-V3's down-projection (the most tiles: N = 7168), balanced, in the shared memory the 4-stage tiling
+  leaves; and dW's one per tile."""
   from MaxText.moe.gmm import mgpu_kernels  # pylint: disable=import-outside-toplevel
 
   t = mgpu_fp8.Fp8Tiling()
@@ -196,6 +197,11 @@ def test_profile_trace_fits_beside_the_kernel_for_every_tile_of_the_down_project
   tiles_per_sm = -(-windows * (7168 // t.cta_n) // 132)
   assert ranges >= 2 * tiles_per_sm + 1, (ranges, tiles_per_sm)
   assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.compute_wgs + 1).profile_space == ranges
+  # dW: one range per 128x128 output tile of 32 experts' [7168, 2048] gradients
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+
+  dw_ranges = mgpu_kernels.profile_ranges(mgpu_fp8_tgmm.smem_bytes(2), mgpu_kernels.NUM_WARPGROUPS)
+  assert dw_ranges >= -(-32 * 56 * 16 // 132) + 1, dw_ranges
 
 
 KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign, tiling)

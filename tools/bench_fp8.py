@@ -242,33 +242,49 @@ FP8_FLOP_PER_CYCLE_SM = 8192
 
 
 def run_profiles(profile_dir, dists):
-  """The forward kernel once per shape and distribution under Mosaic GPU's on-device profiler: per-tile scopes
-  (`full_tile`, its `epilogue`, `zero_tile`) in thousands of SM cycles (kc; tools/kernel_timeline.py), against
-  a tile's MMAs at the tensor cores' FP8 peak. A profiled kernel is slower than the timed one: the shares
-  matter, not the total."""
+  """The forward and dW kernels once per shape and distribution under Mosaic GPU's on-device profiler: their tile
+  scopes (`full_tile`, its `epilogue`, `zero_tile`; dW's `dw_tile`) in thousands of SM cycles (kc;
+  tools/kernel_timeline.py), against a tile's MMAs at the tensor cores' FP8 peak (dW's for a group of the mean
+  size). A profiled kernel is slower than the timed one: the shares matter, not the total."""
   m, g, tiling = 65536, 32, mgpu_fp8.Fp8Tiling()
   for shape in ("up", "down"):
     k, n = SHAPES[shape]
-    _, _, x_q, x_s, w_q, w_s = _operands(m, g, k, n)
+    x, _, x_q, x_s, w_q, w_s = _operands(m, g, k, n)
+    dout = jax.random.normal(jax.random.key(4), (m, n), jnp.bfloat16)
     for dist in dists:
       gs = jnp.asarray(group_sizes(dist, m, g, np.random.default_rng(3)))
-      out_dir = os.path.join(profile_dir, f"{shape}_{dist}")
-      os.makedirs(out_dir, exist_ok=True)
-      before = set(os.listdir(out_dir))
-      jax.block_until_ready(_fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=tiling, profile_dir=out_dir))
-      jax.effects_barrier()  # the trace is written by a host callback
-      new = sorted(set(os.listdir(out_dir)) - before)
-      if not new:
-        print(f"# no trace written to {out_dir}", flush=True)
-        continue
-      trace = os.path.join(out_dir, new[-1])
-      with open(trace) as fh:
-        summary = kernel_timeline.summarize(kernel_timeline.load_ranges(json.load(fh)))
-      print(kernel_timeline.format_summary(f"{shape} {dist}: {trace}", summary), flush=True)
-      peak_kc = 2 * tiling.block_m * tiling.cta_n * k / FP8_FLOP_PER_CYCLE_SM / 1000
-      if tile := summary["scopes"].get("full_tile"):
-        print(f"# {shape} {dist}: a full tile's MMAs at the FP8 peak take {peak_kc:.1f} kc; the median tile took "
-              f"{tile['median_kc']:.1f} kc ({peak_kc / tile['median_kc']:.2f} of peak inside the tile)", flush=True)
+      layout = fp8_quant.group_blocks(gs, 0, g, m)
+      dw_operands = (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(dout, layout),
+                     layout.block0_L, layout.blocks_L)
+      kernels = {
+          "full_tile": (lambda d: _fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=tiling, profile_dir=d),
+                        2 * tiling.block_m * tiling.cta_n * k),
+          "dw_tile": (lambda d: jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8,
+                                                          profile_dir=d))(*dw_operands),
+                      2 * mgpu_fp8.BLOCK * mgpu_fp8.BLOCK * (m // g)),
+      }
+      for scope, (run, tile_flops) in kernels.items():
+        summary = _profile(run, os.path.join(profile_dir, f"{shape}_{dist}_{scope}"), f"{shape} {dist} {scope}")
+        if summary and (tile := summary["scopes"].get(scope)):
+          peak_kc = tile_flops / FP8_FLOP_PER_CYCLE_SM / 1000
+          print(f"# {shape} {dist}: a {scope}'s MMAs at the FP8 peak take {peak_kc:.1f} kc; the median took "
+                f"{tile['median_kc']:.1f} kc ({peak_kc / tile['median_kc']:.2f} of peak inside the tile)", flush=True)
+
+
+def _profile(run, out_dir, label):
+  """run(out_dir) once with the profiler on: its trace's summary (printed), or None if none was written."""
+  os.makedirs(out_dir, exist_ok=True)
+  before = set(os.listdir(out_dir))
+  jax.block_until_ready(run(out_dir))
+  jax.effects_barrier()  # the trace is written by a host callback
+  new = sorted(set(os.listdir(out_dir)) - before)
+  if not new:
+    print(f"# {label}: no trace written to {out_dir}", flush=True)
+    return None
+  with open(os.path.join(out_dir, new[-1])) as fh:
+    summary = kernel_timeline.summarize(kernel_timeline.load_ranges(json.load(fh)))
+  print(kernel_timeline.format_summary(f"{label}: {os.path.join(out_dir, new[-1])}", summary), flush=True)
+  return summary
 
 
 def dw_times(x, w, gs, _):
@@ -330,7 +346,7 @@ def main():
   ap.add_argument("--dists", default="balanced,zipf1.2")
   ap.add_argument("--out", default=None)
   ap.add_argument("--profile-dir", default=None,
-                  help="after the timing, the forward kernel once per shape and distribution under Mosaic GPU's "
+                  help="last, the forward and dW kernels once per shape and distribution under Mosaic GPU's "
                        "on-device profiler (its traces there, a summary per tile scope printed)")
   ap.add_argument("--tilings", default=None,
                   help="forward-kernel tilings checked and timed beside the default, ';'-separated, e.g. "

@@ -39,9 +39,10 @@ def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
 
 
 def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
-                                  out_dtype=jnp.bfloat16):
+                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None):
   """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
-  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L."""
+  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L. profile_dir: a trace of
+  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
   pb, k, b = lhs_q_PbKB.shape
   pb2, n, b2 = dout_q_PbNB.shape
   if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
@@ -143,7 +144,8 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
       grid_names=("sm",),
       num_threads=mgpu_kernels.NUM_WARPGROUPS,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(None),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages),
+                                                   mgpu_kernels.NUM_WARPGROUPS),
   )
   return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
