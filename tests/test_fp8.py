@@ -192,11 +192,11 @@ def test_profile_traces_fit_beside_the_kernels_for_every_tile():
   from MaxText.moe.gmm import mgpu_kernels  # pylint: disable=import-outside-toplevel
 
   t = mgpu_fp8.Fp8Tiling()
-  ranges = mgpu_kernels.profile_ranges(t.smem_bytes(2), t.compute_wgs + 1)
+  ranges = mgpu_kernels.profile_ranges(t.smem_bytes(2), t.num_warpgroups)
   windows = 32 * -(-2048 // t.block_m)  # 32 groups of 2,048 rows, each cut into 192-row windows from its first row
   tiles_per_sm = -(-windows * (7168 // t.cta_n) // 132)
   assert ranges >= 2 * tiles_per_sm + 1, (ranges, tiles_per_sm)
-  assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.compute_wgs + 1).profile_space == ranges
+  assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.num_warpgroups).profile_space == ranges
   # dW: one range per 128x128 output tile of 32 experts' [7168, 2048] gradients
   from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 

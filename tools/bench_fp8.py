@@ -183,15 +183,7 @@ def run_speed(results, dists, tilings):
   m, g = 65536, 32
   dense_bf16 = jax.jit(lambda x, w: x @ w)
   dense_fp8 = jax.jit(_dense_fp8)
-  quant_x = jax.jit(fp8_quant.quantize_row_tiles)
-
-  @jax.jit
-  def quant_w(w):
-    q, s = fp8_quant.quantize_blocks(w)
-    return q.swapaxes(1, 2), s.swapaxes(1, 2)  # the forward's [G, N, K] copy
-
   mgpu_fwd = jax.jit(lambda x, w, gs: mgpu.gmm(x, w, gs))
-  fp8_kernel = _fp8_kernel
 
   for shape in ("up", "down"):
     k, n = SHAPES[shape]
@@ -203,12 +195,12 @@ def run_speed(results, dists, tilings):
       gs = jnp.asarray(group_sizes(dist, m, g, np.random.default_rng(3)))
       times = dict(ref)
       times["mgpu bf16"] = time_ms(mgpu_fwd, (x, w, gs))[0]
-      times["mgpu_fp8"] = time_ms(fp8_kernel, (x_q, x_s, w_q, w_s, gs))[0]
+      times["mgpu_fp8"] = time_ms(_fp8_kernel, (x_q, x_s, w_q, w_s, gs))[0]
       for label, tiling in tilings.items():
-        times[label] = time_ms(functools.partial(fp8_kernel, tiling=tiling), (x_q, x_s, w_q, w_s, gs))[0]
-      times["quantize x (1x128)"] = time_ms(quant_x, (x,))[0]
-      times["quantize w (128x128, N-major copy)"] = time_ms(quant_w, (w,))[0]
-      err = rel_err(fp8_kernel(x_q, x_s, w_q, w_s, gs),
+        times[label] = time_ms(functools.partial(_fp8_kernel, tiling=tiling), (x_q, x_s, w_q, w_s, gs))[0]
+      times["quantize x (1x128)"] = time_ms(_quantize_x, (x,))[0]
+      times["quantize w (128x128, N-major copy)"] = time_ms(_quantize_w, (w,))[0]
+      err = rel_err(_fp8_kernel(x_q, x_s, w_q, w_s, gs),
                     xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=0,
                                      transpose_rhs=False, out_dtype=jnp.float32))
       times.update(dw_times(x, w, gs, x_s))
@@ -227,14 +219,22 @@ def _fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=mgpu_fp8.Fp8Tiling(), profile_dir
   return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling, profile_dir=profile_dir)
 
 
+_quantize_x = jax.jit(fp8_quant.quantize_row_tiles)
+
+
+@jax.jit
+def _quantize_w(w):
+  q, s = fp8_quant.quantize_blocks(w)
+  return q.swapaxes(1, 2), s.swapaxes(1, 2)  # the forward's [G, N, K] copy
+
+
 def _operands(m, g, k, n):
   """(x, w, x_q, x_s, w_q, w_s): bf16 operands of one expert shape and their quantization, the forward's
   N-major weight copy."""
   kx, kw = jax.random.split(jax.random.key(2))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-  w_q, w_s = jax.jit(fp8_quant.quantize_blocks)(w)
-  return (x, w, *jax.jit(fp8_quant.quantize_row_tiles)(x), w_q.swapaxes(1, 2), w_s.swapaxes(1, 2))
+  return (x, w, *_quantize_x(x), *_quantize_w(w))
 
 
 # Dense FP8 wgmma on Hopper: 8192 FLOP per cycle per SM (twice bf16's), the kernel's ceiling inside a tile.
@@ -273,17 +273,13 @@ def run_profiles(profile_dir, dists):
 
 def _profile(run, out_dir, label):
   """run(out_dir) once with the profiler on: its trace's summary (printed), or None if none was written."""
-  os.makedirs(out_dir, exist_ok=True)
-  before = set(os.listdir(out_dir))
-  jax.block_until_ready(run(out_dir))
-  jax.effects_barrier()  # the trace is written by a host callback
-  new = sorted(set(os.listdir(out_dir)) - before)
-  if not new:
+  profiled = kernel_timeline.profile_once(run, out_dir)
+  if profiled is None:
     print(f"# {label}: no trace written to {out_dir}", flush=True)
     return None
-  with open(os.path.join(out_dir, new[-1])) as fh:
-    summary = kernel_timeline.summarize(kernel_timeline.load_ranges(json.load(fh)))
-  print(kernel_timeline.format_summary(f"{label}: {os.path.join(out_dir, new[-1])}", summary), flush=True)
+  path, ranges = profiled
+  summary = kernel_timeline.summarize(ranges)
+  print(kernel_timeline.format_summary(f"{label}: {path}", summary), flush=True)
   return summary
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 
@@ -52,6 +53,23 @@ def load_ranges(trace: dict) -> list[Range]:
       b = stack.pop()
       ranges.append(Range(ev["name"], ev["pid"] - 1, ev["tid"], b["ts"], ev["ts"]))
   return ranges
+
+
+def profile_once(run, out_dir: str) -> tuple[str, list[Range]] | None:
+  """run(out_dir) once, a kernel built with profile_dir=out_dir: (the trace it wrote there, its ranges), or None
+  if it wrote none."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  os.makedirs(out_dir, exist_ok=True)
+  before = set(os.listdir(out_dir))
+  jax.block_until_ready(run(out_dir))
+  jax.effects_barrier()  # the trace is written by a host callback
+  new = sorted(set(os.listdir(out_dir)) - before)
+  if not new:
+    return None
+  path = os.path.join(out_dir, new[-1])
+  with open(path) as fh:
+    return path, load_ranges(json.load(fh))
 
 
 def summarize(ranges: list[Range]) -> dict:

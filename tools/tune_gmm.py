@@ -122,16 +122,11 @@ def profile_tiling(t, tiles_per_sm: int):
 def profile_variant(make_fn, args, out_dir, classify=None):
   """One run of the variant's kernel with Mosaic GPU's on-device profiler: its summary (per
   tile kind, idle SMs at the end) from tools/kernel_timeline.py, and classify(ranges)."""
-  os.makedirs(out_dir, exist_ok=True)
-  before = set(os.listdir(out_dir))
-  jax.block_until_ready(jax.jit(make_fn(out_dir))(*args))
-  jax.effects_barrier()  # the trace is written by a host callback
-  new = sorted(set(os.listdir(out_dir)) - before)
-  if not new:
+  profiled = timeline.profile_once(lambda d: jax.jit(make_fn(d))(*args), out_dir)
+  if profiled is None:
     return f"# no trace written to {out_dir}"
-  with open(os.path.join(out_dir, new[-1])) as fh:
-    ranges = timeline.load_ranges(json.load(fh))
-  text = timeline.format_summary(os.path.join(out_dir, new[-1]), timeline.summarize(ranges))
+  path, ranges = profiled
+  text = timeline.format_summary(path, timeline.summarize(ranges))
   return text + ("\n" + classify(ranges) if classify else "")
 
 

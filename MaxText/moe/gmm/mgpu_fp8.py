@@ -73,6 +73,7 @@ class Fp8Tiling:
   # case; the two-warpgroup option was removed. Four would leave (512 - 24) / 4 -> 120 registers per
   # thread, less than the running sum and the partial (128).
   compute_wgs = 3
+  num_warpgroups = compute_wgs + 1  # and the memory warpgroup
   block_m = compute_wgs * WG_ROWS
   cta_n = BLOCK
   # The memory warpgroup's registers: setmaxnreg's least, so that each compute thread gets
@@ -214,9 +215,9 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=t.compute_wgs + 1,
+      num_threads=t.num_warpgroups,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(profile_dir, t.smem_bytes(out_itemsize), t.compute_wgs + 1),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, t.smem_bytes(out_itemsize), t.num_warpgroups),
   )
   return kernel(*table, lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb)
 
