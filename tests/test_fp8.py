@@ -209,9 +209,6 @@ KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype,
     "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False, None),
     "one_hot_bf16_rows_past": ([3, 250, 0, 1], 0, 4, False, jnp.bfloat16, False, None),
     "three_stages_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, mgpu_fp8.Fp8Tiling(stages=3)),
-    # 2-SM clusters: both SMs' column tiles from one multicast lhs slot, the NaN rows of foreign groups included
-    "multicast_ring_2_of_6_bf16": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.bfloat16, True,
-                                   mgpu_fp8.Fp8Tiling(multicast=True)),
 }
 
 

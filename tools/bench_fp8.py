@@ -144,17 +144,6 @@ def check_dw(results, name, x, dout, gs, offset, num_local, out_dtype):
                       fp8_err=fp8_err))
   if out_dtype == jnp.float32:  # the operands' quantization does not depend on the output dtype
     check_dw_quantize(results, name, x, dout, gs, offset, num_local)
-  # 2-SM multicast clusters on the same operands: the same products in the same order, so the same bits
-  layout = fp8_quant.group_blocks(gs, offset, num_local, x.shape[0])
-  operands = (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(dout, layout),
-              layout.block0_L, layout.blocks_L)
-  one, two = (np.asarray(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8(*operands, out_dtype=out_dtype, multicast=mc),
-                         np.float32) for mc in (False, True))
-  ok = np.array_equal(one, two, equal_nan=True)
-  print(f"{'PASS' if ok else 'FAIL'} fp8 dW {name:23s} {jnp.dtype(out_dtype).name:8s} multicast equals the default "
-        f"bit for bit: {ok}", flush=True)
-  results.append(dict(kind="check", case=f"dW multicast {name}", out_dtype=jnp.dtype(out_dtype).name, ok=ok,
-                      err=None, fp8_err=None))
 
 
 def check_dw_quantize(results, name, x, dout, gs, offset, num_local):
@@ -315,10 +304,8 @@ def dw_times(x, w, gs, _):
   quantize_one_pass = quantizer(mgpu_fp8_quant.quantize_group_row_blocks)
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
-  multicast = jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, multicast=True))
   return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
           "dW mgpu_fp8": time_ms(kernel, quantized)[0],
-          "dW mgpu_fp8 [multicast]": time_ms(multicast, quantized)[0],
           "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0],
           "dW quantize x and dout (one-pass kernel)": time_ms(quantize_one_pass, (x, dout, gs))[0]}
 
@@ -346,8 +333,6 @@ def print_table(results):
           f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout: XLA {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms"
           + (f", one-pass kernel {one_pass['ms']:.3f} ms"
              if (one_pass := rows.get("dW quantize x and dout (one-pass kernel)")) else ""))
-    for label in (w for w in rows if w.startswith("dW mgpu_fp8 [")):
-      print(f"{'':28s} {label}: {rows[label]['ms']:.3f} ms = {d8 / rows[label]['ms']:.2f} of dense fp8")
 
 
 def main():

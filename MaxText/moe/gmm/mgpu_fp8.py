@@ -79,11 +79,9 @@ class Fp8Tiling:
   # The memory warpgroup's registers: setmaxnreg's least, so that each compute thread gets
   # (512 - 24) / 3 -> 160 (kernel_sass: no spills at 4 stages).
   memory_registers = 24
-  # Clusters of two SMs on neighbouring column tiles of the same row window: each loads half of every lhs slot
-  # (and its row scales) and multicasts it to both, so an SM reads 12 + 16 KiB per step instead of 24 + 16.
-  # Session 19's profile put both FP8 kernels at ~1,100 cycles per 128-wide step whatever their MMAs
-  # (forward 768 cycles at peak, dW 512), about 6.8 TB/s of shared-memory fills from L2 across the GPU.
-  multicast: bool = False
+  # Clusters of two SMs on neighbouring column tiles, each loading half of every lhs slot (and its row scales)
+  # and multicasting it to both (12 + 16 KiB per SM per step instead of 24 + 16), were 2-4% slower on every case
+  # (session 19, c5910b3) and were removed: the L2 fill rate is not what limits a tile.
 
   def smem_bytes(self, out_itemsize: int) -> int:
     """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
@@ -97,14 +95,9 @@ class Fp8Tiling:
       tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
     return tiling
 
-  @property
-  def pair(self) -> int:
-    """SMs per cluster, each on its own column tile."""
-    return 2 if self.multicast else 1
-
   def validate(self, m: int, k: int, n: int, out_itemsize: int) -> None:
     mgpu_tiling.check_epilogue_rows(self, self.epi_n, out_itemsize)
-    for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.pair * self.cta_n)):
+    for name, size, multiple in (("M", m, TMA_ROW_ALIGN), ("K", k, BLOCK), ("N", n, self.cta_n)):
       if size % multiple:
         raise ValueError(f"blockwise-FP8 grouped GEMM: {name} = {size} must be a multiple of {multiple}")
     if self.smem_bytes(out_itemsize) > SMEM_LIMIT_BYTES:
@@ -130,7 +123,6 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
   grid_n = n // t.cta_n
   k_steps = k // BLOCK
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
-  shared = dict(collective_axes=("cluster",)) if t.multicast else {}  # the row window's operands, multicast
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -138,9 +130,9 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
         grid=(k_steps,),
         memory_registers=t.memory_registers,
         in_specs=[
-            plgpu.BlockSpec((t.block_m, BLOCK), lambda ki: (0, ki), transforms=transforms, **shared),
+            plgpu.BlockSpec((t.block_m, BLOCK), lambda ki: (0, ki), transforms=transforms),
             plgpu.BlockSpec((t.cta_n, BLOCK), lambda ki: (0, ki), transforms=transforms),
-            plgpu.BlockSpec((1, t.block_m), lambda ki: (ki, 0), **shared),
+            plgpu.BlockSpec((1, t.block_m), lambda ki: (ki, 0)),
         ],
         wg_axis="wg",
         num_compute_wgs=t.compute_wgs,
@@ -161,11 +153,9 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((num_items * (grid_n // t.pair),), collective_axes="sm")
+      @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm")
       def _tiles(loop_info):
-        mi, nj = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n // t.pair), 1,
-                                    max(1, t.grid_block_n // t.pair))
-        ni = nj * t.pair + (lax.axis_index("cluster") if t.multicast else 0)
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (num_items, grid_n), 1, t.grid_block_n)
         kind, group = kind_g[mi], group_g[mi]
         start = pl.multiple_of(start_g[mi], TMA_ROW_ALIGN)
         # This warpgroup's rows of the window, and of the piece [row0, row0 + size) within them.
@@ -226,9 +216,8 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(mgpu_kernels.num_sms() // t.pair,),
+      grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      **(dict(cluster=(t.pair,), cluster_names=("cluster",)) if t.multicast else {}),
       num_threads=t.num_warpgroups,
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(profile_dir, t.smem_bytes(out_itemsize), t.num_warpgroups),

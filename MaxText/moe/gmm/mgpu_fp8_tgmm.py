@@ -13,6 +13,8 @@ output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_ma
 TMA warpgroup and two wgmma warpgroups per SM, an output tile of 128 x 128 whose rows the two
 warpgroups split (64 each), a fresh f32 partial per 128-row step, the scales pipelined beside
 the operands. A tile's step count is its group's block count (none for an empty group: zeros).
+2-SM clusters sharing the lhs blocks by multicast were 0-2.6% faster (session 19, c5910b3): not kept,
+for 8 warpgroups per cluster to co-schedule and test.
 """
 
 from __future__ import annotations
@@ -39,21 +41,18 @@ def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
 
 
 def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
-                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None, multicast: bool = False):
+                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None):
   """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
   [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L. profile_dir: a trace of
-  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir). multicast:
-  clusters of two SMs on neighbouring column tiles, the lhs blocks and their scales loaded once for both
-  (as `mgpu_fp8.Fp8Tiling.multicast`)."""
+  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
   pb, k, b = lhs_q_PbKB.shape
   pb2, n, b2 = dout_q_PbNB.shape
   if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
     raise ValueError(f"blockwise-FP8 dW operands disagree: lhs {lhs_q_PbKB.shape}, lhs_scale {lhs_scale_PbK.shape}, "
                      f"dout {dout_q_PbNB.shape}, dout_scale {dout_scale_PbN.shape}")
-  pair = 2 if multicast else 1  # SMs per cluster, each on its own column tile
-  for name, size, multiple in (("K", k, BLOCK), ("N", n, pair * BLOCK)):
-    if size % multiple:
-      raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {multiple}")
+  for name, size in (("K", k), ("N", n)):
+    if size % BLOCK:
+      raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
   out_itemsize = jnp.dtype(out_dtype).itemsize
   stages = STAGES
   while stages > 2 and smem_bytes(out_itemsize, stages) > SMEM_LIMIT_BYTES:
@@ -61,7 +60,6 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   num_groups = block0_L.shape[0]
   grid_m, grid_n = k // BLOCK, n // BLOCK
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
-  shared = dict(collective_axes=("cluster",)) if multicast else {}
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -69,9 +67,9 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         grid=(steps,),
         memory_registers=40,
         in_specs=[  # step si: row block si of the group, one contiguous [128 columns, 128 rows] tile
-            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms, **shared),
             plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0), **shared),
+            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
+            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
             plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
         ],
         wg_axis="wg",
@@ -94,15 +92,12 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      pairs_n = grid_n // pair
-
-      @plgpu.nd_loop((num_groups * grid_m * pairs_n,), collective_axes="sm")
+      @plgpu.nd_loop((num_groups * grid_m * grid_n,), collective_axes="sm")
       @jax.named_scope("dw_tile")
       def _tiles(loop_info):
         flat = loop_info.index[0]
-        gi = flat // (grid_m * pairs_n)
-        mi, nj = plgpu.planar_snake(flat % (grid_m * pairs_n), (grid_m, pairs_n), 1, max(1, GRID_BLOCK_N // pair))
-        ni = nj * pair + (lax.axis_index("cluster") if multicast else 0)
+        gi = flat // (grid_m * grid_n)
+        mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
         steps = blocks_g[gi]
         first = block0_g[gi]
         out_rows = pl.ds(mi * BLOCK + wg * WG_ROWS, WG_ROWS)
@@ -147,9 +142,8 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      grid=(mgpu_kernels.num_sms() // pair,),
+      grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      **(dict(cluster=(pair,), cluster_names=("cluster",)) if multicast else {}),
       num_threads=mgpu_kernels.NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages),
