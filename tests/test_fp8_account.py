@@ -63,3 +63,17 @@ def test_a_file_without_the_cases_says_so(tmp_path):
     account.main([str(path)])
   with pytest.raises(SystemExit, match="fp8_account: .*missing.json: .*No such file"):
     account.main([str(tmp_path / "missing.json")])
+
+
+def test_kernels_at_dense_fp8_replaces_only_the_fp8_kernels_times():
+  """--kernels-at-dense-fp8 (BENCHMARKS.md session 19, what 1.12x takes): the FP8 GEMM rows at the dense FP8 time of
+  their case, the bf16 rows and every quantization pass as measured."""
+  t = account.times(MEASURED, "balanced")
+  kw = dict(rows=131072, tokens=16384, moe_layers=3, remat="full")
+  measured = {r[0]: r[1:] for r in account.account(t, **kw)}
+  ceiling = {r[0]: r[1:] for r in account.account(account.at_dense_fp8(t), **kw)}
+  for what, (bf16, fp8) in ceiling.items():
+    assert bf16 == measured[what][0]
+    assert (fp8 < measured[what][1]) if what.startswith("routed GEMMs") else (fp8 == measured[what][1]), what
+  up, down = t["up"]["dense fp8"], t["down"]["dense fp8"]
+  assert ceiling["routed GEMMs: dW"][1] == pytest.approx((2 * up + down) * 131072 / 65536 * 3)

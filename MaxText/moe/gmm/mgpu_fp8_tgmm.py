@@ -13,8 +13,8 @@ output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_ma
 TMA warpgroup and two wgmma warpgroups per SM, an output tile of 128 x 128 whose rows the two
 warpgroups split (64 each), a fresh f32 partial per 128-row step, the scales pipelined beside
 the operands. A tile's step count is its group's block count (none for an empty group: zeros).
-2-SM clusters sharing the lhs blocks by multicast were 0-2.6% faster (session 19, c5910b3): not kept,
-for 8 warpgroups per cluster to co-schedule and test.
+2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (session 19, c5910b3), about the spread
+between runs: not kept, for the six warpgroups a cluster must co-schedule (and its tests' own processes).
 """
 
 from __future__ import annotations
