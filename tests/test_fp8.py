@@ -4,6 +4,7 @@ The GPU checks (PASS/FAIL per case) and timings are tools/bench_fp8.py's."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -209,6 +210,9 @@ KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype,
     "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False, None),
     "one_hot_bf16_rows_past": ([3, 250, 0, 1], 0, 4, False, jnp.bfloat16, False, None),
     "three_stages_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, mgpu_fp8.Fp8Tiling(stages=3)),
+    "mma_turns_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, mgpu_fp8.Fp8Tiling(mma_turns=True)),
+    "mma_turns_dlhs_bf16": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.bfloat16, False,
+                            mgpu_fp8.Fp8Tiling(mma_turns=True)),
 }
 
 
@@ -362,29 +366,44 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=mxfp8"])
 
 
-DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype)
-    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32),
-    "all_local_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16),
+DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype, kernel options)
+    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, {}),
+    "all_local_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16, {}),
+    "mma_turns_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, dict(mma_turns=True)),
+    # K = 512 is 2 tiles of 192 rows and one shifted back to end at K, whose first 64 rows the second stored
+    "three_wgs_turns_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16,
+                                          dict(compute_wgs=3, mma_turns=True)),
+    "three_wgs_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, dict(compute_wgs=3)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(DW_CASES))
 @pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
-def test_dw_kernel_interpreted_matches_its_quantization(name):
+def test_dw_kernel_interpreted_matches_its_quantization(request, name):
+  """As the forward's test; four warpgroup threads (three compute) need a process of their own."""
+  sizes, offset, num_local, out_dtype, options = DW_CASES[name]
+  if options.get("compute_wgs", 2) > 2 and not in_own_process(request, MANY_CPU_THREADS):
+    return
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import fp8_quant as q, mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
-  sizes, offset, num_local, out_dtype = DW_CASES[name]
-  m, k, n = 296, 256, 384
+  m, k, n = 296, 512 if options.get("compute_wgs") == 3 else 256, 384
   kx, kd = jax.random.split(jax.random.key(8))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   if offset:
     x = x.at[:3].set(jnp.nan)  # rows of a group before the local ones
   d = jax.random.normal(kd, (m, n), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
+  def dw(x, d, gs):
+    layout = q.group_blocks(gs, offset, num_local, m)
+    return mgpu_fp8_tgmm.transposed_grouped_matmul_fp8(
+        *q.quantize_group_row_blocks(x, layout), *q.quantize_group_row_blocks(d, layout), layout.block0_L,
+        layout.blocks_L, out_dtype=out_dtype, **options)
+
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got = mgpu_fp8_tgmm.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=out_dtype)
+    got = (jax.jit(dw) if options else functools.partial(mgpu_fp8_tgmm.tgmm, group_offset=offset,
+                                                         num_local_groups=num_local, out_dtype=out_dtype))(x, d, gs)
     got = np.asarray(jax.block_until_ready(got), np.float32)
   want = np.asarray(xla_fp8.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=jnp.float32))
   assert got.shape == (num_local, k, n) and not np.isnan(got).any()

@@ -35,16 +35,22 @@ STAGES = 4
 GRID_BLOCK_N = 4
 
 
-def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
-  stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4  # lhs and dout blocks (e4m3), their scale rows
-  return stages * stage + 2 * WG_ROWS * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+def smem_bytes(out_itemsize: int, stages: int = STAGES, compute_wgs: int = 2) -> int:
+  rows = compute_wgs * WG_ROWS  # output rows per tile
+  stage = (rows + BLOCK) * BLOCK + (rows + BLOCK) * 4  # lhs and dout blocks (e4m3), their scale rows
+  return stages * stage + rows * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
 
 def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
-                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None):
+                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None, compute_wgs: int = 2,
+                                  mma_turns: bool = False):
   """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
   [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L. profile_dir: a trace of
-  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
+  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir).
+
+  compute_wgs: 3 gives each tile 192 output rows (64 per warpgroup), as the forward's; K is then rarely a
+  multiple of 192, so the last row tile is shifted back to end at K and stores only the rows no earlier tile
+  stored (whole warpgroups: K and 192 are multiples of 64). mma_turns: the forward's `Fp8Tiling.mma_turns`."""
   pb, k, b = lhs_q_PbKB.shape
   pb2, n, b2 = dout_q_PbNB.shape
   if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
@@ -53,44 +59,50 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   for name, size in (("K", k), ("N", n)):
     if size % BLOCK:
       raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
+  tile_m = compute_wgs * WG_ROWS
+  if k < tile_m:
+    raise ValueError(f"blockwise-FP8 dW: K = {k} is less than a tile's {tile_m} rows ({compute_wgs=})")
   out_itemsize = jnp.dtype(out_dtype).itemsize
   stages = STAGES
-  while stages > 2 and smem_bytes(out_itemsize, stages) > SMEM_LIMIT_BYTES:
+  while stages > 2 and smem_bytes(out_itemsize, stages, compute_wgs) > SMEM_LIMIT_BYTES:
     stages -= 1
   num_groups = block0_L.shape[0]
-  grid_m, grid_n = k // BLOCK, n // BLOCK
+  grid_m, grid_n = -(-k // tile_m), n // BLOCK
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
-        memory_registers=40,
-        in_specs=[  # step si: row block si of the group, one contiguous [128 columns, 128 rows] tile
+        memory_registers=40 if compute_wgs == 2 else 24,  # 24: as the forward's three (Fp8Tiling)
+        in_specs=[  # step si: row block si of the group: [tile_m lhs columns, 128 rows], [128 dout columns, 128 rows]
+            plgpu.BlockSpec((None, tile_m, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
             plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
+            plgpu.BlockSpec((1, tile_m), lambda si: (si, 0)),
             plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=2,
+        num_compute_wgs=compute_wgs,
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )
 
   def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
     ignore = lambda *_, **__: None
-    shapes = (lhs_gmem.at[:, pl.ds(0, BLOCK)], dout_gmem.at[:, pl.ds(0, BLOCK)], lhs_scale_gmem.at[:, pl.ds(0, BLOCK)],
-              dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
+    shapes = (lhs_gmem.at[:, pl.ds(0, tile_m)], dout_gmem.at[:, pl.ds(0, BLOCK)],
+              lhs_scale_gmem.at[:, pl.ds(0, tile_m)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, stages).get_allocations(*shapes),
-        out_smem=plgpu.SMEM((2, WG_ROWS, BLOCK), out_dtype),
+        out_smem=plgpu.SMEM((compute_wgs, WG_ROWS, BLOCK), out_dtype),
+        turns=mgpu_kernels.turn_barriers(compute_wgs) if mma_turns else None,
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, turns):
       wg = lax.axis_index("wg")
+      if mma_turns:
+        mgpu_kernels.first_turn(turns, wg)
 
       @plgpu.nd_loop((num_groups * grid_m * grid_n,), collective_axes="sm")
       @jax.named_scope("dw_tile")
@@ -100,13 +112,17 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
         steps = blocks_g[gi]
         first = block0_g[gi]
-        out_rows = pl.ds(mi * BLOCK + wg * WG_ROWS, WG_ROWS)
+        row0 = pl.multiple_of(jnp.minimum(mi * tile_m, k - tile_m), WG_ROWS)  # the last tile ends at K
+        wg_row0 = row0 + wg * WG_ROWS
+        new_rows = wg_row0 >= mi * tile_m  # not stored by the previous row tile
 
         def store(tile):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_smem[wg] = tile
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg], o_gmem.at[gi, out_rows, pl.ds(ni * BLOCK, BLOCK)])
+          @pl.when(new_rows)
+          def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[wg] = tile
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], o_gmem.at[gi, pl.ds(wg_row0, WG_ROWS), pl.ds(ni * BLOCK, BLOCK)])
 
         def compute_context(run_pipeline):
           zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
@@ -114,7 +130,12 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
 
         def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
           def mma(partial_ref):
-            plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
+            issue = lambda: plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)],
+                                        dout_smem.transpose((1, 0)))
+            if mma_turns:
+              mgpu_kernels.in_turn(turns, wg, compute_wgs, issue)
+            else:
+              issue()
             return partial_ref[...]
 
           partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
@@ -129,14 +150,16 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         def _compute():
           blocks = pl.ds(first, pb)  # may run past the end: the pipeline reads `steps` blocks only
           pipeline(step, compute_context, steps)(
-              lhs_gmem.at[blocks, pl.ds(mi * BLOCK, BLOCK)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
-              lhs_scale_gmem.at[blocks, pl.ds(mi * BLOCK, BLOCK)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              lhs_gmem.at[blocks, pl.ds(row0, tile_m)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              lhs_scale_gmem.at[blocks, pl.ds(row0, tile_m)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
               allocations=allocs)
 
-        @pl.when((steps == 0) & (wg < 2))
+        @pl.when((steps == 0) & (wg < compute_wgs))
         def _empty():
           store(plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), out_dtype), plgpu.Layout.WGMMA))
 
+      if mma_turns:
+        mgpu_kernels.last_turn(turns, wg)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
@@ -144,10 +167,10 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
       out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=mgpu_kernels.NUM_WARPGROUPS,
+      num_threads=compute_wgs + 1,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages),
-                                                   mgpu_kernels.NUM_WARPGROUPS),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages, compute_wgs),
+                                                   compute_wgs + 1),
   )
   return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
