@@ -198,11 +198,26 @@ def test_profile_traces_fit_beside_the_kernels_for_every_tile():
   tiles_per_sm = -(-windows * (7168 // t.cta_n) // 132)
   assert ranges >= 2 * tiles_per_sm + 1, (ranges, tiles_per_sm)
   assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.num_warpgroups).profile_space == ranges
-  # dW: one range per 128x128 output tile of 32 experts' [7168, 2048] gradients
+  # dW: one range per 192x128 output tile of 32 experts' [7168, 2048] gradients (38 row tiles, the last shifted)
   from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
-  dw_ranges = mgpu_kernels.profile_ranges(mgpu_fp8_tgmm.smem_bytes(2), mgpu_kernels.NUM_WARPGROUPS)
-  assert dw_ranges >= -(-32 * 56 * 16 // 132) + 1, dw_ranges
+  dw_ranges = mgpu_kernels.profile_ranges(mgpu_fp8_tgmm.smem_bytes(2), mgpu_fp8_tgmm.COMPUTE_WGS + 1)
+  assert dw_ranges >= -(-32 * 38 * 16 // 132) + 1, dw_ranges
+
+
+def test_dw_tiles_fit_and_a_contraction_under_a_tile_is_refused_by_the_kernel_and_padded_by_the_backend():
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+
+  assert mgpu_fp8_tgmm.smem_bytes(2) <= mgpu_fp8.SMEM_LIMIT_BYTES  # four stages beside a bf16 epilogue
+  operands = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((2, 128, 128), fp8_quant.E4M3), ((2, 128), jnp.float32), ((2, 256, 128), fp8_quant.E4M3),
+      ((2, 256), jnp.float32), ((1,), jnp.int32), ((1,), jnp.int32))]
+  with pytest.raises(ValueError, match="K = 128 is less than a tile's 192 rows"):
+    jax.eval_shape(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, *operands)
+  out = jax.eval_shape(functools.partial(mgpu_fp8_tgmm.tgmm, num_local_groups=2),
+                       jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((2,), jnp.int32))
+  assert out.shape == (2, 128, 256)
 
 
 KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype, nan_foreign, tiling)
@@ -210,9 +225,6 @@ KERNEL_CASES = {  # name: (sizes, group_offset, num_local, transpose, out_dtype,
     "dlhs_all_local_f32": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.float32, False, None),
     "one_hot_bf16_rows_past": ([3, 250, 0, 1], 0, 4, False, jnp.bfloat16, False, None),
     "three_stages_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, mgpu_fp8.Fp8Tiling(stages=3)),
-    "mma_turns_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, False, jnp.float32, True, mgpu_fp8.Fp8Tiling(mma_turns=True)),
-    "mma_turns_dlhs_bf16": ([70, 0, 130, 1, 0, 85], 0, 6, True, jnp.bfloat16, False,
-                            mgpu_fp8.Fp8Tiling(mma_turns=True)),
 }
 
 
@@ -366,44 +378,34 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=mxfp8"])
 
 
-DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype, kernel options)
-    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, {}),
-    "all_local_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16, {}),
-    "mma_turns_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, dict(mma_turns=True)),
-    # K = 512 is 2 tiles of 192 rows and one shifted back to end at K, whose first 64 rows the second stored
-    "three_wgs_turns_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16,
-                                          dict(compute_wgs=3, mma_turns=True)),
-    "three_wgs_ring_f32": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, dict(compute_wgs=3)),
+DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype, K)
+    # K = 512: tiles of 192 rows at 0 and 192, and the last shifted back to 320, whose first 64 rows it must not store
+    "ring_2_of_6_f32_nan_foreign": ([70, 0, 130, 1, 0, 85], 2, 3, jnp.float32, 512),
+    "all_local_bf16_empty_groups": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.bfloat16, 384),  # two whole tiles
+    "toy_width_f32": ([70, 0, 130, 1, 0, 85], 0, 6, jnp.float32, 128),  # under a tile: padded to 256
 }
 
 
 @pytest.mark.parametrize("name", sorted(DW_CASES))
 @pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_dw_kernel_interpreted_matches_its_quantization(request, name):
-  """As the forward's test; four warpgroup threads (three compute) need a process of their own."""
-  sizes, offset, num_local, out_dtype, options = DW_CASES[name]
-  if options.get("compute_wgs", 2) > 2 and not in_own_process(request, MANY_CPU_THREADS):
+  """As the forward's test: four warpgroup threads (three compute) need a process of their own."""
+  if not in_own_process(request, MANY_CPU_THREADS):
     return
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import fp8_quant as q, mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
-  m, k, n = 296, 512 if options.get("compute_wgs") == 3 else 256, 384
+  sizes, offset, num_local, out_dtype, k = DW_CASES[name]
+  m, n = 296, 384
   kx, kd = jax.random.split(jax.random.key(8))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   if offset:
     x = x.at[:3].set(jnp.nan)  # rows of a group before the local ones
   d = jax.random.normal(kd, (m, n), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  def dw(x, d, gs):
-    layout = q.group_blocks(gs, offset, num_local, m)
-    return mgpu_fp8_tgmm.transposed_grouped_matmul_fp8(
-        *q.quantize_group_row_blocks(x, layout), *q.quantize_group_row_blocks(d, layout), layout.block0_L,
-        layout.blocks_L, out_dtype=out_dtype, **options)
-
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got = (jax.jit(dw) if options else functools.partial(mgpu_fp8_tgmm.tgmm, group_offset=offset,
-                                                         num_local_groups=num_local, out_dtype=out_dtype))(x, d, gs)
+    got = mgpu_fp8_tgmm.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=out_dtype)
     got = np.asarray(jax.block_until_ready(got), np.float32)
   want = np.asarray(xla_fp8.tgmm(x, d, gs, group_offset=offset, num_local_groups=num_local, out_dtype=jnp.float32))
   assert got.shape == (num_local, k, n) and not np.isnan(got).any()

@@ -144,35 +144,6 @@ def check_dw(results, name, x, dout, gs, offset, num_local, out_dtype):
                       fp8_err=fp8_err))
   if out_dtype == jnp.float32:  # the operands' quantization does not depend on the output dtype
     check_dw_quantize(results, name, x, dout, gs, offset, num_local)
-  check_dw_variants(results, name, x, dout, gs, offset, num_local, out_dtype)
-
-
-# dW kernel options timed beside the default (`mgpu_fp8_tgmm.transposed_grouped_matmul_fp8`'s keywords).
-DW_VARIANTS = {"turns": dict(mma_turns=True), "3 wgs": dict(compute_wgs=3),
-               "3 wgs, turns": dict(compute_wgs=3, mma_turns=True)}
-
-
-def _dw_operands(x, dout, gs, offset, num_local):
-  layout = fp8_quant.group_blocks(gs, offset, num_local, x.shape[0])
-  return (*fp8_quant.quantize_group_row_blocks(x, layout), *fp8_quant.quantize_group_row_blocks(dout, layout),
-          layout.block0_L, layout.blocks_L)
-
-
-def check_dw_variants(results, name, x, dout, gs, offset, num_local, out_dtype):
-  """Each DW_VARIANTS option on the same quantized operands: the same wgmma and promotion order per output
-  element as the default, so bit for bit."""
-  operands = jax.jit(_dw_operands, static_argnums=(3, 4))(x, dout, gs, offset, num_local)
-  want = np.asarray(jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, out_dtype=out_dtype))(
-      *operands), np.float32)
-  for label, options in DW_VARIANTS.items():
-    got = np.asarray(jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, out_dtype=out_dtype,
-                                               **options))(*operands), np.float32)
-    ok = bool(np.array_equal(got, want, equal_nan=True)) and not np.isnan(got).any()
-    diff = float(np.max(np.abs(got - want)))
-    print(f"{'PASS' if ok else 'FAIL'} fp8 dW [{label}] {name:23s} {jnp.dtype(out_dtype).name:8s} against the default "
-          f"kernel: largest difference {diff:.2e} (bit-identical: 0)", flush=True)
-    results.append(dict(kind="check", case=f"dW [{label}] {name}", out_dtype=jnp.dtype(out_dtype).name, ok=ok,
-                        err=diff, fp8_err=None))
 
 
 def check_dw_quantize(results, name, x, dout, gs, offset, num_local):
@@ -274,7 +245,8 @@ def run_profiles(profile_dir, dists, tilings):
   """The forward and dW kernels once per shape and distribution under Mosaic GPU's on-device profiler: their tile
   scopes (`full_tile`, its `epilogue`, `zero_tile`; dW's `dw_tile`) in thousands of SM cycles (kc;
   tools/kernel_timeline.py), against a tile's MMAs at the tensor cores' FP8 peak (dW's for a group of the mean
-  size). A profiled kernel is slower than the timed one: the shares matter, not the total."""
+  size), and the forward for each --tilings variant. A profiled kernel is slower than the timed one: the shares
+  matter, not the total."""
   m, g = 65536, 32
   for shape in ("up", "down"):
     k, n = SHAPES[shape]
@@ -290,11 +262,9 @@ def run_profiles(profile_dir, dists, tilings):
         kernels[label] = ("full_tile", functools.partial(
             lambda d, tiling: _fp8_kernel(x_q, x_s, w_q, w_s, gs, tiling=tiling, profile_dir=d), tiling=tiling),
             2 * tiling.block_m * tiling.cta_n * k)
-      for label, options in {"": {}, **DW_VARIANTS}.items():
-        kernels[f"dw_tile [{label}]" if label else "dw_tile"] = ("dw_tile", functools.partial(
-            lambda d, options: jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, profile_dir=d,
-                                                         **options))(*dw_operands), options=options),
-            2 * options.get("compute_wgs", 2) * mgpu_fp8.WG_ROWS * mgpu_fp8.BLOCK * (m // g))
+      kernels["dw_tile"] = ("dw_tile", lambda d: jax.jit(functools.partial(
+          mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, profile_dir=d))(*dw_operands),
+                            2 * mgpu_fp8_tgmm.TILE_M * mgpu_fp8.BLOCK * (m // g))
       for label, (scope, run, tile_flops) in kernels.items():
         slug = "".join(c if c.isalnum() else "_" for c in label)
         summary = _profile(run, os.path.join(profile_dir, f"{shape}_{dist}_{slug}"), f"{shape} {dist} {label}")
@@ -337,14 +307,10 @@ def dw_times(x, w, gs, _):
   quantize_one_pass = quantizer(mgpu_fp8_quant.quantize_group_row_blocks)
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
-  times = {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
-           "dW mgpu_fp8": time_ms(kernel, quantized)[0]}
-  for label, options in DW_VARIANTS.items():
-    times[f"dW mgpu_fp8 [{label}]"] = time_ms(
-        jax.jit(functools.partial(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8, **options)), quantized)[0]
-  times["dW quantize x and dout (128x1)"] = time_ms(quantize, (x, dout, gs))[0]
-  times["dW quantize x and dout (one-pass kernel)"] = time_ms(quantize_one_pass, (x, dout, gs))[0]
-  return times
+  return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
+          "dW mgpu_fp8": time_ms(kernel, quantized)[0],
+          "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0],
+          "dW quantize x and dout (one-pass kernel)": time_ms(quantize_one_pass, (x, dout, gs))[0]}
 
 
 def print_table(results):
@@ -370,10 +336,6 @@ def print_table(results):
           f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout: XLA {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms"
           + (f", one-pass kernel {one_pass['ms']:.3f} ms"
              if (one_pass := rows.get("dW quantize x and dout (one-pass kernel)")) else ""))
-    for label in (w for w in rows if w.startswith("dW mgpu_fp8 [")):
-      ms = rows[label]["ms"]
-      print(f"{'':28s} {label}: {ms:.3f} ms = {d8 / ms:.2f} of dense fp8, {dw16 / ms:.2f}x mgpu bf16, "
-            f"{dw8 / ms:.2f}x the default")
 
 
 def main():

@@ -65,10 +65,9 @@ class Fp8Tiling:
   grid_block_n: int = 4
   # Loading each weight scale two steps ahead instead of one was 1-6% slower on every case (session 18), and
   # was removed.
-  # The compute warpgroups issue each step's wgmma in turn (`mgpu_kernels.in_turn`), so that their MMAs finish
-  # apart and each promotion runs under the others' MMAs. Session 19's profile: ~1,100 cycles per 128-wide step
-  # against 768 of MMA at peak, as if all three promoted at once while the tensor cores idled.
-  mma_turns: bool = False
+  # Issuing the compute warpgroups' wgmmas in turn (a ring of barriers: wait for the turn, issue, hand it on before
+  # the wgmma's wait), so that their MMAs finish apart and each promotion runs under the others' MMAs, was 5-12%
+  # slower on every case (session 20, ab3ae0d) and was removed: the warpgroups are not idling in lockstep.
 
   # Three compute warpgroups of 64 rows. A warpgroup's tensor-core work stops from its wgmma wait to its
   # next MMA (the promotion, the stage barrier): with two, the other's one MMA must cover that; with three,
@@ -152,13 +151,10 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0], lhs_scale_gmem),
         out_smem=plgpu.SMEM((t.compute_wgs, WG_ROWS, t.epi_n), out_dtype),
-        turns=mgpu_kernels.turn_barriers(t.compute_wgs) if t.mma_turns else None,
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem, turns):
+    def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
-      if t.mma_turns:
-        mgpu_kernels.first_turn(turns, wg)
 
       @plgpu.nd_loop((num_items * grid_n,), collective_axes="sm")
       def _tiles(loop_info):
@@ -195,11 +191,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             rhs_KN = rhs_smem.transpose((1, 0))  # [128 K, 128 N], K-major as e4m3 wgmma needs
 
             def mma(partial_ref):
-              issue = lambda: plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
-              if t.mma_turns:
-                mgpu_kernels.in_turn(turns, wg, t.compute_wgs, issue)
-              else:
-                issue()
+              plgpu.wgmma(partial_ref, lhs_wg, rhs_KN)
               return partial_ref[...]  # reading the partial waits for it
 
             # This step's weight scale came with the carry; the next step's is loaded from global memory
@@ -222,8 +214,6 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
           with jax.named_scope("zero_tile"):
             epilogue(lambda c: plgpu.layout_cast(jnp.zeros((WG_ROWS, t.epi_n), out_dtype), plgpu.Layout.WGMMA))
 
-      if t.mma_turns:
-        mgpu_kernels.last_turn(turns, wg)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(

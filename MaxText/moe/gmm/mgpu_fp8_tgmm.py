@@ -10,9 +10,15 @@ contraction-major. So
 
 and each step's partial is promoted with an outer product of two scale vectors: one value per
 output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_matmul_fp8`'s: a
-TMA warpgroup and two wgmma warpgroups per SM, an output tile of 128 x 128 whose rows the two
+TMA warpgroup and three wgmma warpgroups per SM, an output tile of 192 x 128 whose rows the three
 warpgroups split (64 each), a fresh f32 partial per 128-row step, the scales pipelined beside
 the operands. A tile's step count is its group's block count (none for an empty group: zeros).
+K is rarely a multiple of 192 (7,168 and 2,048 are not), so the last row tile is shifted back to end
+at K: it computes again the rows the tile before it has (1.8% more MMAs at K = 7,168, 3% at 2,048) and
+stores only the others, whole warpgroups' rows since K and 192 are multiples of 64.
+Against two warpgroups on 128 x 128 tiles, measured on the H200 (session 20, ab3ae0d): 8-10% faster on
+every case (up balanced 2.445 -> 2.240 ms), the forward's session-18 change. Issuing the warpgroups' wgmmas
+in turn around a ring of barriers was 3-6% slower, on two warpgroups or three, and was removed.
 2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (session 19, c5910b3), about the spread
 between runs: not kept, for the six warpgroups a cluster must co-schedule (and its tests' own processes).
 """
@@ -35,22 +41,21 @@ STAGES = 4
 GRID_BLOCK_N = 4
 
 
-def smem_bytes(out_itemsize: int, stages: int = STAGES, compute_wgs: int = 2) -> int:
-  rows = compute_wgs * WG_ROWS  # output rows per tile
-  stage = (rows + BLOCK) * BLOCK + (rows + BLOCK) * 4  # lhs and dout blocks (e4m3), their scale rows
-  return stages * stage + rows * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
+# Output rows per tile: three compute warpgroups of WG_ROWS, as the forward's (mgpu_fp8.Fp8Tiling).
+COMPUTE_WGS = 3
+TILE_M = COMPUTE_WGS * WG_ROWS
+
+
+def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
+  stage = (TILE_M + BLOCK) * BLOCK + (TILE_M + BLOCK) * 4  # lhs and dout blocks (e4m3), their scale rows
+  return stages * stage + TILE_M * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
 
 def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
-                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None, compute_wgs: int = 2,
-                                  mma_turns: bool = False):
+                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None):
   """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
-  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L. profile_dir: a trace of
-  the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir).
-
-  compute_wgs: 3 gives each tile 192 output rows (64 per warpgroup), as the forward's; K is then rarely a
-  multiple of 192, so the last row tile is shifted back to end at K and stores only the rows no earlier tile
-  stored (whole warpgroups: K and 192 are multiples of 64). mma_turns: the forward's `Fp8Tiling.mma_turns`."""
+  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L; K >= 192. profile_dir: a trace
+  of the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
   pb, k, b = lhs_q_PbKB.shape
   pb2, n, b2 = dout_q_PbNB.shape
   if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
@@ -59,50 +64,46 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   for name, size in (("K", k), ("N", n)):
     if size % BLOCK:
       raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
-  tile_m = compute_wgs * WG_ROWS
-  if k < tile_m:
-    raise ValueError(f"blockwise-FP8 dW: K = {k} is less than a tile's {tile_m} rows ({compute_wgs=})")
+  if k < TILE_M:
+    raise ValueError(f"blockwise-FP8 dW: K = {k} is less than a tile's {TILE_M} rows")
   out_itemsize = jnp.dtype(out_dtype).itemsize
   stages = STAGES
-  while stages > 2 and smem_bytes(out_itemsize, stages, compute_wgs) > SMEM_LIMIT_BYTES:
+  while stages > 2 and smem_bytes(out_itemsize, stages) > SMEM_LIMIT_BYTES:
     stages -= 1
   num_groups = block0_L.shape[0]
-  grid_m, grid_n = -(-k // tile_m), n // BLOCK
+  grid_m, grid_n = -(-k // TILE_M), n // BLOCK
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
-        memory_registers=40 if compute_wgs == 2 else 24,  # 24: as the forward's three (Fp8Tiling)
-        in_specs=[  # step si: row block si of the group: [tile_m lhs columns, 128 rows], [128 dout columns, 128 rows]
-            plgpu.BlockSpec((None, tile_m, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
+        memory_registers=24,  # as the forward's: (512 - 24) / 3 -> 160 per compute thread
+        in_specs=[  # step si: row block si of the group: [192 lhs columns, 128 rows], [128 dout columns, 128 rows]
+            plgpu.BlockSpec((None, TILE_M, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
             plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((1, tile_m), lambda si: (si, 0)),
+            plgpu.BlockSpec((1, TILE_M), lambda si: (si, 0)),
             plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=compute_wgs,
+        num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )
 
   def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
     ignore = lambda *_, **__: None
-    shapes = (lhs_gmem.at[:, pl.ds(0, tile_m)], dout_gmem.at[:, pl.ds(0, BLOCK)],
-              lhs_scale_gmem.at[:, pl.ds(0, tile_m)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
+    shapes = (lhs_gmem.at[:, pl.ds(0, TILE_M)], dout_gmem.at[:, pl.ds(0, BLOCK)],
+              lhs_scale_gmem.at[:, pl.ds(0, TILE_M)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, stages).get_allocations(*shapes),
-        out_smem=plgpu.SMEM((compute_wgs, WG_ROWS, BLOCK), out_dtype),
-        turns=mgpu_kernels.turn_barriers(compute_wgs) if mma_turns else None,
+        out_smem=plgpu.SMEM((COMPUTE_WGS, WG_ROWS, BLOCK), out_dtype),
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem, turns):
+    def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
-      if mma_turns:
-        mgpu_kernels.first_turn(turns, wg)
 
       @plgpu.nd_loop((num_groups * grid_m * grid_n,), collective_axes="sm")
       @jax.named_scope("dw_tile")
@@ -112,9 +113,9 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
         steps = blocks_g[gi]
         first = block0_g[gi]
-        row0 = pl.multiple_of(jnp.minimum(mi * tile_m, k - tile_m), WG_ROWS)  # the last tile ends at K
+        row0 = pl.multiple_of(jnp.minimum(mi * TILE_M, k - TILE_M), WG_ROWS)  # the last tile ends at K
         wg_row0 = row0 + wg * WG_ROWS
-        new_rows = wg_row0 >= mi * tile_m  # not stored by the previous row tile
+        new_rows = wg_row0 >= mi * TILE_M  # not stored by the previous row tile
 
         def store(tile):
           @pl.when(new_rows)
@@ -130,12 +131,7 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
 
         def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
           def mma(partial_ref):
-            issue = lambda: plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)],
-                                        dout_smem.transpose((1, 0)))
-            if mma_turns:
-              mgpu_kernels.in_turn(turns, wg, compute_wgs, issue)
-            else:
-              issue()
+            plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
             return partial_ref[...]
 
           partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
@@ -150,16 +146,14 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         def _compute():
           blocks = pl.ds(first, pb)  # may run past the end: the pipeline reads `steps` blocks only
           pipeline(step, compute_context, steps)(
-              lhs_gmem.at[blocks, pl.ds(row0, tile_m)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
-              lhs_scale_gmem.at[blocks, pl.ds(row0, tile_m)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              lhs_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              lhs_scale_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
               allocations=allocs)
 
-        @pl.when((steps == 0) & (wg < compute_wgs))
+        @pl.when((steps == 0) & (wg < COMPUTE_WGS))
         def _empty():
           store(plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), out_dtype), plgpu.Layout.WGMMA))
 
-      if mma_turns:
-        mgpu_kernels.last_turn(turns, wg)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
@@ -167,10 +161,9 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
       out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=compute_wgs + 1,
+      num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages, compute_wgs),
-                                                   compute_wgs + 1),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages), COMPUTE_WGS + 1),
   )
   return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
@@ -201,4 +194,6 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
     return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
                                          out_dtype=out_dtype)
 
-  return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_pad.Align(m=1, k=BLOCK, n=BLOCK))
+  # K under a tile's 192 rows (only toy widths) is padded to two blocks: the shifted tile needs K >= 192.
+  k_align = BLOCK if lhs_MK.shape[1] >= TILE_M else 2 * BLOCK
+  return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_pad.Align(m=1, k=k_align, n=BLOCK))

@@ -278,39 +278,3 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
       compiler_params=compiler_params(profile_dir, t.smem_bytes(out_itemsize), NUM_WARPGROUPS),
   )
   return kernel(*table, *chain, lhs_MK, rhs)
-
-
-# --- MMA turns: compute warpgroups issuing their wgmmas in a fixed order (the FP8 kernels' `mma_turns`) ---
-#
-# Barrier w of a ring of one per compute warpgroup is warpgroup w's turn: it waits on it before issuing a step's
-# wgmma and hands the turn on (arrives on w + 1's) right after issuing, before waiting for its MMA. The MMAs then
-# queue on the tensor cores in warpgroup order and finish one after another, so each warpgroup's promotion runs
-# under the MMAs of the others instead of all promoting at once while the tensor cores idle. Every barrier has
-# one waiter and one arriver per step, which keeps Mosaic's per-waiter phase count; every compute warpgroup runs
-# the same steps (a tile's wgmmas are all or none), so the ring stays in step across tiles.
-
-
-def turn_barriers(compute_wgs: int):
-  return plgpu.Barrier(num_barriers=compute_wgs)
-
-
-def first_turn(turns, wg):
-  """Before the tile loop: warpgroup 0 holds the first turn."""
-  @pl.when(wg == 0)
-  def _():
-    plgpu.barrier_arrive(turns.at[0])
-
-
-def in_turn(turns, wg, compute_wgs: int, issue):
-  """issue() (this warpgroup's wgmma) in its turn; the turn is handed on before the MMA is waited for."""
-  plgpu.barrier_wait(turns.at[wg])
-  issue()
-  plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, compute_wgs)])
-
-
-def last_turn(turns, wg):
-  """After the tile loop: warpgroup 0 observes the turn the last warpgroup handed back, so that no barrier is
-  freed with an arrival its waiter has not seen."""
-  @pl.when(wg == 0)
-  def _():
-    plgpu.barrier_wait(turns.at[0])
