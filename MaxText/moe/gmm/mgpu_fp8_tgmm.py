@@ -16,7 +16,7 @@ the operands. A tile's step count is its group's block count (none for an empty 
 K is rarely a multiple of 192 (7,168 and 2,048 are not), so the last row tile is shifted back to end
 at K: it computes again the rows the tile before it has (1.8% more MMAs at K = 7,168, 3% at 2,048) and
 stores only the others, whole warpgroups' rows since K and 192 are multiples of 64.
-Against two warpgroups on 128 x 128 tiles, measured on the H200 (session 20, ab3ae0d): 8-10% faster on
+Against two warpgroups on 128 x 128 tiles, measured on the H200 (session 20, ab3ae0d): 8-9% faster on
 every case (up balanced 2.445 -> 2.240 ms), the forward's session-18 change. Issuing the warpgroups' wgmmas
 in turn around a ring of barriers was 3-6% slower, on two warpgroups or three, and was removed.
 2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (session 19, c5910b3), about the spread
