@@ -269,6 +269,30 @@ def test_kernel_interpreted_matches_its_quantization(request, name):
       np.testing.assert_array_equal(np.asarray(jax.block_until_ready(tiled), np.float32), got)
 
 
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_the_unpromoted_diagnostic_is_the_unscaled_sum(request):
+  """Fp8Tiling(promote=False), bench_fp8's timing diagnostic: one accumulator over the whole contraction, no scales.
+  With every tile's and block's amax at 448 every scale is 1, so it must equal the promoted kernel exactly; it also
+  lowers for CUDA at DeepSeek-V3's shapes."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  diagnostic = mgpu_fp8.Fp8Tiling(promote=False)
+  assert "mosaic_gpu" in _lower(lambda x, w, gs: mgpu_fp8.gmm(x, w, gs, tiling=diagnostic),
+                                ((4096, 7168), jnp.bfloat16), ((32, 7168, 2048), jnp.bfloat16), ((32,), jnp.int32))
+  m, k, n = 296, 512, 256
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = (448 * jnp.sign(jax.random.normal(kx, (m, k)))).astype(jnp.bfloat16)
+  w = (448 * jnp.sign(jax.random.normal(kw, (3, k, n)))).astype(jnp.bfloat16)
+  gs = jnp.asarray([100, 0, 150], jnp.int32)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = np.asarray(jax.block_until_ready(mgpu_fp8.gmm(x, w, gs, tiling=diagnostic, out_dtype=jnp.float32)))
+    want = np.asarray(jax.block_until_ready(mgpu_fp8.gmm(x, w, gs, out_dtype=jnp.float32)))
+  np.testing.assert_array_equal(got, want)
+  assert (got[250:] == 0).all() and np.abs(got[:250]).max() > 1e6
+
+
 # ------------------------------------------------------------------ the backends, the VJP, the key
 
 
@@ -437,6 +461,43 @@ def test_dw_quantize_kernel_lowers_for_cuda_at_deepseek_shapes():
 
   for k in (7168, 2048):
     assert "mosaic_gpu" in _lower(quantize, ((4096, k), jnp.bfloat16), ((32,), jnp.int32))
+
+
+def test_row_tile_quantize_kernel_lowers_for_cuda_at_deepseek_shapes():
+  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
+
+  for k in (7168, 2048):
+    assert "mosaic_gpu" in _lower(mgpu_fp8_quant.quantize_row_tiles, ((4096, k), jnp.bfloat16))
+  with pytest.raises(ValueError, match="K = 200 must be a multiple of 128"):
+    mgpu_fp8_quant.quantize_row_tiles(jnp.zeros((8, 200), jnp.bfloat16))
+
+
+ROW_QUANT_CASES = {  # name: (m, k, dtype)
+    "bf16_last_block_past_m": (296, 256, jnp.bfloat16),  # the last 128-row box runs 88 rows past M
+    "f32_eight_tiles_per_block": (256, 1024, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_QUANT_CASES))
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_row_tile_quantize_kernel_interpreted_is_bit_for_bit_fp8_quant(name):
+  """The one-pass 1x128 kernel gives exactly fp8_quant.quantize_row_tiles's bytes and scales: a zero row (scale 1),
+  a NaN tile (NaN stays in its own tile), a tile with a large row, and rows past M written nowhere."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
+
+  m, k, dtype = ROW_QUANT_CASES[name]
+  x = (jax.random.normal(jax.random.key(1), (m, k)) * 4).astype(dtype)
+  x = x.at[5].set(0).at[7, :128].set(jnp.nan).at[9, 200:].set(1e4)
+  want_q, want_s = fp8_quant.quantize_row_tiles(x)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got_q, got_s = jax.block_until_ready(mgpu_fp8_quant.quantize_row_tiles(x))
+  assert got_q.shape == (m, k) and got_s.shape == (k // 128, m)
+  np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+  np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+  assert np.isnan(np.asarray(got_q[7, :128], np.float32)).all() and not np.isnan(np.asarray(got_q[7, 128:],
+                                                                                          np.float32)).any()
 
 
 DW_QUANT_CASES = {  # name: (m, k, sizes, group_offset, num_local)

@@ -65,6 +65,12 @@ class Fp8Tiling:
   grid_block_n: int = 4
   # Loading each weight scale two steps ahead instead of one was 1-6% slower on every case (session 18), and
   # was removed.
+  # A diagnostic, never a product setting (bench_fp8.py --tilings promote=0): False drops DeepSeek-V3's promotion.
+  # The wgmmas accumulate the whole contraction in one f32 accumulator, unscaled, as a per-tensor FP8 GEMM does, on
+  # the same tiles, stages and loads. Its values are wrong by design. Its time is the kernel's data path (TMA,
+  # shared memory, MMAs) without the per-128 wait and promotion, so the gap to the default splits the loss to
+  # dense FP8 between the two.
+  promote: bool = True
   # Issuing the compute warpgroups' wgmmas in turn (a ring of barriers: wait for the turn, issue, hand it on before
   # the wgmma's wait), so that their MMAs finish apart and each promotion runs under the others' MMAs, was 5-12%
   # slower on every case (session 20, ab3ae0d) and was removed: the warpgroups are not idling in lockstep.
@@ -204,9 +210,23 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
             return promote(acc, partial, row_scale * w_scale), w_scale_next
 
+          def unpromoted_context(run_pipeline):  # Fp8Tiling.promote=False: the diagnostic
+            def scope(acc_ref):
+              run_pipeline(acc_ref)
+              out = acc_ref[...].astype(out_dtype)
+              with jax.named_scope("epilogue"):
+                epilogue(lambda c: out[:, c * t.epi_n:(c + 1) * t.epi_n])
+            pl.run_scoped(scope, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+
+          def unpromoted_step(_, lhs_smem, rhs_smem, lhs_scale_smem, acc_ref):
+            del lhs_scale_smem
+            plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg_lo, WG_ROWS)], rhs_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # as our bf16 kernel's step (0.95-1.0 of dense bf16)
+            return acc_ref
+
           window = pl.ds(start, t.block_m)
           with jax.named_scope("full_tile"):
-            pipeline(step, compute_context)(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
+            pipeline(*((step, compute_context) if t.promote else (unpromoted_step, unpromoted_context)))(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
                                             lhs_scale_gmem.at[:, window], allocations=allocs)
 
         @pl.when((kind == ZERO) & (wg < t.compute_wgs))
