@@ -73,7 +73,8 @@ class Fp8Tiling:
   promote: bool = True
   # Issuing the compute warpgroups' wgmmas in turn (a ring of barriers: wait for the turn, issue, hand it on before
   # the wgmma's wait), so that their MMAs finish apart and each promotion runs under the others' MMAs, was 5-12%
-  # slower on every case (session 20, ab3ae0d) and was removed: the warpgroups are not idling in lockstep.
+  # slower on every case (session 20, ab3ae0d) and was removed: three barrier hand-offs per step cost more than the
+  # promotions they would hide.
 
   # Three compute warpgroups of 64 rows. A warpgroup's tensor-core work stops from its wgmma wait to its
   # next MMA (the promotion, the stage barrier): with two, the other's one MMA must cover that; with three,
@@ -225,9 +226,10 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
             return acc_ref
 
           window = pl.ds(start, t.block_m)
+          body_fns = (step, compute_context) if t.promote else (unpromoted_step, unpromoted_context)
           with jax.named_scope("full_tile"):
-            pipeline(*((step, compute_context) if t.promote else (unpromoted_step, unpromoted_context)))(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
-                                            lhs_scale_gmem.at[:, window], allocations=allocs)
+            pipeline(*body_fns)(lhs_gmem.at[window, :], rhs_gmem.at[group].at[pl.ds(ni * t.cta_n, t.cta_n), :],
+                                lhs_scale_gmem.at[:, window], allocations=allocs)
 
         @pl.when((kind == ZERO) & (wg < t.compute_wgs))
         def _zero():
