@@ -7,7 +7,9 @@ XLA/cuBLASLt) and our bf16 kernels, all in this process.
 Timed per DeepSeek-V3 expert shape (M=65536 rows, G=32): the kernel on operands quantized
 beforehand, and the quantization passes on their own (activations to 1x128 tiles, weights to
 128x128 blocks plus the transposed copy the forward reads). The up-proj's dlhs has the
-down-proj's (K, N), so the two shapes cover the forward and dlhs products.
+down-proj's (K, N), so the two shapes cover the forward and dlhs products. Each timing row carries
+the mean SM clock and board power it ran at (`tools/gpu_clock.py`, from nvidia-smi; none on CPU):
+sustained GEMMs on the H200 run at its power limit, below the boost clock.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
-from tools import kernel_timeline  # noqa: E402
+from tools import gpu_clock, kernel_timeline  # noqa: E402
 from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
 
 # Kernel against its own quantization, dequantized, in float32. Within a 128-wide step Hopper's
@@ -194,7 +196,26 @@ def parse_tilings(spec: str | None) -> dict[str, "mgpu_fp8.Fp8Tiling"]:
   return out
 
 
+class Timer:
+  """bench_gmm's time_ms, keeping the SM clock and power each timing ran at (`tools/gpu_clock.py`), by label."""
+
+  def __init__(self, clock: gpu_clock.ClockSampler):
+    self.clock, self.clocks = clock, {}
+
+  def __call__(self, label, fn, args) -> float:
+    jax.block_until_ready(fn(*args))  # the compile outside the window: it runs at the idle clock
+    t0 = time.monotonic()
+    ms = time_ms(fn, args)[0]
+    self.clocks[label] = self.clock.window(t0, time.monotonic())
+    return ms
+
+
 def run_speed(results, dists, tilings):
+  with gpu_clock.ClockSampler() as clock:
+    _run_speed(results, dists, tilings, Timer(clock))
+
+
+def _run_speed(results, dists, tilings, timer):
   m, g = 65536, 32
   dense_bf16 = jax.jit(lambda x, w: x @ w)
   dense_fp8 = jax.jit(_dense_fp8)
@@ -204,26 +225,28 @@ def run_speed(results, dists, tilings):
     k, n = SHAPES[shape]
     x, w, x_q, x_s, w_q, w_s = _operands(m, g, k, n)
     flops = 2.0 * m * k * n
-    ref = {"dense bf16": time_ms(dense_bf16, (x, w[0]))[0],
-           "dense fp8": time_ms(dense_fp8, (x_q, w_q[0]))[0]}
+    ref = {"dense bf16": timer("dense bf16", dense_bf16, (x, w[0])),
+           "dense fp8": timer("dense fp8", dense_fp8, (x_q, w_q[0]))}
     for dist in dists:
       gs = jnp.asarray(group_sizes(dist, m, g, np.random.default_rng(3)))
       times = dict(ref)
-      times["mgpu bf16"] = time_ms(mgpu_fwd, (x, w, gs))[0]
-      times["mgpu_fp8"] = time_ms(_fp8_kernel, (x_q, x_s, w_q, w_s, gs))[0]
+      times["mgpu bf16"] = timer("mgpu bf16", mgpu_fwd, (x, w, gs))
+      times["mgpu_fp8"] = timer("mgpu_fp8", _fp8_kernel, (x_q, x_s, w_q, w_s, gs))
       for label, tiling in tilings.items():
-        times[label] = time_ms(functools.partial(_fp8_kernel, tiling=tiling), (x_q, x_s, w_q, w_s, gs))[0]
-      times["quantize x (1x128)"] = time_ms(_quantize_x, (x,))[0]
-      times["quantize x (1x128, one-pass kernel)"] = time_ms(_quantize_x_one_pass, (x,))[0]
-      times["quantize w (128x128, N-major copy)"] = time_ms(_quantize_w, (w,))[0]
+        times[label] = timer(label, functools.partial(_fp8_kernel, tiling=tiling), (x_q, x_s, w_q, w_s, gs))
+      for label, fn, args in (("quantize x (1x128)", _quantize_x, (x,)),
+                              ("quantize x (1x128, one-pass kernel)", _quantize_x_one_pass, (x,)),
+                              ("quantize w (128x128, N-major copy)", _quantize_w, (w,))):
+        times[label] = timer(label, fn, args)
       err = rel_err(_fp8_kernel(x_q, x_s, w_q, w_s, gs),
                     xla.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, group_offset=0,
                                      transpose_rhs=False, out_dtype=jnp.float32))
-      times.update(dw_times(x, w, gs, x_s))
+      times.update(dw_times(x, w, gs, timer))
       for what, ms in times.items():
+        clock = timer.clocks.get(what) or {}
         row = dict(kind="speed", case=f"{shape} M={m} G={g} {dist}", what=what, ms=ms,
                    tflops=flops / ms / 1e9 if not what.startswith("quantize") else None,
-                   fp8_err=err if what == "mgpu_fp8" else None)
+                   fp8_err=err if what == "mgpu_fp8" else None, sm_mhz=clock.get("sm_mhz"), watts=clock.get("watts"))
         results.append(row)
         print(json.dumps(row), flush=True)
 
@@ -303,9 +326,9 @@ def _profile(run, out_dir, label):
   return summary
 
 
-def dw_times(x, w, gs, _):
+def dw_times(x, w, gs, timer):
   """dW of this case (x^T @ dout per group, the forward's FLOPs): our bf16 kernel, the FP8 kernel on
-  operands quantized beforehand, and the two group-aligned 128-row quantization passes."""
+  operands quantized beforehand, and the two group-aligned 128-row quantization passes. timer: `Timer`."""
   m, n = x.shape[0], w.shape[2]
   dout = jax.random.normal(jax.random.key(4), (m, n), jnp.bfloat16)
   g = w.shape[0]
@@ -324,10 +347,10 @@ def dw_times(x, w, gs, _):
   quantize_one_pass = quantizer(mgpu_fp8_quant.quantize_group_row_blocks)
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
-  return {"dW mgpu bf16": time_ms(bf16, (x, dout, gs))[0],
-          "dW mgpu_fp8": time_ms(kernel, quantized)[0],
-          "dW quantize x and dout (128x1)": time_ms(quantize, (x, dout, gs))[0],
-          "dW quantize x and dout (one-pass kernel)": time_ms(quantize_one_pass, (x, dout, gs))[0]}
+  runs = {"dW mgpu bf16": (bf16, (x, dout, gs)), "dW mgpu_fp8": (kernel, quantized),
+          "dW quantize x and dout (128x1)": (quantize, (x, dout, gs)),
+          "dW quantize x and dout (one-pass kernel)": (quantize_one_pass, (x, dout, gs))}
+  return {label: timer(label, fn, args) for label, fn, args in ((k, *v) for k, v in runs.items())}
 
 
 def print_table(results):
@@ -349,6 +372,9 @@ def print_table(results):
              if (one_pass_x := rows.get("quantize x (1x128, one-pass kernel)")) else "")
           + f", w {rows['quantize w (128x128, N-major copy)']['ms']:.3f} ms | "
           f"err vs unquantized {f8['fp8_err']:.2e}")
+    if clocks := [f"{what} {r['sm_mhz']:.0f}" for what, r in rows.items()
+                  if r.get("sm_mhz") and "quantize" not in what]:
+      print(f"{'':28s} SM clock while timed, MHz: {', '.join(clocks)}")
     for label in (w for w in rows if w.startswith("mgpu_fp8 [")):
       print(f"{'':28s} {label}: {rows[label]['ms']:.3f} ms = {d8 / rows[label]['ms']:.2f} of dense fp8")
     dw16, dw8 = rows["dW mgpu bf16"]["ms"], rows["dW mgpu_fp8"]["ms"]
