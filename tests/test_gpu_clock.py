@@ -25,10 +25,9 @@ def test_a_window_averages_the_samples_taken_inside_it(tmp_path):
   t0 = time.monotonic()
   with gpu_clock.ClockSampler(command=smi) as clock:
     deadline = time.monotonic() + 5
-    while clock.window(t0, time.monotonic()) is None or clock.window(t0, time.monotonic())["samples"] < 3:
+    while (got := clock.window(t0, time.monotonic())) is None or got["samples"] < 3:
       assert time.monotonic() < deadline, "the sampler read nothing"
       time.sleep(0.01)
-    got = clock.window(t0, time.monotonic())
   assert got == {"sm_mhz": (1980 + 1500 + 1700) / 3, "watts": (120.5 + 690 + 700) / 3, "samples": 3}  # N/A skipped
   assert clock.window(t0 - 10, t0 - 5) is None
 

@@ -350,7 +350,7 @@ def dw_times(x, w, gs, timer):
   runs = {"dW mgpu bf16": (bf16, (x, dout, gs)), "dW mgpu_fp8": (kernel, quantized),
           "dW quantize x and dout (128x1)": (quantize, (x, dout, gs)),
           "dW quantize x and dout (one-pass kernel)": (quantize_one_pass, (x, dout, gs))}
-  return {label: timer(label, fn, args) for label, fn, args in ((k, *v) for k, v in runs.items())}
+  return {label: timer(label, fn, args) for label, (fn, args) in runs.items()}
 
 
 def print_table(results):

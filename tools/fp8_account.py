@@ -104,8 +104,8 @@ def main(argv=None) -> int:
   except (OSError, json.JSONDecodeError) as e:
     raise SystemExit(f"fp8_account: {args.bench_fp8_json}: {e}") from None
   t = times(results, args.dist)
-  rows = account(at_dense_fp8(t) if args.kernels_at_dense_fp8 else t, rows=args.rows, tokens=args.tokens, moe_layers=args.moe_layers,
-                 remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange)
+  rows = account(at_dense_fp8(t) if args.kernels_at_dense_fp8 else t, rows=args.rows, tokens=args.tokens,
+                 moe_layers=args.moe_layers, remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange)
   print(f"{'per step (' + str(args.moe_layers) + ' MoE layers, ' + args.dist + ')':66s} {'bf16 ms':>8s} {'FP8 ms':>8s} {'FP8 - bf16':>10s}")
   for what, bf16, fp8 in rows:
     print(f"{what:66s} {bf16:8.1f} {fp8:8.1f} {fp8 - bf16:+10.1f}")
