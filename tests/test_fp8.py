@@ -298,7 +298,7 @@ def test_the_unpromoted_diagnostic_is_the_unscaled_sum(request):
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_gmms_vjp_tells_fp8_backends_which_dw_operand_is_gathered(monkeypatch, transpose_rhs):
-  """dw_gathered names (lhs, dout); dW's backend call takes (a, b) = (lhs, dout), or (dout, lhs) for a
+  """gathered names (lhs, dout); dW's backend call takes (a, b) = (lhs, dout), or (dout, lhs) for a
   [G, N, K] rhs: the flags must follow their operands. The values do not depend on them."""
   from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
 
@@ -308,7 +308,7 @@ def test_gmms_vjp_tells_fp8_backends_which_dw_operand_is_gathered(monkeypatch, t
   x = jax.random.normal(jax.random.key(1), (256, 128), jnp.float32)
   w = jax.random.normal(jax.random.key(2), (2, 256, 128) if transpose_rhs else (2, 128, 256), jnp.float32)
   gs = jnp.asarray([100, 156], jnp.int32)
-  f = lambda x, w, flags: gmm_lib.gmm(x, w, gs, backend="xla_fp8", transpose_rhs=transpose_rhs, dw_gathered=flags)
+  f = lambda x, w, flags: gmm_lib.gmm(x, w, gs, backend="xla_fp8", transpose_rhs=transpose_rhs, gathered=flags)
   grads = [jax.grad(lambda x, w: f(x, w, flags).sum(), argnums=(0, 1))(x, w) for flags in ((True, False), (False, False))]
   assert seen == [(False, True) if transpose_rhs else (True, False), (False, False)]
   for a, b in zip(*grads):
@@ -322,7 +322,7 @@ def test_the_expert_ffn_marks_the_dispatched_rows_and_the_combines_cotangent_as_
 
   seen = []
   real = block.gmm
-  monkeypatch.setattr(block, "gmm", lambda *a, **kw: (seen.append(kw["dw_gathered"]), real(*a, **kw))[1])
+  monkeypatch.setattr(block, "gmm", lambda *a, **kw: (seen.append(kw["gathered"]), real(*a, **kw))[1])
   d, f, e = 128, 128, 2
   experts = block.Experts(*(jax.random.normal(jax.random.key(i), s, jnp.float32) / 16
                             for i, s in enumerate(((e, d, f), (e, d, f), (e, f, d)))))
@@ -436,98 +436,6 @@ def test_dw_kernel_interpreted_matches_its_quantization(request, name):
   empty = [g for g in range(num_local) if sizes[offset + g] == 0]
   assert empty and all((got[g] == 0).all() for g in empty)
   assert _rel(got, want) < (1e-5 if out_dtype == jnp.float32 else 1e-2)
-
-
-def test_each_padded_block_is_one_run_of_source_rows():
-  """The one-pass kernel's view of the layout: a block is `valid` consecutive source rows from `row0`
-  (no block spans two groups), then the gap's zero rows; blocks of the bound's slack have none."""
-  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
-
-  layout = fp8_quant.group_blocks(jnp.asarray([5, 130, 0, 3, 9], jnp.int32), 1, 3, 150)
-  row0, valid = mgpu_fp8_quant.block_rows(layout, 150)
-  np.testing.assert_array_equal(valid, [128, 2, 3, 0, 0])
-  np.testing.assert_array_equal(row0[:3], [5, 133, 135])
-  src = np.asarray(layout.src_P).reshape(5, 128)
-  for b in range(5):
-    np.testing.assert_array_equal(src[b, :valid[b]], row0[b] + np.arange(valid[b]))
-    assert (src[b, valid[b]:] == 150).all()
-
-
-def test_dw_quantize_kernel_lowers_for_cuda_at_deepseek_shapes():
-  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
-
-  def quantize(x, gs):
-    return mgpu_fp8_quant.quantize_group_row_blocks(x, fp8_quant.group_blocks(gs, 0, 32, x.shape[0]))
-
-  for k in (7168, 2048):
-    assert "mosaic_gpu" in _lower(quantize, ((4096, k), jnp.bfloat16), ((32,), jnp.int32))
-
-
-def test_row_tile_quantize_kernel_lowers_for_cuda_at_deepseek_shapes():
-  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
-
-  for k in (7168, 2048):
-    assert "mosaic_gpu" in _lower(mgpu_fp8_quant.quantize_row_tiles, ((4096, k), jnp.bfloat16))
-  with pytest.raises(ValueError, match="K = 200 must be a multiple of 128"):
-    mgpu_fp8_quant.quantize_row_tiles(jnp.zeros((8, 200), jnp.bfloat16))
-
-
-ROW_QUANT_CASES = {  # name: (m, k, dtype)
-    "bf16_last_block_past_m": (296, 256, jnp.bfloat16),  # the last 128-row box runs 88 rows past M
-    "f32_eight_tiles_per_block": (256, 1024, jnp.float32),
-}
-
-
-@pytest.mark.parametrize("name", sorted(ROW_QUANT_CASES))
-@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
-def test_row_tile_quantize_kernel_interpreted_is_bit_for_bit_fp8_quant(name):
-  """The one-pass 1x128 kernel gives exactly fp8_quant.quantize_row_tiles's bytes and scales: a zero row (scale 1),
-  a NaN tile (NaN stays in its own tile), a tile with a large row, and rows past M written nowhere."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-
-  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
-
-  m, k, dtype = ROW_QUANT_CASES[name]
-  x = (jax.random.normal(jax.random.key(1), (m, k)) * 4).astype(dtype)
-  x = x.at[5].set(0).at[7, :128].set(jnp.nan).at[9, 200:].set(1e4)
-  want_q, want_s = fp8_quant.quantize_row_tiles(x)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got_q, got_s = jax.block_until_ready(mgpu_fp8_quant.quantize_row_tiles(x))
-  assert got_q.shape == (m, k) and got_s.shape == (k // 128, m)
-  np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
-  np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8))
-  assert np.isnan(np.asarray(got_q[7, :128], np.float32)).all() and not np.isnan(np.asarray(got_q[7, 128:],
-                                                                                          np.float32)).any()
-
-
-DW_QUANT_CASES = {  # name: (m, k, sizes, group_offset, num_local)
-    "ring_2_of_6_nan_foreign_past_m": (296, 256, [70, 0, 130, 1, 0, 85], 2, 3),  # the last block's box runs past M
-    "one_hot_expert": (2048, 384, [8, 1900, 20, 120], 0, 4),
-    "rows_past_groups_empty_group": (1024, 128, [100, 0, 300, 37], 0, 4),
-}
-
-
-@pytest.mark.parametrize("name", sorted(DW_QUANT_CASES))
-@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
-def test_dw_quantize_kernel_interpreted_is_bit_for_bit_fp8_quant(name):
-  """The one-pass kernel (TMA, shared memory and the warpgroup's transposed store simulated on the CPU)
-  gives exactly fp8_quant.quantize_group_row_blocks's bytes and scales: the same f32 amax and division.
-  NaN in a foreign group's rows, and the next group's rows inside a block's TMA box, leak nowhere."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-
-  from MaxText.moe.gmm import mgpu_fp8_quant  # pylint: disable=import-outside-toplevel
-
-  m, k, sizes, offset, num_local = DW_QUANT_CASES[name]
-  x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16) * 4
-  if offset:
-    x = x.at[:sum(sizes[:offset])].set(jnp.nan)
-  layout = fp8_quant.group_blocks(jnp.asarray(sizes, jnp.int32), offset, num_local, m)
-  want_q, want_s = fp8_quant.quantize_group_row_blocks(x, layout)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got_q, got_s = jax.block_until_ready(mgpu_fp8_quant.quantize_group_row_blocks(x, layout))
-  np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
-  np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8))
-  assert not np.isnan(np.asarray(got_q, np.float32)).any()
 
 
 @pytest.mark.slow  # two short training runs

@@ -2,7 +2,7 @@
 each kernel, from Mosaic GPU's own dumps (MOSAIC_GPU_DUMP_PTX and MOSAIC_GPU_DUMP_PTXAS, which print
 to the process's stdout), the PTX assembled again with ptxas and disassembled with nvdisasm.
 
-  python tools/kernel_sass.py --out DIR [--kernels fp8_fwd,fp8_dw,bf16_fwd] [--m 16384] [--target h200]
+  python tools/kernel_sass.py --out DIR [--kernels fp8_fwd,fp8_dw,fp8_requant,bf16_fwd] [--m 16384] [--target h200]
 
 Each kernel is compiled once, in a process of its own, at DeepSeek-V3's up-projection shape
 (K=7168, N=2048, G=32 balanced groups; M rows), on this machine's GPU or, with --target, for a
@@ -98,7 +98,7 @@ def disassemble(log: str, stem: Path) -> str:
   return proc.stdout
 
 
-KERNELS = ("fp8_fwd", "fp8_dw", "bf16_fwd")
+KERNELS = ("fp8_fwd", "fp8_dw", "fp8_requant", "bf16_fwd")
 
 
 def _fp8_tiling(spec: str):
@@ -118,7 +118,7 @@ def _kernels(m: int, sharding=None, fp8_tiling: str = ""):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_tgmm, mgpu_schedule  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule  # pylint: disable=import-outside-toplevel
 
   k, n, g = 7168, 2048, 32
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -131,8 +131,13 @@ def _kernels(m: int, sharding=None, fp8_tiling: str = ""):
     table = mgpu_schedule.work_table(gs, 0, g, m, tiling.block_m, window_align=8)
     return mgpu_fp8.grouped_matmul_fp8(x_q, x_s, w_q, w_s, table, tiling=tiling)
 
+  def fp8_requant(x_q, x_s, gs):  # dW's lhs from the FP8 dispatch's tiles
+    tiles = fp8_quant.RowTiles(x_q, x_s)
+    return mgpu_fp8_quant.requantize_group_row_blocks(tiles, fp8_quant.group_blocks(gs, 0, g, m), jnp.bfloat16)
+
   return {
       "fp8_fwd": (fp8_fwd, (x, w, gs)),
+      "fp8_requant": (fp8_requant, (spec((m, k), fp8_quant.E4M3), spec((m, k // 128), jnp.float32), gs)),
       "fp8_dw": (lambda x, d, gs: mgpu_fp8_tgmm.tgmm(x, d, gs, num_local_groups=g), (x, dout, gs)),
       "bf16_fwd": (lambda x, w, gs: mgpu.gmm(x, w, gs), (x, w, gs)),
   }

@@ -89,12 +89,12 @@ def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
     # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
     # token axes (MaxText/moe/vma.py).
     w0, w1, wo = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
-    # dW's operands that are gathers of token rows: x_MD (the dispatch's output) and the combine's
+    # The operands that are gathers of token rows: x_MD (the dispatch's output) and the combine's
     # cotangent of wo's output. FP8 backends let XLA quantize those through the gather (gmm's doc).
-    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, dw_gathered=(True, False), **kw), "mlpwi_0")
-    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, dw_gathered=(True, False), **kw), "mlpwi_1")
+    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_0")
+    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_1")
     h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
-    return _tag(gmm(h_MF, wo, meta.group_sizes_G, dw_gathered=(False, True), **kw), "mlpwo")
+    return _tag(gmm(h_MF, wo, meta.group_sizes_G, gathered=(False, True), **kw), "mlpwo")
 
 
 def _tag(y, name: str):

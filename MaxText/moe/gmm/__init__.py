@@ -131,12 +131,17 @@ class _Static:
   backend: str
   transpose_rhs: bool
   out_dtype: np.dtype
-  dw_gathered: tuple[bool, bool] = (False, False)
+  gathered: tuple[bool, bool] = (False, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _gmm(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
   return _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static)[0]
+
+
+def _fp8_lhs_kw(static: _Static, lhs_gathered: bool) -> dict:
+  """FP8 backends quantize a product's lhs: by XLA through the gather where it is a gather of token rows."""
+  return {"lhs_gathered": lhs_gathered} if static.backend in FP8_BACKENDS else {}
 
 
 def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
@@ -148,6 +153,7 @@ def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _S
       transpose_rhs=static.transpose_rhs,
       out_dtype=static.out_dtype,
       **({} if lhs_tiles is None else {"lhs_tiles": lhs_tiles}),
+      **_fp8_lhs_kw(static, static.gathered[0]),
   )
   # Kernel outputs (Pallas, TE, tokamax) carry no varying manual axes: type them as a lax op would.
   out_MN = vma.like_operands(out_MN, lhs_MK, rhs_GKN, group_sizes_G, group_offset)
@@ -170,15 +176,18 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
         group_offset=group_offset,
         transpose_rhs=not static.transpose_rhs,
         out_dtype=lhs_MK.dtype,
+        **_fp8_lhs_kw(static, static.gathered[1]),
     )
     dlhs_MK = vma.like_operands(dlhs_MK, dout_MN, rhs_GKN, group_sizes_G, group_offset)
   with jax.named_scope("gmm_drhs"):
     # drhs[g] = lhs_g.T @ dout_g, or dout_g.T @ lhs_g for a [G, N, K] rhs.
     a_MX, b_MY = (dout_MN, lhs_MK) if static.transpose_rhs else (lhs_MK, dout_MN)
-    gathered_lhs, gathered_dout = static.dw_gathered
+    gathered_lhs, gathered_dout = static.gathered
     fp8_kw = {}
     if static.backend in FP8_BACKENDS:  # which operand XLA should quantize, fusing its gather
       fp8_kw["gathered"] = (gathered_dout, gathered_lhs) if static.transpose_rhs else (gathered_lhs, gathered_dout)
+      if lhs_tiles is not None and not static.transpose_rhs:  # requantized from the moved tiles, not gathered
+        fp8_kw["lhs_tiles"] = lhs_tiles
     drhs_GXY = backend.tgmm(
         a_MX,
         b_MY,
@@ -221,7 +230,7 @@ def gmm(
     preferred_element_type: jnp.dtype | None = None,
     transpose_rhs: bool = False,
     lhs_tiles: fp8_quant.RowTiles | None = None,
-    dw_gathered: tuple[bool, bool] = (False, False),
+    gathered: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
   """Grouped GEMM of row-sorted lhs_MK with the local groups' weights; see the module doc.
 
@@ -238,10 +247,11 @@ def gmm(
     transpose_rhs: rhs given as [G_local, N, K] (as upstream megablox's flag).
     lhs_tiles: lhs_MK's rows already quantized to 1x128 tiles (FP8 backends only): the forward multiplies
       these, and lhs_MK (their values) is what dW quantizes and the gradient flows to.
-    dw_gathered: (lhs, the output's cotangent): which of dW's operands are gathers of token rows (the
-      dispatch's output; the combine's cotangent). FP8 backends leave those to XLA's quantization, which
-      fuses the gather and reads the compact token rows (each routed k times), and quantize the others,
-      materialized rows, in one pass (`mgpu_fp8_quant`). No effect on the values.
+    gathered: (lhs, the output's cotangent): which operands are gathers of token rows (the dispatch's
+      output; the combine's cotangent). FP8 backends leave those to XLA's quantization, which fuses the
+      gather and reads the compact token rows (each routed k times), wherever they are quantized (the
+      forward's lhs, dlhs's dout, dW's operands), and quantize the others, materialized rows, in one pass
+      (`mgpu_fp8_quant`). dW requantizes lhs from lhs_tiles where given, in one pass. No effect on the values.
 
   Returns:
     out_MN: [M, N]; zero in rows outside the local groups.
@@ -266,7 +276,7 @@ def gmm(
       backend=name,
       transpose_rhs=bool(transpose_rhs),
       out_dtype=np.dtype(preferred_element_type or compute_dtype),
-      dw_gathered=(bool(dw_gathered[0]), bool(dw_gathered[1])),
+      gathered=(bool(gathered[0]), bool(gathered[1])),
   )
   with jax.named_scope("gmm"):
     return _gmm(

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import fp8_quant, mgpu_kernels
+from MaxText.moe.gmm import _pad, fp8_quant, mgpu_kernels
 
 BLOCK = fp8_quant.BLOCK
 # Column tiles per block of the grid: each block pipelines this many tiles of one 128-row block.
@@ -50,6 +50,25 @@ def block_rows(layout: fp8_quant.GroupBlocks, num_rows: int) -> tuple[jax.Array,
 
 def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) -> tuple[jax.Array, jax.Array]:
   """The kernel form of `fp8_quant.quantize_group_row_blocks`: (q_PbKB e4m3, scale_PbK f32)."""
+  return _group_row_blocks(x_MK, None, layout, x_MK.dtype)
+
+
+def requantize_group_row_blocks(tiles: fp8_quant.RowTiles, layout: fp8_quant.GroupBlocks,
+                                dtype) -> tuple[jax.Array, jax.Array]:
+  """dW's 128x1 operand from rows that are already 1x128 tiles (the FP8 dispatch's, which the forward
+  multiplied): bit for bit `quantize_group_row_blocks(dequantize_rows(tiles, K', dtype), layout)`.
+
+  The dispatch moved x as e4m3 tiles, and the forward kernel reads them from memory, so they are
+  materialized rows: this reads their e4m3 bytes (1 B a value, half of x in bf16) and each row's scale,
+  and rounds each dequantized value to dtype (the values gmm's VJP holds for them) before the 128x1
+  quantization. XLA would fuse the dequantization into its two passes over the gathered token rows."""
+  # TMA wants the scales' row stride a multiple of 16 B: M to a multiple of 4 (the rows past M are masked).
+  return _group_row_blocks(tiles.q_MK, _pad.pad_axes(tiles.scale_MKb.T, {1: 4}), layout, dtype)
+
+
+def _group_row_blocks(x_MK, scale_KbM, layout: fp8_quant.GroupBlocks, value_dtype):
+  """x's values are x_MK itself, or with scale_KbM (x_MK then e4m3 1x128 tiles, scale_KbM f32 [K/128, M])
+  value_dtype(x_MK * scale), f32 products rounded as `fp8_quant.dequantize_rows` rounds them."""
   m, k = x_MK.shape
   if k % BLOCK:
     raise ValueError(f"dW quantization: K = {k} must be a multiple of {BLOCK}")
@@ -60,8 +79,10 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
   # The e4m3 tile is swizzled in shared memory (its TMA store reads it so); x's tile cannot be: a
   # tiled TMA box must start at a multiple of 8 rows, and a block starts at its group's first row.
   out_transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
+  tiled = scale_KbM is not None
 
-  def body(row0_gmem, valid_gmem, x_gmem, q_gmem, s_gmem):
+  def body(row0_gmem, valid_gmem, x_gmem, *refs):
+    (s_in_gmem, q_gmem, s_gmem) = refs if tiled else (None, *refs)
     b, c = lax.axis_index("b"), lax.axis_index("c")
     row0, valid = row0_gmem[b], valid_gmem[b]
     cols = pl.ds(c * chunk * BLOCK, chunk * BLOCK)
@@ -71,11 +92,14 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
     def _scope(q_smem, s_smem):
       # Stores are issued here from two slots, not through emit_pipeline's out_specs: its predicated TMA
       # stores are not supported by the Mosaic-GPU interpreter that the CPU tests run the kernel in.
-      def tile(idx, x_smem):
+      def tile(idx, x_smem, s_in_smem=None):
         (j,) = idx
         slot = j % 2
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this slot's stores of two tiles ago have read it
         x_RC = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        if tiled:  # a row's scale: one value per row of the register layout
+          s_R = plgpu.load(s_in_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+          x_RC = (x_RC * lax.broadcast_in_dim(s_R, (BLOCK, BLOCK), [0])).astype(value_dtype).astype(jnp.float32)
         rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
         x_RC = jnp.where(rows < valid, x_RC, 0.0)
         amax_C = jnp.max(jnp.abs(x_RC), axis=0)
@@ -90,12 +114,12 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
         plgpu.copy_smem_to_gmem(q_smem.at[slot], q_gmem.at[b, pl.ds(col, BLOCK)])
         plgpu.copy_smem_to_gmem(s_smem.at[slot], s_gmem.at[pl.ds(b, 1), pl.ds(col, BLOCK)])
 
-      plgpu.emit_pipeline(
-          tile,
-          grid=(chunk,),
-          in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (0, j))],
-          max_concurrent_steps=STAGES,
-      )(x_gmem.at[pl.ds(row0, BLOCK), cols])
+      in_specs = [plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (0, j))]
+      inputs = [x_gmem.at[pl.ds(row0, BLOCK), cols]]
+      if tiled:  # the block's 128 row scales of each column tile: one row of scale_KbM, from the block's first row
+        in_specs.append(plgpu.BlockSpec((1, BLOCK), lambda j: (j, 0)))
+        inputs.append(s_in_gmem.at[pl.ds(c * chunk, chunk), pl.ds(row0, BLOCK)])
+      plgpu.emit_pipeline(tile, grid=(chunk,), in_specs=in_specs, max_concurrent_steps=STAGES)(*inputs)
       plgpu.wait_smem_to_gmem(0)
 
   kernel = plgpu.kernel(
@@ -104,7 +128,7 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
       grid=(pb, kb // chunk),
       grid_names=("b", "c"),
   )
-  return kernel(row0_Pb, valid_Pb, x_MK)
+  return kernel(row0_Pb, valid_Pb, x_MK, *([scale_KbM] if tiled else []))
 
 
 # --- 1x128 row tiles (the forward's and dlhs's lhs) ---

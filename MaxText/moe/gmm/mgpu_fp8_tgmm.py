@@ -169,7 +169,7 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None,
-         gathered=(False, False)):
+         gathered=(False, False), lhs_tiles: fp8_quant.RowTiles | None = None):
   """The grouped-GEMM protocol's dW with both operands quantized here (K and N are padded to 128:
   zero columns give output columns the slice drops).
 
@@ -178,7 +178,12 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   rows: the proxy's compiled step reads x and the combine's cotangent from [16384, 7392]-byte e4m3
   buffers, never materializing the [131072, 7168] rows (session 14). The kernel would need them
   materialized. Other operands (the SwiGLU's output and its gradients) are materialized rows, and the
-  one-pass kernel reads them once where XLA reads them twice (0.15 against 0.32 ms at 65,536 x 2,048)."""
+  one-pass kernel reads them once where XLA reads them twice (0.15 against 0.32 ms at 65,536 x 2,048).
+
+  lhs_tiles: lhs_MK's rows as the 1x128 tiles they are the values of (lhs_MK = dequantize_rows(tiles) in
+  lhs_MK's dtype: the FP8 dispatch's rows, which the forward kernel read from memory). lhs is then
+  requantized from those in one pass (`mgpu_fp8_quant.requantize_group_row_blocks`), same bytes, and
+  `gathered[0]` is moot."""
   from MaxText.moe.gmm import _pad  # pylint: disable=import-outside-toplevel
 
   def _quantize(gathered_operand: bool):
@@ -186,14 +191,20 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
 
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   m = lhs_MK.shape[0]
+  # K under a tile's 192 rows (only toy widths) is padded to two blocks: the shifted tile needs K >= 192.
+  k_align = BLOCK if lhs_MK.shape[1] >= TILE_M else 2 * BLOCK
 
   def kernel(lhs_MK, dout_MN):
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
-    lhs_q, lhs_scale = _quantize(gathered[0])(lhs_MK, layout)
+    if lhs_tiles is None:
+      lhs_q, lhs_scale = _quantize(gathered[0])(lhs_MK, layout)
+    else:  # the tiles' columns padded as lhs's: zeros of scale 1, as fp8_quant gives an all-zero tile
+      extra_blocks = (lhs_MK.shape[1] - lhs_tiles.q_MK.shape[1]) // BLOCK
+      tiles = fp8_quant.RowTiles(jnp.pad(lhs_tiles.q_MK, ((0, 0), (0, extra_blocks * BLOCK))),
+                                 jnp.pad(lhs_tiles.scale_MKb, ((0, 0), (0, extra_blocks)), constant_values=1.0))
+      lhs_q, lhs_scale = mgpu_fp8_quant.requantize_group_row_blocks(tiles, layout, lhs_MK.dtype)
     dout_q, dout_scale = _quantize(gathered[1])(dout_MN, layout)
     return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
                                          out_dtype=out_dtype)
 
-  # K under a tile's 192 rows (only toy widths) is padded to two blocks: the shifted tile needs K >= 192.
-  k_align = BLOCK if lhs_MK.shape[1] >= TILE_M else 2 * BLOCK
   return _pad.tgmm(kernel, lhs_MK, dout_MN, align=_pad.Align(m=1, k=k_align, n=BLOCK))
