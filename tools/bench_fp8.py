@@ -175,6 +175,17 @@ def check_dw_quantize(results, name, x, dout, gs, offset, num_local):
           f"fp8_quant: {ok}", flush=True)
     results.append(dict(kind="check", case=f"dW quantize {name} {what}", out_dtype=None, ok=ok, err=None,
                         fp8_err=None))
+  # dW's x as the step gives it: the FP8 dispatch's tiles, requantized in one pass
+  tiles = fp8_quant.quantize_rows(x)
+  want_q, want_s = jax.jit(fp8_quant.quantize_group_row_blocks)(
+      fp8_quant.dequantize_rows(tiles, tiles.q_MK.shape[1], x.dtype), layout)
+  got_q, got_s = jax.jit(mgpu_fp8_quant.requantize_group_row_blocks, static_argnums=2)(tiles, layout, x.dtype)
+  ok = bool(np.array_equal(np.asarray(got_s), np.asarray(want_s))
+            and np.array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8)))
+  print(f"{'PASS' if ok else 'FAIL'} fp8 dW requantize {name:21s} x's tiles, one-pass kernel bit-identical to "
+        f"fp8_quant: {ok}", flush=True)
+  results.append(dict(kind="check", case=f"dW requantize {name} x tiles", out_dtype=None, ok=ok, err=None,
+                      fp8_err=None))
 
 
 def _dense_fp8(x_q, wT_q):
@@ -347,9 +358,13 @@ def dw_times(x, w, gs, timer):
   quantize_one_pass = quantizer(mgpu_fp8_quant.quantize_group_row_blocks)
   kernel = jax.jit(mgpu_fp8_tgmm.transposed_grouped_matmul_fp8)
   quantized = quantize(x, dout, gs)
+  tiles = jax.jit(fp8_quant.quantize_rows)(x)
+  requantize = jax.jit(lambda tiles, gs: mgpu_fp8_quant.requantize_group_row_blocks(
+      tiles, fp8_quant.group_blocks(gs, 0, g, m), x.dtype))
   runs = {"dW mgpu bf16": (bf16, (x, dout, gs)), "dW mgpu_fp8": (kernel, quantized),
           "dW quantize x and dout (128x1)": (quantize, (x, dout, gs)),
-          "dW quantize x and dout (one-pass kernel)": (quantize_one_pass, (x, dout, gs))}
+          "dW quantize x and dout (one-pass kernel)": (quantize_one_pass, (x, dout, gs)),
+          "dW requantize x from its tiles (one-pass kernel)": (requantize, (tiles, gs))}
   return {label: timer(label, fn, args) for label, (fn, args) in runs.items()}
 
 
@@ -381,7 +396,9 @@ def print_table(results):
     print(f"{'':28s} dW: mgpu bf16 {dw16:.3f} ms | mgpu_fp8 {dw8:.3f} ms = {d8 / dw8:.2f} of dense fp8, "
           f"{dw16 / dw8:.2f}x mgpu bf16 | quantize x and dout: XLA {rows['dW quantize x and dout (128x1)']['ms']:.3f} ms"
           + (f", one-pass kernel {one_pass['ms']:.3f} ms"
-             if (one_pass := rows.get("dW quantize x and dout (one-pass kernel)")) else ""))
+             if (one_pass := rows.get("dW quantize x and dout (one-pass kernel)")) else "")
+          + (f"; x from its tiles {requant['ms']:.3f} ms"
+             if (requant := rows.get("dW requantize x from its tiles (one-pass kernel)")) else ""))
 
 
 def main():
