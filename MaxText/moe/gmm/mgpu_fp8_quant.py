@@ -53,6 +53,10 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
   return _group_row_blocks(x_MK, None, layout, x_MK.dtype)
 
 
+# A jit of its own: wi_0's and wi_1's dW requantize the same tiles, and only one traced kernel (one Mosaic module)
+# lets XLA merge the two calls. Each call site's own trace gave two modules that differ in their source locations,
+# and the compiled proxy step ran the kernel twice per layer (compile-only HLO, session 21).
+@functools.partial(jax.jit, static_argnums=2)
 def requantize_group_row_blocks(tiles: fp8_quant.RowTiles, layout: fp8_quant.GroupBlocks,
                                 dtype) -> tuple[jax.Array, jax.Array]:
   """dW's 128x1 operand from rows that are already 1x128 tiles (the FP8 dispatch's, which the forward
