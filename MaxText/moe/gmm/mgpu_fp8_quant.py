@@ -66,24 +66,33 @@ def requantize_group_row_blocks(tiles: fp8_quant.RowTiles, layout: fp8_quant.Gro
   materialized rows: this reads their e4m3 bytes (1 B a value, half of x in bf16) and each row's scale,
   and rounds each dequantized value to dtype (the values gmm's VJP holds for them) before the 128x1
   quantization. XLA would fuse the dequantization into its two passes over the gathered token rows."""
-  # TMA wants the scales' row stride a multiple of 16 B: M to a multiple of 4 (the rows past M are masked).
-  return _group_row_blocks(tiles.q_MK, _pad.pad_axes(tiles.scale_MKb.T, {1: 4}), layout, dtype)
+  # Row-major scales, the columns padded to a multiple of SCALE_COLS (the padding is never selected).
+  return _group_row_blocks(tiles.q_MK, _pad.pad_axes(tiles.scale_MKb, {1: SCALE_COLS}), layout, dtype)
 
 
-def _group_row_blocks(x_MK, scale_KbM, layout: fp8_quant.GroupBlocks, value_dtype):
-  """x's values are x_MK itself, or with scale_KbM (x_MK then e4m3 1x128 tiles, scale_KbM f32 [K/128, M])
-  value_dtype(x_MK * scale), f32 products rounded as `fp8_quant.dequantize_rows` rounds them."""
+# The tile scales' box: a block's 128 rows x 8 columns of the row-major [M, K'/128] scales (32 B a row). A box of
+# the transposed [K'/128, M] scales would start at the block's first row in its minor dimension, any row, and a
+# TMA box whose start there is not 16-byte aligned stopped the H200 with CUDA_ERROR_ILLEGAL_INSTRUCTION (a group
+# from row 501, session 21). Rows are the major dimension here: any start is fine, as for x's own box.
+SCALE_COLS = 8
+
+
+def _group_row_blocks(x_MK, scale_MKb, layout: fp8_quant.GroupBlocks, value_dtype):
+  """x's values are x_MK itself, or with scale_MKb (x_MK then e4m3 1x128 tiles, scale_MKb f32 [M, K'/128]
+  padded to a multiple of SCALE_COLS columns) value_dtype(x_MK * scale), f32 products rounded as
+  `fp8_quant.dequantize_rows` rounds them."""
   m, k = x_MK.shape
   if k % BLOCK:
     raise ValueError(f"dW quantization: K = {k} must be a multiple of {BLOCK}")
   row0_Pb, valid_Pb = block_rows(layout, m)
   pb = row0_Pb.shape[0]
   kb = k // BLOCK
-  chunk = max(c for c in range(1, CHUNK + 1) if kb % c == 0)
+  tiled = scale_MKb is not None
+  # With scales, a grid block's column tiles lie in one aligned box of SCALE_COLS scale columns: chunk divides it.
+  chunk = max(c for c in range(1, CHUNK + 1) if kb % c == 0 and (not tiled or SCALE_COLS % c == 0))
   # The e4m3 tile is swizzled in shared memory (its TMA store reads it so); x's tile cannot be: a
   # tiled TMA box must start at a multiple of 8 rows, and a block starts at its group's first row.
   out_transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
-  tiled = scale_KbM is not None
 
   def body(row0_gmem, valid_gmem, x_gmem, *refs):
     (s_in_gmem, q_gmem, s_gmem) = refs if tiled else (None, *refs)
@@ -101,8 +110,10 @@ def _group_row_blocks(x_MK, scale_KbM, layout: fp8_quant.GroupBlocks, value_dtyp
         slot = j % 2
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this slot's stores of two tiles ago have read it
         x_RC = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        if tiled:  # a row's scale: one value per row of the register layout
-          s_R = plgpu.load(s_in_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+        if tiled:  # each row's scale of this column tile: its column of the box, as a sum of one term per row
+          s_RS = plgpu.load(s_in_smem, layout=plgpu.Layout.WGMMA)
+          col_S = lax.broadcasted_iota(jnp.int32, (BLOCK, SCALE_COLS), 1)
+          s_R = jnp.sum(jnp.where(col_S == (c * chunk + j) % SCALE_COLS, s_RS, 0.0), axis=1)
           x_RC = (x_RC * lax.broadcast_in_dim(s_R, (BLOCK, BLOCK), [0])).astype(value_dtype).astype(jnp.float32)
         rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
         x_RC = jnp.where(rows < valid, x_RC, 0.0)
@@ -120,9 +131,9 @@ def _group_row_blocks(x_MK, scale_KbM, layout: fp8_quant.GroupBlocks, value_dtyp
 
       in_specs = [plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (0, j))]
       inputs = [x_gmem.at[pl.ds(row0, BLOCK), cols]]
-      if tiled:  # the block's 128 row scales of each column tile: one row of scale_KbM, from the block's first row
-        in_specs.append(plgpu.BlockSpec((1, BLOCK), lambda j: (j, 0)))
-        inputs.append(s_in_gmem.at[pl.ds(c * chunk, chunk), pl.ds(row0, BLOCK)])
+      if tiled:  # the block's rows of the aligned SCALE_COLS scale columns that hold this grid block's column tiles
+        in_specs.append(plgpu.BlockSpec((BLOCK, SCALE_COLS), lambda j: (0, 0)))
+        inputs.append(s_in_gmem.at[pl.ds(row0, BLOCK), pl.ds(c * chunk // SCALE_COLS * SCALE_COLS, SCALE_COLS)])
       plgpu.emit_pipeline(tile, grid=(chunk,), in_specs=in_specs, max_concurrent_steps=STAGES)(*inputs)
       plgpu.wait_smem_to_gmem(0)
 
@@ -132,7 +143,7 @@ def _group_row_blocks(x_MK, scale_KbM, layout: fp8_quant.GroupBlocks, value_dtyp
       grid=(pb, kb // chunk),
       grid_names=("b", "c"),
   )
-  return kernel(row0_Pb, valid_Pb, x_MK, *([scale_KbM] if tiled else []))
+  return kernel(row0_Pb, valid_Pb, x_MK, *([scale_MKb] if tiled else []))
 
 
 # --- 1x128 row tiles (the forward's and dlhs's lhs) ---
