@@ -164,28 +164,27 @@ def check_dw(results, name, x, dout, gs, offset, num_local, out_dtype):
 
 
 def check_dw_quantize(results, name, x, dout, gs, offset, num_local):
-  """dW's one-pass quantization kernel against fp8_quant's (XLA's two passes): the same bytes and scales."""
+  """dW's one-pass quantization kernels against fp8_quant's (XLA's two passes): the same bytes and scales."""
   layout = fp8_quant.group_blocks(gs, offset, num_local, x.shape[0])
   for what, a in (("x", x), ("dout", dout)):
-    want_q, want_s = jax.jit(fp8_quant.quantize_group_row_blocks)(a, layout)
-    got_q, got_s = jax.jit(mgpu_fp8_quant.quantize_group_row_blocks)(a, layout)
-    ok = bool(np.array_equal(np.asarray(got_s), np.asarray(want_s))
-              and np.array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8)))
-    print(f"{'PASS' if ok else 'FAIL'} fp8 dW quantize {name:23s} {what:4s} one-pass kernel bit-identical to "
-          f"fp8_quant: {ok}", flush=True)
-    results.append(dict(kind="check", case=f"dW quantize {name} {what}", out_dtype=None, ok=ok, err=None,
-                        fp8_err=None))
+    _same_bytes(results, f"dW quantize {name} {what}", f"fp8 dW quantize {name:23s} {what:4s} one-pass kernel",
+                jax.jit(mgpu_fp8_quant.quantize_group_row_blocks)(a, layout),
+                jax.jit(fp8_quant.quantize_group_row_blocks)(a, layout))
   # dW's x as the step gives it: the FP8 dispatch's tiles, requantized in one pass
   tiles = fp8_quant.quantize_rows(x)
-  want_q, want_s = jax.jit(fp8_quant.quantize_group_row_blocks)(
-      fp8_quant.dequantize_rows(tiles, tiles.q_MK.shape[1], x.dtype), layout)
-  got_q, got_s = jax.jit(mgpu_fp8_quant.requantize_group_row_blocks, static_argnums=2)(tiles, layout, x.dtype)
+  values = fp8_quant.dequantize_rows(tiles, tiles.q_MK.shape[1], x.dtype)
+  _same_bytes(results, f"dW requantize {name} x tiles", f"fp8 dW requantize {name:21s} x's tiles, one-pass kernel",
+              mgpu_fp8_quant.requantize_group_row_blocks(tiles, layout, x.dtype),
+              jax.jit(fp8_quant.quantize_group_row_blocks)(values, layout))
+
+
+def _same_bytes(results, case, label, got, want):
+  """One check: a kernel's (e4m3 bytes, f32 scales) equal to fp8_quant's."""
+  (got_q, got_s), (want_q, want_s) = got, want
   ok = bool(np.array_equal(np.asarray(got_s), np.asarray(want_s))
             and np.array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8)))
-  print(f"{'PASS' if ok else 'FAIL'} fp8 dW requantize {name:21s} x's tiles, one-pass kernel bit-identical to "
-        f"fp8_quant: {ok}", flush=True)
-  results.append(dict(kind="check", case=f"dW requantize {name} x tiles", out_dtype=None, ok=ok, err=None,
-                      fp8_err=None))
+  print(f"{'PASS' if ok else 'FAIL'} {label} bit-identical to fp8_quant: {ok}", flush=True)
+  results.append(dict(kind="check", case=case, out_dtype=None, ok=ok, err=None, fp8_err=None))
 
 
 def _dense_fp8(x_q, wT_q):
