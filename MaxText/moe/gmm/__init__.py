@@ -9,8 +9,11 @@ group_sizes_G has one entry per GLOBAL group. Rows of other groups and rows past
 sum(group_sizes_G) (padding) come out as zeros. Every backend module has NAME,
 unavailable_reason(), gmm(lhs_MK, rhs, group_sizes_G, *, group_offset, transpose_rhs,
 out_dtype) and tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups,
-out_dtype) with this contract (`xla.py` is the reference); the FP8 backends' gmm also
-takes lhs_tiles, the rows already quantized (the FP8 dispatch, MaxText/moe/fp8_dispatch.py).
+out_dtype) with this contract (`xla.py` is the reference). The FP8 backends' gmm also takes
+lhs_tiles, the rows already quantized (the FP8 dispatch, MaxText/moe/fp8_dispatch.py), and
+lhs_gathered; their tgmm takes gathered and lhs_tiles: which operands are gathers of token rows
+(quantized by XLA through the gather) and the tiles lhs was dequantized from (requantized in one
+pass). None of these changes a value.
 
 The backward pass is a custom VJP built from each backend's two primitives:
 
