@@ -1,4 +1,5 @@
-"""Where a compiled FP8 step quantizes: the fusions of its HLO text that write e4m3 values.
+"""Where a compiled FP8 step quantizes: the fusions of its HLO text that write e4m3 values, and the Mosaic GPU
+kernels that do (kind `mosaic`: the one-pass quantization kernels, `MaxText/moe/gmm/mgpu_fp8_quant.py`).
 
     python3 tools/hlo_fp8_passes.py plan.hlo       # from `python -m MaxText.plan ... moe_fp8=blockwise --hlo plan.hlo`
 
@@ -44,11 +45,13 @@ def fp8_fusions(text: str) -> collections.Counter:
   for comp in comps.values():
     producers = {i.name: i.opcode for i in comp.instrs}
     for instr in comp.instrs:
-      if instr.opcode != "fusion" or "f8e4m3fn" not in instr.type_text:
+      mosaic = instr.opcode == "custom-call" and 'custom_call_target="mosaic_gpu' in instr.attrs
+      if not (instr.opcode == "fusion" or mosaic) or "f8e4m3fn" not in instr.type_text:
         continue
       kind = re.search(r"kind=(\w+)", instr.attrs)
       types = ",".join(dict.fromkeys(re.findall(r"f8e4m3fn\[[\d,]*\]", instr.type_text)))
-      rows[(kind.group(1) if kind else "?", types, _reads(instr, producers), _where(instr.attrs))] += 1
+      kind = "mosaic" if mosaic else kind.group(1) if kind else "?"
+      rows[(kind, types, _reads(instr, producers), _where(instr.attrs))] += 1
   return rows
 
 
