@@ -71,8 +71,9 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
   xla_dw_quant = dw_quant_per_column("dW quantize x and dout (128x1)")
   one_pass = "dW quantize x and dout (one-pass kernel)"
   kernel_dw_quant = dw_quant_per_column(one_pass) if one_pass in up and one_pass in down else xla_dw_quant
-  row_tiles = {shape: t[shape].get("quantize x (1x128, one-pass kernel)" if one_pass_lhs else "", t[shape]["quantize x (1x128)"])
-               for shape in ("up", "down")}
+  one_pass_rows = "quantize x (1x128, one-pass kernel)"
+  row_tiles = {shape: ms[one_pass_rows] if one_pass_lhs and one_pass_rows in ms else ms["quantize x (1x128)"]
+               for shape, ms in t.items()}
   # dW's x: requantized from the dispatch's tiles in one pass (since session 21), at the bf16 kernel's rate per
   # column (it reads e4m3, half the bytes: an upper bound); before, XLA's through the gather.
   x_dw_quant = kernel_dw_quant if one_pass_lhs else xla_dw_quant

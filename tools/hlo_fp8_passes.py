@@ -48,9 +48,9 @@ def fp8_fusions(text: str) -> collections.Counter:
       mosaic = instr.opcode == "custom-call" and 'custom_call_target="mosaic_gpu' in instr.attrs
       if not (instr.opcode == "fusion" or mosaic) or "f8e4m3fn" not in instr.type_text:
         continue
-      kind = re.search(r"kind=(\w+)", instr.attrs)
+      fusion_kind = re.search(r"kind=(\w+)", instr.attrs)
+      kind = "mosaic" if mosaic else fusion_kind.group(1) if fusion_kind else "?"
       types = ",".join(dict.fromkeys(re.findall(r"f8e4m3fn\[[\d,]*\]", instr.type_text)))
-      kind = "mosaic" if mosaic else kind.group(1) if kind else "?"
       rows[(kind, types, _reads(instr, producers), _where(instr.attrs))] += 1
   return rows
 

@@ -198,10 +198,9 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
     if lhs_tiles is None:
       lhs_q, lhs_scale = _quantize(gathered[0])(lhs_MK, layout)
-    else:  # the tiles' columns padded as lhs's: zeros of scale 1, as fp8_quant gives an all-zero tile
-      extra_blocks = (lhs_MK.shape[1] - lhs_tiles.q_MK.shape[1]) // BLOCK
-      tiles = fp8_quant.RowTiles(jnp.pad(lhs_tiles.q_MK, ((0, 0), (0, extra_blocks * BLOCK))),
-                                 jnp.pad(lhs_tiles.scale_MKb, ((0, 0), (0, extra_blocks)), constant_values=1.0))
+    else:  # the tiles' columns zero-padded as lhs's: zero bytes stand for zeros whatever their scale
+      tiles = fp8_quant.RowTiles(_pad.pad_axes(lhs_tiles.q_MK, {1: k_align}),
+                                 _pad.pad_axes(lhs_tiles.scale_MKb, {1: k_align // BLOCK}))
       lhs_q, lhs_scale = mgpu_fp8_quant.requantize_group_row_blocks(tiles, layout, lhs_MK.dtype)
     dout_q, dout_scale = _quantize(gathered[1])(dout_MN, layout)
     return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
