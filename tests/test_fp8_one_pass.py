@@ -142,9 +142,10 @@ def test_requantize_kernel_interpreted_is_bit_for_bit_the_dequantized_rows_quant
 
 @pytest.mark.parametrize("k", [128, 384], ids=["toy_width_padded", "three_blocks"])
 def test_dw_given_the_tiles_multiplies_the_bytes_it_would_quantize_from_their_values(monkeypatch, k):
-  """mgpu_fp8_tgmm.tgmm with lhs_tiles hands the product kernel the same operands as with lhs = their values
-  in bf16, also where K under a tile is padded to 256 (the tiles' columns too). The product kernel is replaced
-  by one that returns its operands; the quantization kernels run interpreted."""
+  """mgpu_fp8_tgmm.tgmm with lhs_tiles or dout_tiles hands the product kernel the same operands as with the
+  operand = their values in bf16, also where K under a tile is padded to 256 (the tiles' columns too) and N
+  (200) to 256. The product kernel is replaced by one that returns its operands; the quantization kernels run
+  interpreted."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
   from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
@@ -156,16 +157,17 @@ def test_dw_given_the_tiles_multiplies_the_bytes_it_would_quantize_from_their_va
     return jnp.zeros((len(args[4]), args[0].shape[1], args[2].shape[1]), out_dtype)
 
   monkeypatch.setattr(mgpu_fp8_tgmm, "transposed_grouped_matmul_fp8", operands)
-  m, n, sizes = 296, 256, jnp.asarray([70, 0, 130, 1, 0, 85], jnp.int32)
+  m, n, sizes = 296, 200, jnp.asarray([70, 0, 130, 1, 0, 85], jnp.int32)
   kx, kd = jax.random.split(jax.random.key(3))
-  tiles = fp8_quant.quantize_rows(jax.random.normal(kx, (m, k), jnp.float32) * 3)
-  x = fp8_quant.dequantize_rows(tiles, k, jnp.bfloat16)
-  d = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  x_tiles = fp8_quant.quantize_rows(jax.random.normal(kx, (m, k), jnp.float32) * 3)
+  d_tiles = fp8_quant.quantize_rows(jax.random.normal(kd, (m, n), jnp.float32) * jnp.logspace(-3, 2, m)[:, None])
+  x, d = fp8_quant.dequantize_rows(x_tiles, k, jnp.bfloat16), fp8_quant.dequantize_rows(d_tiles, n, jnp.bfloat16)
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    for lhs_tiles in (None, tiles):
-      mgpu_fp8_tgmm.tgmm(x, d, sizes, num_local_groups=6, lhs_tiles=lhs_tiles)
-  for want, got in zip(*seen):
-    np.testing.assert_array_equal(got, want)
+    for tiles in ({}, {"lhs_tiles": x_tiles}, {"dout_tiles": d_tiles}, {"lhs_tiles": x_tiles, "dout_tiles": d_tiles}):
+      mgpu_fp8_tgmm.tgmm(x, d, sizes, num_local_groups=6, **tiles)
+  for got_operands in seen[1:]:
+    for want, got in zip(seen[0], got_operands):
+      np.testing.assert_array_equal(got, want)
 
 
 # ------------------------------------------------------------------ which pass each product's lhs takes
@@ -204,3 +206,32 @@ def test_gmms_vjp_gives_each_product_its_operands_gathered_flag_and_dw_the_tiles
                   ("gmm", False), ("gmm", True), ("tgmm", (False, True), False)]
   for a, b in zip(*grads):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_backward_hands_the_cotangents_tiles_to_dlhs_and_dw(monkeypatch, transpose_rhs):
+  """gmm.backward's dout_tiles (the FP8 combine's cotangent, fp8_dispatch): dlhs multiplies them as its lhs, dW
+  requantizes them for its dout (its lhs where transpose_rhs swaps dW's operands); without them, nothing is
+  passed. Values as with the tiles' values alone: xla_fp8 requantizes those."""
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  real_gmm, real_tgmm = xla_fp8.gmm, xla_fp8.tgmm
+  monkeypatch.setattr(xla_fp8, "gmm", lambda *a, **kw: (seen.append(("gmm", "lhs_tiles" in kw)), real_gmm(*a, **kw))[1])
+  monkeypatch.setattr(xla_fp8, "tgmm", lambda *a, **kw: (seen.append(("tgmm", "lhs_tiles" in kw, "dout_tiles" in kw)),
+                                                         real_tgmm(*a, **kw))[1])
+  x = jax.random.normal(jax.random.key(1), (256, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (2, 256, 128) if transpose_rhs else (2, 128, 256), jnp.float32)
+  d_tiles = fp8_quant.quantize_rows(jax.random.normal(jax.random.key(3), (256, 256), jnp.float32))
+  dout = fp8_quant.dequantize_rows(d_tiles, 256, jnp.float32)
+  gs = jnp.asarray([100, 156], jnp.int32)
+  operands, static = gmm_lib.prepare(x, w, gs, backend="xla_fp8", transpose_rhs=transpose_rhs)
+  _, residuals = gmm_lib.forward(operands, static)
+  seen.clear()
+  with_tiles = gmm_lib.backward(static, residuals, dout, dout_tiles=d_tiles)
+  without = gmm_lib.backward(static, residuals, dout)
+  dw_tiles = ("tgmm", True, False) if transpose_rhs else ("tgmm", False, True)
+  assert seen == [("gmm", True), dw_tiles, ("gmm", False), ("tgmm", False, False)]
+  for a, b in zip(with_tiles, without):
+    if a is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))

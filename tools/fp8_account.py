@@ -16,12 +16,14 @@ What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/mo
   * x is quantized over the T token rows before the dispatch, once per forward pass, and the combine's cotangent
     over T rows before the backward's exchange (--bf16-backward-exchange: not, the code session 13 ran); the
     SwiGLU output over all rows, once per forward pass;
-  * dlhs quantizes its douts over all rows: dy (7168 columns), dh0 and dh1 (2048);
+  * dlhs quantizes its douts over all rows: dh0 and dh1 (2048 columns); wo's dy (7168) is the combine's cotangent,
+    which crossed as tiles and is multiplied as they are (--before-cotangent-tiles: XLA quantized it);
   * materialized rows (the SwiGLU output, dh0, dh1) go to the one-pass 1x128 kernel as a product's lhs, at its
     time where the file has it (bench_fp8 since session 21), else at XLA's; dy, a gather of token rows, is XLA's;
   * dW quantizes x (shared by wi_0 and wi_1), dh0, dh1, the SwiGLU output and dy into 128x1 tiles: 20,480
-    columns. dy is a gather of token rows and stays XLA's (at bench_fp8's XLA cost per column); x is requantized
-    from the dispatch's tiles and the SwiGLU output, dh0 and dh1 are materialized rows, all by one-pass kernels
+    columns. x and dy are requantized from the tiles that crossed (the dispatch's, the combine's cotangent's;
+    --before-cotangent-tiles: dy, a gather of token rows, by XLA) and the SwiGLU output, dh0 and dh1 are
+    materialized rows, all by one-pass kernels
     (mgpu_fp8_quant), at the bf16 kernel's cost per column where the file has it (bench_fp8 since session 14),
     else at XLA's; --before-one-pass-lhs: the code before session 21 (x by XLA, every lhs by XLA);
   * the three weights are quantized once per step (CSE merges the forward's, the remat's and dlhs's).
@@ -55,7 +57,7 @@ def at_dense_fp8(t: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layers: int, remat: str,
-            fp8_backward_exchange: bool = True, one_pass_lhs: bool = True) -> list[tuple]:
+            fp8_backward_exchange: bool = True, one_pass_lhs: bool = True, cotangent_tiles: bool = True) -> list[tuple]:
   """[(what, bf16 ms, fp8 ms)] per step."""
   up, down = t["up"], t["down"]
   per_row = rows / BENCH_ROWS
@@ -78,6 +80,10 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
   # column (it reads e4m3, half the bytes: an upper bound); before, XLA's through the gather.
   x_dw_quant = kernel_dw_quant if one_pass_lhs else xla_dw_quant
   token_share = tokens / BENCH_ROWS * moe_layers
+  # wo's dy: the combine's cotangent, moved as tiles. Since session 22 dlhs multiplies those tiles (no pass) and dW
+  # requantizes them in one pass, as x's; before, XLA quantized its bf16 values through the gather for both.
+  dy_tiles = cotangent_tiles and fp8_backward_exchange and one_pass_lhs
+  dlhs_dy = 0.0 if dy_tiles else up["quantize x (1x128)"]
   return [
       ("routed GEMMs: forward" + (" + remat" if passes == 2 else ""), passes * gemms("mgpu bf16", 2, 1),
        passes * gemms("mgpu_fp8", 2, 1)),
@@ -87,10 +93,13 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
       ("quantize: SwiGLU output, per forward pass", 0.0, passes * row_tiles["down"] * scale),
       ("quantize: combine's cotangent over T rows (FP8 backward exchange)", 0.0,
        up["quantize x (1x128)"] * token_share if fp8_backward_exchange else 0.0),
-      ("quantize: dlhs douts (dy gathered, dh0 and dh1)", 0.0, (up["quantize x (1x128)"] + 2 * row_tiles["down"]) * scale),
+      ("quantize: dlhs douts (dh0 and dh1; dy moved as tiles)" if dy_tiles else
+       "quantize: dlhs douts (dy gathered, dh0 and dh1)", 0.0, (dlhs_dy + 2 * row_tiles["down"]) * scale),
       ("quantize: dW's x, 128x1 (from the dispatch's tiles: one pass)" if one_pass_lhs else
        "quantize: dW's x, 128x1 (gathered from token rows: XLA)", 0.0, x_dw_quant * UP_K * scale),
-      ("quantize: dW's dy, 128x1 (gathered from token rows: XLA)", 0.0, xla_dw_quant * UP_K * scale),
+      ("quantize: dW's dy, 128x1 (from the combine's tiles: one pass)" if dy_tiles else
+       "quantize: dW's dy, 128x1 (gathered from token rows: XLA)", 0.0,
+       (kernel_dw_quant if dy_tiles else xla_dw_quant) * UP_K * scale),
       ("quantize: dW operands materialized, 128x1 (h, dh0, dh1: one pass)", 0.0, kernel_dw_quant * 3 * DOWN_K * scale),
       ("quantize: three weights, once per step", 0.0, 3 * up["quantize w (128x128, N-major copy)"] * moe_layers),
   ]
@@ -109,6 +118,9 @@ def main(argv=None) -> int:
   ap.add_argument("--before-one-pass-lhs", action="store_true",
                   help="the SwiGLU output, dh0, dh1 (as a product's lhs) and dW's x quantized by XLA (the code before "
                        "session 21)")
+  ap.add_argument("--before-cotangent-tiles", action="store_true",
+                  help="wo's dy (the combine's cotangent) quantized by XLA for dlhs and dW, not taken as the tiles that "
+                       "crossed (the code before session 22)")
   ap.add_argument("--kernels-at-dense-fp8", action="store_true",
                   help="each FP8 kernel at its case's dense FP8 cuBLASLt time from the same file (a ceiling)")
   args = ap.parse_args(argv)
@@ -120,7 +132,7 @@ def main(argv=None) -> int:
   t = times(results, args.dist)
   rows = account(at_dense_fp8(t) if args.kernels_at_dense_fp8 else t, rows=args.rows, tokens=args.tokens,
                  moe_layers=args.moe_layers, remat=args.remat, fp8_backward_exchange=not args.bf16_backward_exchange,
-                 one_pass_lhs=not args.before_one_pass_lhs)
+                 one_pass_lhs=not args.before_one_pass_lhs, cotangent_tiles=not args.before_cotangent_tiles)
   print(f"{'per step (' + str(args.moe_layers) + ' MoE layers, ' + args.dist + ')':66s} {'bf16 ms':>8s} {'FP8 ms':>8s} {'FP8 - bf16':>10s}")
   for what, bf16, fp8 in rows:
     print(f"{what:66s} {bf16:8.1f} {fp8:8.1f} {fp8 - bf16:+10.1f}")

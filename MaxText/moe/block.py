@@ -81,9 +81,10 @@ class BlockConfig:
   fp8_dispatch: bool = False
 
 
-def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
+def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None, output=None):
   """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo. x_tiles: x_MD's rows already
-  quantized (the FP8 dispatch), which both up-projections multiply."""
+  quantized (the FP8 dispatch), which both up-projections multiply. output(h_MF, wo_EFD): the last
+  product, where it is not wo's grouped GEMM alone (the FP8 dispatch's, with the combine)."""
   with jax.named_scope("gmm"):
     kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
     # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
@@ -94,6 +95,8 @@ def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
     h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_0")
     h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_1")
     h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
+    if output is not None:
+      return output(h_MF, wo)
     return _tag(gmm(h_MF, wo, meta.group_sizes_G, gathered=(False, True), **kw), "mlpwo")
 
 
@@ -102,6 +105,10 @@ def _tag(y, name: str):
   so its remat policies (`minimal` saves the first, `custom` with offload acts on the second) and the
   host_offload preset treat our block's activations exactly as upstream's."""
   return checkpoint_name(checkpoint_name(y, name), f"moe_{name}")
+
+
+def _tag_mlpwo(y_MD):
+  return _tag(y_MD, "mlpwo")
 
 
 def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
@@ -117,11 +124,16 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
       x_MD, x_tiles, meta = fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
     else:
       (x_MD, meta), x_tiles = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK), None
-  y_MD = expert_ffn(x_MD, meta, experts, cfg, x_tiles)
-  with jax.named_scope("combine"):
-    if cfg.fp8_dispatch:  # bf16, its backward's exchange towards the experts in FP8
-      y_TD = fp8_dispatch.combine(dispatcher, y_MD, weights_TK, meta, ids_TK)
-    else:
+  if cfg.fp8_dispatch:
+    # wo's product and the combine in one VJP: the combine's backward moves the cotangent to the experts as
+    # FP8 tiles, which wo's dlhs and dW take as they are.
+    def output(h_MF, wo_EFD):  # its combine's ops in a "combine" scope of their own
+      return fp8_dispatch.expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK,
+                                                backend=cfg.gmm_backend, dtype=cfg.dtype, tag=_tag_mlpwo)
+    y_TD = expert_ffn(x_MD, meta, experts, cfg, x_tiles, output=output)
+  else:
+    y_MD = expert_ffn(x_MD, meta, experts, cfg)
+    with jax.named_scope("combine"):
       y_TD = dispatcher.combine(y_MD, weights_TK, meta)
   return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
 

@@ -4,15 +4,15 @@ then dispatched; "a similar strategy is applied to the activation gradient befor
 the forward and backward combine stay bf16).
 
     xhat_MD, tiles_M, meta = fp8_dispatch.dispatch(dispatcher, x_TD, ids_TK)
-    y_TD = fp8_dispatch.combine(dispatcher, y_MD, weights_TK, meta, ids_TK)
+    ...                                                  # the up-projections and the SwiGLU: h_MF
+    y_TD = fp8_dispatch.expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK, ...)
 
-`combine` is the dispatcher's bf16 combine; its backward sends the output's cotangent to the expert
-rows as e4m3 tiles, by the dispatcher's own dispatch (the combine's transpose moves each token's
-cotangent to its K rows, which is what a dispatch does), and scales each row by its routing weight
-there. So every exchange towards the experts is FP8, and every exchange back is bf16. The cotangent's
-tiles are what wo's dlhs quantizes again: scaling a row by its weight scales its tiles' scales, so the
-requantized e4m3 values are the ones that crossed. The weights' gradient is taken from the cotangent
-unquantized, on the tokens' side, as the bf16 combine's is.
+`expert_output_combine` is wo's grouped GEMM and the dispatcher's bf16 combine; its backward sends the
+output's cotangent to the expert rows as e4m3 tiles, by the dispatcher's own dispatch, and scales each
+row's tiles by its routing weight there. So every exchange towards the experts is FP8, and every
+exchange back is bf16. wo's dlhs multiplies those tiles and its dW requantizes them (gmm.backward's
+dout_tiles): no second quantization of the cotangent. The weights' gradient is taken from the
+cotangent unquantized, on the tokens' side, as the bf16 combine's is.
 
 A 1x128 tile is one row's 128 columns, so quantizing commutes with moving rows. The grouped GEMM gets
 the same e4m3 values and scales, bit for bit, that it would compute from the dispatched bf16 rows.
@@ -35,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe import gmm as gmm_lib
 from MaxText.moe import vma
 from MaxText.moe.gmm import fp8_quant
 from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
@@ -97,34 +98,63 @@ def _dispatch_bwd(dispatcher, residuals, cotangents):
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine(dispatcher, y_MD, weights_TK, meta, ids_TK):
-  """dispatcher.combine(y_MD, weights_TK, meta), bf16 as it is; the cotangent of y_MD crosses in FP8.
-  meta and ids_TK: what `dispatch` returned and was given."""
-  return dispatcher.combine(y_MD, weights_TK, meta)
+def expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK, *, backend, dtype, tag):
+  """dispatcher.combine(gmm(h_MF, wo_EFD), weights_TK, meta) in one VJP: the forward is the FFN's last grouped
+  GEMM and the bf16 combine as they are; the backward moves the output's cotangent to the expert rows as e4m3
+  tiles, scales each row's tile scales by its routing weight, and hands wo's dlhs those tiles to multiply and
+  its dW the same tiles to requantize in one pass (gmm.backward's dout_tiles). A custom VJP of the combine alone
+  could only hand the GEMM's VJP bf16 values, which it quantized again through XLA. tag: the checkpoint names
+  of wo's output (block._tag), applied where remat policies see them (inside the forward rule too)."""
+  operands, static = gmm_lib.prepare(h_MF, wo_EFD, meta.group_sizes_G, backend=backend,
+                                     group_offset=meta.group_offset, preferred_element_type=dtype,
+                                     gathered=(False, True))
+  return _output_combine(dispatcher, (static, tag), operands, weights_TK, meta, ids_TK)
 
 
-def _combine_fwd(dispatcher, y_MD, weights_TK, meta, ids_TK):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _output_combine(dispatcher, static_tag, operands, weights_TK, meta, ids_TK):
+  return _output_combine_fwd(dispatcher, static_tag, operands, weights_TK, meta, ids_TK)[0]
+
+
+def _output_combine_fwd(dispatcher, static_tag, operands, weights_TK, meta, ids_TK):
+  static, tag = static_tag
+  y_MD, gmm_residuals = gmm_lib.forward(operands, static)
+  y_MD = tag(y_MD)
   # The weights' pullback keeps what autodiff of the combine would (the rows it gathered for each token),
   # so their gradient is the bf16 combine's own, from the unquantized cotangent.
-  y_TD, pull_weights = jax.vjp(lambda w: dispatcher.combine(y_MD, w, meta), weights_TK)
+  with jax.named_scope("combine"):  # wo's product stays in the caller's "gmm" scope (MaxText/moe/time_split.py)
+    y_TD, pull_weights = jax.vjp(lambda w: dispatcher.combine(y_MD, w, meta), weights_TK)
   rows_stamp = vma.like_operands(jnp.zeros((y_MD.shape[0], 0), y_MD.dtype), y_MD)  # M, dtype and type of y_MD
-  return y_TD, (pull_weights, weights_TK, meta, ids_TK, rows_stamp)
+  return y_TD, (gmm_residuals, pull_weights, weights_TK, meta, ids_TK, rows_stamp)
 
 
-def _combine_bwd(dispatcher, residuals, ct_TD):
-  pull_weights, weights_TK, meta, ids_TK, rows_stamp = residuals
-  (ct_weights_TK,) = pull_weights(ct_TD)
-  dispatcher = _checked_once(dispatcher)
+def _output_combine_bwd(dispatcher, static_tag, residuals, ct_TD):
+  static, _ = static_tag
+  gmm_residuals, pull_weights, weights_TK, meta, ids_TK, rows_stamp = residuals
+  with jax.named_scope("combine"):
+    (ct_weights_TK,) = pull_weights(ct_TD)
+    dy_tiles = _weighted_cotangent_tiles(_checked_once(dispatcher), ct_TD, weights_TK, meta, ids_TK, rows_stamp)
+  # The tiles' values in h's dtype: gmm.backward's contract for dout_tiles.
+  dy_MD = fp8_quant.dequantize_rows(dy_tiles, ct_TD.shape[1], gmm_residuals[0].dtype)
+  d_operands = gmm_lib.backward(static, gmm_residuals, dy_MD, dout_tiles=dy_tiles)
+  return d_operands, ct_weights_TK, None, None
+
+
+_output_combine.defvjp(_output_combine_fwd, _output_combine_bwd)
+
+
+def _weighted_cotangent_tiles(dispatcher, ct_TD, weights_TK, meta, ids_TK, rows_stamp) -> RowTiles:
+  """The combine's transpose in FP8: ct_TD's rows quantized to 1x128 tiles where they are, moved to the M expert
+  rows by the dispatcher's own dispatch (the transpose moves each token's cotangent to its K rows, which is what
+  a dispatch does), each row's scales times its routing weight. Scaling a row scales its tiles' amax, so these
+  are the tiles quantizing the weighted row would give, without a second rounding. Rows no slot points at (a
+  bounded buffer's unfilled rows) have weight 0 and may hold any bytes: zeros of scale 1, as an all-zero tile."""
   # Each row's routing weight, where the row is: the combine's transpose of ones (one scalar per slot
   # crosses, not a row). Its forward on the zero probe is dropped by XLA.
   probe_M1 = vma.like_operands(jnp.zeros((rows_stamp.shape[0], 1), jnp.float32), rows_stamp)
   _, pull_rows = jax.vjp(lambda y: dispatcher.combine(y, weights_TK, meta), probe_M1)
   (weight_M1,) = pull_rows(vma.like_operands(jnp.ones((ct_TD.shape[0], 1), jnp.float32), ct_TD))
   tiles_M, _ = _moved_tiles(dispatcher, ct_TD, ids_TK)
-  # Rows no slot points at (a bounded buffer's unfilled rows) have weight 0 and may hold any bytes.
-  ct_MD = jnp.where(weight_M1 != 0, fp8_quant.dequantize_rows(tiles_M, ct_TD.shape[1], jnp.float32) * weight_M1, 0)
-  return vma.like_primal(ct_MD.astype(rows_stamp.dtype), rows_stamp), ct_weights_TK, None, None
-
-
-combine.defvjp(_combine_fwd, _combine_bwd)
+  routed_M1 = weight_M1 != 0
+  return RowTiles(jnp.where(routed_M1, tiles_M.q_MK, jnp.zeros((), tiles_M.q_MK.dtype)),
+                  jnp.where(routed_M1, tiles_M.scale_MKb * weight_M1, 1.0))

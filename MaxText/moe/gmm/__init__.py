@@ -164,6 +164,13 @@ def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _S
 
 
 def _gmm_bwd(static: _Static, residuals, dout_MN):
+  return backward(static, residuals, dout_MN)
+
+
+def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles | None = None):
+  """The cotangents of `_gmm`'s operands from the output's. dout_tiles (FP8 backends): dout_MN's rows as the
+  1x128 tiles they are the values of (dout_MN = dequantize_rows(dout_tiles) in lhs's dtype), which dlhs
+  multiplies and dW requantizes in one pass: the FP8 combine's backward moved them (fp8_dispatch)."""
   lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset = residuals
   backend = _import_backend(static.backend)
   # The kernels take equal-dtype operands: dout is rounded to the compute dtype
@@ -179,18 +186,20 @@ def _gmm_bwd(static: _Static, residuals, dout_MN):
         group_offset=group_offset,
         transpose_rhs=not static.transpose_rhs,
         out_dtype=lhs_MK.dtype,
+        **({} if dout_tiles is None else {"lhs_tiles": dout_tiles}),
         **_fp8_lhs_kw(static, static.gathered[1]),
     )
     dlhs_MK = vma.like_operands(dlhs_MK, dout_MN, rhs_GKN, group_sizes_G, group_offset)
   with jax.named_scope("gmm_drhs"):
     # drhs[g] = lhs_g.T @ dout_g, or dout_g.T @ lhs_g for a [G, N, K] rhs.
-    a_MX, b_MY = (dout_MN, lhs_MK) if static.transpose_rhs else (lhs_MK, dout_MN)
-    gathered_lhs, gathered_dout = static.gathered
+    swap = static.transpose_rhs
+    a_MX, b_MY = (dout_MN, lhs_MK) if swap else (lhs_MK, dout_MN)
     fp8_kw = {}
     if static.backend in FP8_BACKENDS:  # which operand XLA should quantize, fusing its gather
-      fp8_kw["gathered"] = (gathered_dout, gathered_lhs) if static.transpose_rhs else (gathered_lhs, gathered_dout)
-      if lhs_tiles is not None and not static.transpose_rhs:  # requantized from the moved tiles, not gathered
-        fp8_kw["lhs_tiles"] = lhs_tiles
+      fp8_kw["gathered"] = static.gathered[::-1] if swap else static.gathered
+      # Operands that are tiles' values are requantized from the tiles, not gathered.
+      a_tiles, b_tiles = (dout_tiles, lhs_tiles) if swap else (lhs_tiles, dout_tiles)
+      fp8_kw.update({k: t for k, t in (("lhs_tiles", a_tiles), ("dout_tiles", b_tiles)) if t is not None})
     drhs_GXY = backend.tgmm(
         a_MX,
         b_MY,
@@ -259,6 +268,18 @@ def gmm(
   Returns:
     out_MN: [M, N]; zero in rows outside the local groups.
   """
+  operands, static = prepare(lhs_MK, rhs_GKN, group_sizes_G, backend=backend, group_offset=group_offset,
+                             preferred_element_type=preferred_element_type, transpose_rhs=transpose_rhs,
+                             lhs_tiles=lhs_tiles, gathered=gathered)
+  with jax.named_scope("gmm"):
+    return _gmm(*operands, static)
+
+
+def prepare(lhs_MK, rhs_GKN, group_sizes_G, *, backend="xla", group_offset=0, preferred_element_type=None,
+            transpose_rhs=False, lhs_tiles=None, gathered=(False, False)):
+  """gmm's arguments checked -> (operands, static): `forward(operands, static)` is gmm's forward with the
+  residuals `backward` takes. For a custom VJP around gmm and the op its output feeds (fp8_dispatch's
+  combine, whose backward hands dlhs and dW the cotangent as FP8 tiles)."""
   if lhs_MK.ndim != 2 or rhs_GKN.ndim != 3 or group_sizes_G.ndim != 1:
     raise ValueError(
         f"gmm wants lhs [M, K], rhs [G, K, N], group_sizes [G]; got {lhs_MK.shape}, {rhs_GKN.shape}, "
@@ -281,15 +302,19 @@ def gmm(
       out_dtype=np.dtype(preferred_element_type or compute_dtype),
       gathered=(bool(gathered[0]), bool(gathered[1])),
   )
-  with jax.named_scope("gmm"):
-    return _gmm(
-        lhs_MK.astype(compute_dtype),
-        None if lhs_tiles is None else jax.lax.stop_gradient(lhs_tiles),
-        rhs_GKN.astype(compute_dtype),
-        group_sizes_G.astype(jnp.int32),
-        jnp.asarray(group_offset, jnp.int32).reshape(()),
-        static,
-    )
+  operands = (
+      lhs_MK.astype(compute_dtype),
+      None if lhs_tiles is None else jax.lax.stop_gradient(lhs_tiles),
+      rhs_GKN.astype(compute_dtype),
+      group_sizes_G.astype(jnp.int32),
+      jnp.asarray(group_offset, jnp.int32).reshape(()),
+  )
+  return operands, static
+
+
+def forward(operands, static: _Static):
+  """(out_MN, residuals) of `prepare`'s operands."""
+  return _gmm_fwd(*operands, static)
 
 
 __all__ = [
@@ -298,7 +323,10 @@ __all__ = [
     "BackendName",
     "BackendUnavailable",
     "Choice",
+    "backward",
+    "forward",
     "gmm",
+    "prepare",
     "resolve_backend",
     "unavailable_reason",
 ]

@@ -292,11 +292,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None, gathered=(False, False),
-         lhs_tiles: fp8_quant.RowTiles | None = None):
+         lhs_tiles: fp8_quant.RowTiles | None = None, dout_tiles: fp8_quant.RowTiles | None = None):
   """dW in FP8 too: both operands in 128x1 tiles along the rows, groups 128-aligned (`mgpu_fp8_tgmm`;
-  gathered: which operands XLA quantizes; lhs_tiles: lhs's rows as tiles, see there)."""
+  gathered: which operands XLA quantizes; lhs_tiles, dout_tiles: operands' rows as tiles, see there)."""
   from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   return mgpu_fp8_tgmm.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset,
                             num_local_groups=num_local_groups, out_dtype=out_dtype, gathered=gathered,
-                            lhs_tiles=lhs_tiles)
+                            lhs_tiles=lhs_tiles, dout_tiles=dout_tiles)

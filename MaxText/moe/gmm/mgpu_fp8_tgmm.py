@@ -169,7 +169,8 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None,
-         gathered=(False, False), lhs_tiles: fp8_quant.RowTiles | None = None):
+         gathered=(False, False), lhs_tiles: fp8_quant.RowTiles | None = None,
+         dout_tiles: fp8_quant.RowTiles | None = None):
   """The grouped-GEMM protocol's dW with both operands quantized here (K and N are padded to 128:
   zero columns give output columns the slice drops).
 
@@ -183,7 +184,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   lhs_tiles: lhs_MK's rows as the 1x128 tiles they are the values of (lhs_MK = dequantize_rows(tiles) in
   lhs_MK's dtype: the FP8 dispatch's rows, which the forward kernel read from memory). lhs is then
   requantized from those in one pass (`mgpu_fp8_quant.requantize_group_row_blocks`), same bytes, and
-  `gathered[0]` is moot."""
+  `gathered[0]` is moot. dout_tiles: the same for dout_MN (the FP8 combine's cotangent, fp8_dispatch)."""
   from MaxText.moe.gmm import _pad  # pylint: disable=import-outside-toplevel
 
   def _quantize(gathered_operand: bool):
@@ -194,15 +195,18 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   # K under a tile's 192 rows (only toy widths) is padded to two blocks: the shifted tile needs K >= 192.
   k_align = BLOCK if lhs_MK.shape[1] >= TILE_M else 2 * BLOCK
 
+  def operand(x_MX, tiles, gathered_operand: bool, align: int, layout):
+    if tiles is None:
+      return _quantize(gathered_operand)(x_MX, layout)
+    # The tiles' columns zero-padded as x's: zero bytes stand for zeros whatever their scale.
+    tiles = fp8_quant.RowTiles(_pad.pad_axes(tiles.q_MK, {1: align}),
+                               _pad.pad_axes(tiles.scale_MKb, {1: align // BLOCK}))
+    return mgpu_fp8_quant.requantize_group_row_blocks(tiles, layout, x_MX.dtype)
+
   def kernel(lhs_MK, dout_MN):
     layout = fp8_quant.group_blocks(group_sizes_G, group_offset, num_local_groups, m)
-    if lhs_tiles is None:
-      lhs_q, lhs_scale = _quantize(gathered[0])(lhs_MK, layout)
-    else:  # the tiles' columns zero-padded as lhs's: zero bytes stand for zeros whatever their scale
-      tiles = fp8_quant.RowTiles(_pad.pad_axes(lhs_tiles.q_MK, {1: k_align}),
-                                 _pad.pad_axes(lhs_tiles.scale_MKb, {1: k_align // BLOCK}))
-      lhs_q, lhs_scale = mgpu_fp8_quant.requantize_group_row_blocks(tiles, layout, lhs_MK.dtype)
-    dout_q, dout_scale = _quantize(gathered[1])(dout_MN, layout)
+    lhs_q, lhs_scale = operand(lhs_MK, lhs_tiles, gathered[0], k_align, layout)
+    dout_q, dout_scale = operand(dout_MN, dout_tiles, gathered[1], BLOCK, layout)
     return transposed_grouped_matmul_fp8(lhs_q, lhs_scale, dout_q, dout_scale, layout.block0_L, layout.blocks_L,
                                          out_dtype=out_dtype)
 

@@ -41,12 +41,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype, gathered=(False, False),
-         lhs_tiles=None):
+         lhs_tiles=None, dout_tiles=None):
   """dW from both operands quantized in 128x1 tiles along the rows, each group's rows 128-aligned
   (`fp8_quant.group_blocks`, as `mgpu_fp8_tgmm`), dequantized, multiplied in float32. gathered (which
   pass quantizes each operand on a GPU) changes no value: mgpu_fp8_quant is fp8_quant bit for bit. Nor do
-  lhs_tiles: lhs_MK is their values (mgpu_fp8_tgmm.tgmm's contract), so quantizing it gives their requantization."""
-  del gathered, lhs_tiles
+  lhs_tiles and dout_tiles: the operands are their values (mgpu_fp8_tgmm.tgmm's contract), so quantizing them
+  gives their requantization."""
+  del gathered, lhs_tiles, dout_tiles
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
 
   def emulated(lhs_MK, dout_MN):
