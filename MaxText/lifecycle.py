@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from MaxText.config import ConfigError
 
@@ -47,7 +47,12 @@ class StopRequest:
 
   The training loop is never interrupted mid-step: the handler only records the
   signal, and patches/checkpoint_guard.py saves and stops at the next boundary.
-  A second SIGINT raises KeyboardInterrupt (abort now). In a multi-process job
+  A second SIGINT aborts now: it runs the cleanups registered with `on_abort` (the
+  run-directory lock) and then `abort`, which ends the process (MaxText/train.py:
+  exit 130), there in the handler; without `abort` it raises KeyboardInterrupt.
+  Raised at whatever bytecode the main thread was at, the exception can be caught
+  on its way: in CI it became a SystemError inside numpy's dtype code, and the run
+  exited 1 (stop 36's slow tier). In a multi-process job
   the processes must stop at the same step, so there the signal is turned into
   a SIGTERM for JAX's preemption service (jax.distributed's notifier agrees on a
   step across processes; upstream asks it at every step).
@@ -56,19 +61,33 @@ class StopRequest:
   signal_name: str | None = None
   received_at: float | None = None
   multi_process: bool = False
+  abort: Callable[[], None] | None = None  # the second SIGINT's exit; it must not return
   _sigints: int = field(default=0, repr=False)
+  _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+  def on_abort(self, cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` before an abort (last registered, first run); its exceptions are ignored."""
+    self._cleanups.append(cleanup)
 
   def __call__(self, signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
     name = signal.Signals(signum).name
     if signum == signal.SIGINT:
       self._sigints += 1
       if self._sigints > 1:
-        raise KeyboardInterrupt
+        if self.abort is None:
+          raise KeyboardInterrupt
+        for cleanup in reversed(self._cleanups):
+          try:
+            cleanup()
+          except Exception:  # pylint: disable=broad-except
+            pass  # the abort goes on: nothing is saved either way
+        self.abort()
     if self.signal_name is None:
       self.signal_name, self.received_at = name, time.time()
-      print(f"[maxtext-moe] {name} received: saving a checkpoint at the next step boundary, then stopping "
-            f"(exit {EXIT_PREEMPTED}){'; SIGINT again aborts at once' if signum == signal.SIGINT else ''}",
-            flush=True)
+      # Straight to fd 1: print could re-enter sys.stdout's buffer if the signal came mid-write (RuntimeError).
+      os.write(1, (f"[maxtext-moe] {name} received: saving a checkpoint at the next step boundary, then stopping "
+                   f"(exit {EXIT_PREEMPTED}){'; SIGINT again aborts at once' if signum == signal.SIGINT else ''}\n"
+                   ).encode())
     if self.multi_process and signum != signal.SIGTERM:
       os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier, which owns SIGTERM here
 

@@ -252,6 +252,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
   if lock:
     lock.acquire()
+    stop.on_abort(lock.release)
   try:
     resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change)
     previous = _previous_overrides(run)
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-  stop = lifecycle.StopRequest()
+  stop = lifecycle.StopRequest(abort=_abort_on_second_sigint)
 
   def fail(code: int, message: str) -> int:
     print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
@@ -370,6 +371,18 @@ def _exit_now(code: int, message: str) -> None:
   sys.stdout.flush()
   logging.shutdown()
   os._exit(code)  # pylint: disable=protected-access
+
+
+def _abort_on_second_sigint() -> None:
+  """StopRequest's abort, run inside the signal handler at whatever bytecode the main thread was at: the line
+  goes straight to fd 2 (print could re-enter a stream the main thread is in the middle of writing), then the
+  process ends, as _exit_now's does."""
+  os.write(2, b"maxtext-moe: aborted by a second SIGINT; nothing saved since the last checkpoint\n")
+  try:
+    sys.stdout.flush()
+  except Exception:  # pylint: disable=broad-except
+    pass  # a write the signal interrupted: its bytes are lost with the process either way
+  os._exit(lifecycle.EXIT_ABORTED)  # pylint: disable=protected-access
 
 
 def cli() -> None:

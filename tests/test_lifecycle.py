@@ -237,6 +237,29 @@ def test_first_sigint_requests_a_stop_and_the_second_aborts():
       signal.signal(s, handler)
 
 
+def test_the_second_sigint_runs_the_cleanups_then_the_abort_in_the_handler():
+  """With an abort (MaxText/train.py's exits 130) nothing is raised: a KeyboardInterrupt raised at an arbitrary
+  bytecode can be caught on its way (CI: a SystemError inside numpy, exit 1). The lock's cleanup runs first;
+  a failing cleanup does not stop the abort."""
+  calls = []
+
+  class Aborted(BaseException):
+    pass
+
+  def abort():
+    calls.append("abort")
+    raise Aborted  # stands in for os._exit: the handler must not go on
+
+  stop = lifecycle.StopRequest(abort=abort)
+  stop.on_abort(lambda: calls.append("release lock"))
+  stop.on_abort(lambda: 1 / 0)
+  stop(signal.SIGINT, None)
+  assert calls == [] and stop.signal_name == "SIGINT"
+  with pytest.raises(Aborted):
+    stop(signal.SIGINT, None)
+  assert calls == ["release lock", "abort"]
+
+
 def test_exit_codes_are_documented():
   doc = lifecycle.__doc__
   for name in ("EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_LOCKED", "EXIT_SAVE_FAILED", "EXIT_PREEMPTED"):
