@@ -42,3 +42,17 @@ def test_fp8_rows_are_quantized_and_held_to_their_own_bound(monkeypatch):
   errs = [float(r["err"]) for r in fp8]  # a "FAIL ..." string would not parse
   bounds = [bench.FP8_TOL["gemm"]] * 2 + [bench.FP8_TOL["ffn"]]
   assert all(bench.TOL < e < bound for e, bound in zip(errs, bounds)), errs
+
+
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_ffn_only_runs_the_ffn_cases_alone(monkeypatch, tmp_path, capsys):
+  """gpu_checks.sh fp8-gmm's run (issue 19's FFN rows): no GEMM case is started before or after them."""
+  import json
+  import sys
+
+  monkeypatch.setattr(sys, "argv", ["bench_gmm.py", "--ffn-only", "--m", "512", "--g", "4", "--dists", "zipf1.2",
+                                    "--ffn-dims", "256,128", "--backends", "xla_fp8", "--out", str(tmp_path)])
+  bench.main()
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  assert {(r["backend"], r["pass_"]) for r in rows} == {("dense", "ffn"), ("xla_fp8", "ffn")}
+  assert "ffn M=512 G=4 zipf1.2" in capsys.readouterr().out

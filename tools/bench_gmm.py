@@ -457,6 +457,9 @@ def main():
   ap.add_argument("--backends", default="xla,tokamax,mgpu_jax,mgpu")
   ap.add_argument("--ffn", action="store_true", help="also the expert FFN fwd+bwd")
   ap.add_argument("--ffn-first", action="store_true", help="run the FFN cases before the GEMMs")
+  ap.add_argument("--ffn-only", action="store_true",
+                  help="the FFN cases alone (session 22: --quick's FFN case for mgpu and mgpu_fp8 had printed nothing "
+                       "after 330 s, each backend's six or more Mosaic kernels compiling for it)")
   ap.add_argument("--ffn-dists", default=None, help="FFN distributions (default: --dists)")
   ap.add_argument("--ffn-dims", default="7168,2048", help="model dim, expert dim")
   ap.add_argument("--xla-bwd", action="store_true", help="time ragged_dot autodiff (huge)")
@@ -516,9 +519,11 @@ def main():
           run_ffn_case(m, g, dist, bks, seed, rows)
           save(rows, meta)
 
-  order = [gemm_cases] + ([ffn_cases] if ARGS.ffn else [])
+  order = [gemm_cases] + ([ffn_cases] if ARGS.ffn or ARGS.ffn_only else [])
   if ARGS.ffn_first:
     order.reverse()
+  if ARGS.ffn_only:
+    order = [ffn_cases]
   try:  # `timeout -s INT` ends a long sweep but still saves and prints what was measured
     for cases in order:
       cases()
