@@ -41,18 +41,21 @@ from MaxText.moe.gmm import fp8_quant
 from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 
-def pack(tiles: RowTiles) -> jax.Array:
-  """RowTiles -> uint8 [M, K' + 4 K'/128]: each row's e4m3 bytes, then its f32 scales' bytes."""
-  m = tiles.q_MK.shape[0]
-  q_bytes = jax.lax.bitcast_convert_type(tiles.q_MK, jnp.uint8)
-  scale_bytes = jax.lax.bitcast_convert_type(tiles.scale_MKb, jnp.uint8).reshape(m, -1)
-  return jnp.concatenate([q_bytes, scale_bytes], axis=1)
+def pack(tiles: RowTiles, word=jnp.uint8) -> jax.Array:
+  """RowTiles -> [M, (K' + 4 K'/128) / word size] of `word`: each row's e4m3 bytes, then its f32 scales' bytes."""
+  m, k = tiles.q_MK.shape
+  size = jnp.dtype(word).itemsize
+  q_MW = jax.lax.bitcast_convert_type(tiles.q_MK.reshape(m, k // size, size) if size > 1 else tiles.q_MK, word)
+  scale_MW = jax.lax.bitcast_convert_type(tiles.scale_MKb, word).reshape(m, -1)
+  return jnp.concatenate([q_MW, scale_MW], axis=1)
 
 
-def unpack(packed_MB: jax.Array, k_padded: int) -> RowTiles:
-  m = packed_MB.shape[0]
-  q_MK = jax.lax.bitcast_convert_type(packed_MB[:, :k_padded], fp8_quant.E4M3)
-  scale_MKb = jax.lax.bitcast_convert_type(packed_MB[:, k_padded:].reshape(m, k_padded // BLOCK, 4), jnp.float32)
+def unpack(packed_MW: jax.Array, k_padded: int) -> RowTiles:
+  m, size = packed_MW.shape[0], packed_MW.dtype.itemsize
+  q_MW, scale_MW = packed_MW[:, :k_padded // size], packed_MW[:, k_padded // size:]
+  q_MK = jax.lax.bitcast_convert_type(q_MW, fp8_quant.E4M3).reshape(m, k_padded)
+  scale_MKb = jax.lax.bitcast_convert_type(scale_MW.reshape(m, k_padded // BLOCK, 4 // size), jnp.float32) \
+      if size < 4 else jax.lax.bitcast_convert_type(scale_MW, jnp.float32)
   return RowTiles(q_MK, scale_MKb)
 
 
