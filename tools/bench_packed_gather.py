@@ -30,11 +30,12 @@ WORDS = {"uint8": jnp.uint8, "uint32": jnp.uint32}
 def moved(dispatcher, k_padded: int, weighted: bool):
   def run(packed_TW, ids_TK, weight_M1):
     packed_MW, _ = dispatcher.dispatch(packed_TW, ids_TK)
+    routed = weight_M1 != 0
+    if weighted:  # the backward's (fp8_dispatch._weighted_cotangent_tiles): rows no slot points at become zeros
+      packed_MW = jnp.where(routed, packed_MW, jnp.zeros((), packed_MW.dtype))
     tiles = fp8_dispatch.unpack(packed_MW, k_padded)
-    if weighted:  # the backward's: rows no slot points at become zeros of scale 1
-      routed = weight_M1 != 0
-      return (jnp.where(routed, tiles.q_MK, jnp.zeros((), tiles.q_MK.dtype)),
-              jnp.where(routed, tiles.scale_MKb * weight_M1, 1.0))
+    if weighted:  # ... of scale 1
+      return tiles.q_MK, jnp.where(routed, tiles.scale_MKb * weight_M1, 1.0)
     return tiles
   return jax.jit(run)
 

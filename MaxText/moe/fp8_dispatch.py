@@ -19,7 +19,7 @@ the same e4m3 values and scales, bit for bit, that it would compute from the dis
 What changes is the cost:
   * the quantization reads T token rows, not the T x K dispatched ones;
   * every dispatcher moves 1 + 4/128 bytes per value instead of 2: the e4m3 row and its f32 scales,
-    packed side by side as uint8 so that one exchange carries both.
+    packed side by side as uint8 (WORD) so that one exchange carries both.
 
 Gradients flow through xhat_MD, the tiles' values in x's dtype. Its cotangent goes back to the tokens
 along the dispatcher's own backward (a bf16 exchange, like the combine's forward). dW quantizes xhat: the cached
@@ -41,10 +41,18 @@ from MaxText.moe.gmm import fp8_quant
 from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 
-def pack(tiles: RowTiles, word=jnp.uint8) -> jax.Array:
-  """RowTiles -> [M, (K' + 4 K'/128) / word size] of `word`: each row's e4m3 bytes, then its f32 scales' bytes.
-  The dispatch moves uint8 words. uint32 words may let XLA's gather move 4 bytes at a time (session 22 profiled the
-  byte gather at about 0.8 TB/s): tools/bench_packed_gather.py times both, not yet run on a GPU."""
+# The packed rows' word: uint8, what every measured step moved. XLA gathers a row of words as that many elements,
+# 4 to a GPU thread (the compiled H200 kernel: 4 bytes a thread in uint8, 16 in uint32), and session 22's profile
+# had the uint8 gathers at about 0.8 TB/s. But with uint32 words the compiled H200 step (CPU, session 22) gathered
+# the forward's rows in a transposed layout inside a transpose fusion: the kernel's transposed scales
+# ([K'/128, M]) chose the layout of the whole gather, where a uint8 row's scales pass through a bitcast that changes
+# the shape. tools/bench_packed_gather.py times the words alone (uint32 passes every mesh's CPU test); not run on a
+# GPU yet (session 22's device time was spent).
+WORD = jnp.uint8
+
+
+def pack(tiles: RowTiles, word=WORD) -> jax.Array:
+  """RowTiles -> [M, (K' + 4 K'/128) / word size] of `word`: each row's e4m3 bytes, then its f32 scales' bytes."""
   m, k = tiles.q_MK.shape
   size = jnp.dtype(word).itemsize
   q_MW = jax.lax.bitcast_convert_type(tiles.q_MK.reshape(m, k // size, size) if size > 1 else tiles.q_MK, word)
@@ -57,9 +65,9 @@ def unpack(packed_MW: jax.Array, k_padded: int) -> RowTiles:
   m, size = packed_MW.shape[0], packed_MW.dtype.itemsize
   q_MW, scale_MW = packed_MW[:, :k_padded // size], packed_MW[:, k_padded // size:]
   q_MK = jax.lax.bitcast_convert_type(q_MW, fp8_quant.E4M3).reshape(m, k_padded)
-  # A float32 scale is 4 // size words: bitcast_convert_type takes them from a trailing axis of that length.
-  scale_words = scale_MW.reshape(m, k_padded // BLOCK, 4 // size) if size < 4 else scale_MW
-  return RowTiles(q_MK, jax.lax.bitcast_convert_type(scale_words, jnp.float32))
+  # The scales through bytes, [M, K'/128, 4] -> f32, whatever the word (XLA folds the uint32 -> uint8 -> f32 pair).
+  scale_bytes = jax.lax.bitcast_convert_type(scale_MW, jnp.uint8).reshape(m, k_padded // BLOCK, 4)
+  return RowTiles(q_MK, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -68,11 +76,15 @@ def dispatch(dispatcher, x_TD, ids_TK):
   return _dispatch_fwd(dispatcher, x_TD, ids_TK)[0]
 
 
-def _moved_tiles(dispatcher, x_TD, ids_TK):
-  """x's rows quantized to tiles here, then dispatched: (tiles of the M rows, meta)."""
+def _moved_tiles(dispatcher, x_TD, ids_TK, keep_M1=None):
+  """x's rows quantized to tiles here, then dispatched: (tiles of the M rows, meta). keep_M1: rows kept; the others
+  come out all zero bytes (q zero, scale 0), selected on the packed words so that the select is part of the
+  gather's pass at the words' width."""
   tiles_T = fp8_quant.quantize_rows(x_TD)
-  packed_MB, meta = dispatcher.dispatch(pack(tiles_T), ids_TK)
-  return unpack(packed_MB, tiles_T.q_MK.shape[1]), meta
+  packed_MW, meta = dispatcher.dispatch(pack(tiles_T), ids_TK)
+  if keep_M1 is not None:
+    packed_MW = jnp.where(keep_M1, packed_MW, jnp.zeros((), packed_MW.dtype))
+  return unpack(packed_MW, tiles_T.q_MK.shape[1]), meta
 
 
 def _checked_once(dispatcher):
@@ -160,7 +172,6 @@ def _weighted_cotangent_tiles(dispatcher, ct_TD, weights_TK, meta, ids_TK, rows_
   probe_M1 = vma.like_operands(jnp.zeros((rows_stamp.shape[0], 1), jnp.float32), rows_stamp)
   _, pull_rows = jax.vjp(lambda y: dispatcher.combine(y, weights_TK, meta), probe_M1)
   (weight_M1,) = pull_rows(vma.like_operands(jnp.ones((ct_TD.shape[0], 1), jnp.float32), ct_TD))
-  tiles_M, _ = _moved_tiles(dispatcher, ct_TD, ids_TK)
   routed_M1 = weight_M1 != 0
-  return RowTiles(jnp.where(routed_M1, tiles_M.q_MK, jnp.zeros((), tiles_M.q_MK.dtype)),
-                  jnp.where(routed_M1, tiles_M.scale_MKb * weight_M1, 1.0))
+  tiles_M, _ = _moved_tiles(dispatcher, ct_TD, ids_TK, keep_M1=routed_M1)
+  return RowTiles(tiles_M.q_MK, jnp.where(routed_M1, tiles_M.scale_MKb * weight_M1, 1.0))
