@@ -27,6 +27,12 @@ What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/mo
     (mgpu_fp8_quant), at the bf16 kernel's cost per column where the file has it (bench_fp8 since session 14),
     else at XLA's; --before-one-pass-lhs: the code before session 21 (x by XLA, every lhs by XLA);
   * the three weights are quantized once per step (CSE merges the forward's, the remat's and dlhs's).
+
+Known bias (session 22): XLA's passes over a gather of token rows are charged at bench_fp8's rate for materialized
+rows. Taking wo's dy as the moved tiles removed two such passes, 11.6 ms here, for a 3.1 ms requantization: -8.5 ms
+predicted, about -2 measured (bench_train, 100 steps). Those passes fuse the gather and read the compact token rows,
+and the tiles they replace are still materialized by XLA's byte-wide gather (~0.8 TB/s): so the account overstates
+what removing a gathered pass saves, by roughly 2x.
 """
 
 from __future__ import annotations
