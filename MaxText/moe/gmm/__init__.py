@@ -11,9 +11,10 @@ unavailable_reason(), gmm(lhs_MK, rhs, group_sizes_G, *, group_offset, transpose
 out_dtype) and tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups,
 out_dtype) with this contract (`xla.py` is the reference). The FP8 backends' gmm also takes
 lhs_tiles, the rows already quantized (the FP8 dispatch, MaxText/moe/fp8_dispatch.py), and
-lhs_gathered; their tgmm takes gathered and lhs_tiles: which operands are gathers of token rows
-(quantized by XLA through the gather) and the tiles lhs was dequantized from (requantized in one
-pass). None of these changes a value.
+lhs_gathered; their tgmm takes gathered, lhs_tiles and dout_tiles: which operands are gathers of token
+rows (quantized by XLA through the gather) and the tiles an operand was dequantized from (requantized in
+one pass; `backward`'s dout_tiles, the FP8 combine's cotangent, reach dlhs as its lhs_tiles too). None of
+these changes a value.
 
 The backward pass is a custom VJP built from each backend's two primitives:
 
