@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
   except checkpoint_guard.SaveFailed as e:
     _exit_now(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
   except KeyboardInterrupt:
-    _exit_now(lifecycle.EXIT_ABORTED, "aborted by a second SIGINT; nothing saved since the last checkpoint")
+    _exit_now(lifecycle.EXIT_ABORTED, _ABORTED)
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
 
 
@@ -373,11 +373,14 @@ def _exit_now(code: int, message: str) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
+_ABORTED = "aborted by a second SIGINT; nothing saved since the last checkpoint"
+
+
 def _abort_on_second_sigint() -> None:
   """StopRequest's abort, run inside the signal handler at whatever bytecode the main thread was at: the line
   goes straight to fd 2 (print could re-enter a stream the main thread is in the middle of writing), then the
   process ends, as _exit_now's does."""
-  os.write(2, b"maxtext-moe: aborted by a second SIGINT; nothing saved since the last checkpoint\n")
+  os.write(2, f"maxtext-moe: {_ABORTED}\n".encode())
   try:
     sys.stdout.flush()
   except Exception:  # pylint: disable=broad-except

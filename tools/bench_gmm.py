@@ -519,7 +519,7 @@ def main():
           run_ffn_case(m, g, dist, bks, seed, rows)
           save(rows, meta)
 
-  order = [gemm_cases] + ([ffn_cases] if ARGS.ffn or ARGS.ffn_only else [])
+  order = [gemm_cases] + ([ffn_cases] if ARGS.ffn else [])
   if ARGS.ffn_first:
     order.reverse()
   if ARGS.ffn_only:

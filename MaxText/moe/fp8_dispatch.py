@@ -126,16 +126,15 @@ def expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK, *,
   operands, static = gmm_lib.prepare(h_MF, wo_EFD, meta.group_sizes_G, backend=backend,
                                      group_offset=meta.group_offset, preferred_element_type=dtype,
                                      gathered=(False, True))
-  return _output_combine(dispatcher, (static, tag), operands, weights_TK, meta, ids_TK)
+  return _output_combine(dispatcher, static, tag, operands, weights_TK, meta, ids_TK)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _output_combine(dispatcher, static_tag, operands, weights_TK, meta, ids_TK):
-  return _output_combine_fwd(dispatcher, static_tag, operands, weights_TK, meta, ids_TK)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _output_combine(dispatcher, static, tag, operands, weights_TK, meta, ids_TK):
+  return _output_combine_fwd(dispatcher, static, tag, operands, weights_TK, meta, ids_TK)[0]
 
 
-def _output_combine_fwd(dispatcher, static_tag, operands, weights_TK, meta, ids_TK):
-  static, tag = static_tag
+def _output_combine_fwd(dispatcher, static, tag, operands, weights_TK, meta, ids_TK):
   y_MD, gmm_residuals = gmm_lib.forward(operands, static)
   y_MD = tag(y_MD)
   # The weights' pullback keeps what autodiff of the combine would (the rows it gathered for each token),
@@ -146,8 +145,8 @@ def _output_combine_fwd(dispatcher, static_tag, operands, weights_TK, meta, ids_
   return y_TD, (gmm_residuals, pull_weights, weights_TK, meta, ids_TK, rows_stamp)
 
 
-def _output_combine_bwd(dispatcher, static_tag, residuals, ct_TD):
-  static, _ = static_tag
+def _output_combine_bwd(dispatcher, static, tag, residuals, ct_TD):
+  del tag  # the forward's
   gmm_residuals, pull_weights, weights_TK, meta, ids_TK, rows_stamp = residuals
   with jax.named_scope("combine"):
     (ct_weights_TK,) = pull_weights(ct_TD)

@@ -164,10 +164,6 @@ def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _S
   return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset)
 
 
-def _gmm_bwd(static: _Static, residuals, dout_MN):
-  return backward(static, residuals, dout_MN)
-
-
 def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles | None = None):
   """The cotangents of `_gmm`'s operands from the output's. dout_tiles (FP8 backends): dout_MN's rows as the
   1x128 tiles they are the values of (dout_MN = dequantize_rows(dout_tiles) in lhs's dtype), which dlhs
@@ -219,7 +215,7 @@ def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles
   return vma.like_primal(dlhs_MK, lhs_MK), no_tiles, vma.like_primal(drhs_GXY, rhs_GKN), None, None
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm.defvjp(_gmm_fwd, backward)
 
 
 def _check_offset(group_offset, num_groups: int, num_local: int) -> None:
