@@ -46,6 +46,28 @@ def test_quantizing_commutes_with_moving_rows_bit_for_bit():
   assert q.shape == (100, 256) and (_bits(q[97:]) == 0).all() and (np.asarray(scale[:, 97:]) == 1).all()
 
 
+def test_local_dispatch_moves_the_same_tiles_as_the_packed_exchange():
+  """The local dispatcher's two gathers (uint32 e4m3 words, the scales apart) give the tiles the packed uint8
+  rows an exchanging dispatcher moves, bit for bit, with and without the backward's select of kept rows."""
+  t, k_top, experts = 24, 3, 6
+  x = jax.random.normal(jax.random.key(1), (t, 300), jnp.bfloat16) * jnp.logspace(-2, 2, t)[:, None]
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, experts, (t, k_top)), jnp.int32)
+  local = dispatch.make("local", num_experts=experts)
+
+  @dataclasses.dataclass(frozen=True)
+  class Packed:  # the same rows through the packed path (not a LocalDispatcher instance)
+    def dispatch(self, x_TD, ids_TK):
+      return local.dispatch(x_TD, ids_TK)
+
+  keep = jnp.asarray(np.random.default_rng(2).random((t * k_top, 1)) < 0.7)
+  for keep_M1 in (None, keep):
+    got, _ = fp8_dispatch._moved_tiles(local, x, ids, keep_M1)  # pylint: disable=protected-access
+    want, _ = fp8_dispatch._moved_tiles(Packed(), x, ids, keep_M1)  # pylint: disable=protected-access
+    assert got.q_MK.dtype == fp8_quant.E4M3 and got.q_MK.shape == (t * k_top, 384)
+    assert (_bits(got.q_MK) == _bits(want.q_MK)).all() and (_bits(got.scale_MKb) == _bits(want.scale_MKb)).all()
+  assert (_bits(got.q_MK)[~np.asarray(keep[:, 0])] == 0).all()
+
+
 def _cfg(fp8: bool, gmm_backend="xla_fp8"):
   return block.BlockConfig(router=routing.RouterConfig(num_experts=8, top_k=4), gmm_backend=gmm_backend,
                            dtype=jnp.float32, fp8_dispatch=fp8)

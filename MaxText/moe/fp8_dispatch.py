@@ -37,17 +37,19 @@ import jax.numpy as jnp
 
 from MaxText.moe import gmm as gmm_lib
 from MaxText.moe import vma
+from MaxText.moe.dispatch import local
 from MaxText.moe.gmm import fp8_quant
 from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 
-# The packed rows' word: uint8, what every measured step moved. XLA gathers a row of words as that many elements,
-# 4 to a GPU thread (the compiled H200 kernel: 4 bytes a thread in uint8, 16 in uint32), and session 22's profile
-# had the uint8 gathers at about 0.8 TB/s. But with uint32 words the compiled H200 step (CPU, session 22) gathered
-# the forward's rows in a transposed layout inside a transpose fusion: the kernel's transposed scales
-# ([K'/128, M]) chose the layout of the whole gather, where a uint8 row's scales pass through a bitcast that changes
-# the shape. tools/bench_packed_gather.py times the words alone (uint32 passes every mesh's CPU test); not run on a
-# GPU yet (session 22's device time was spent).
+# The packed rows' word, for dispatchers that exchange rows between devices: uint8. XLA gathers a row of words as
+# that many elements, 4 to a GPU thread, and session 23 measured the packed rows' gather on the H200
+# (tools/bench_packed_gather.py, [131,072, 7,392] bytes): 1.245 ms in uint8, 0.583 in uint32. But in the whole
+# compiled step, uint32 words had XLA gather the rows in a transposed layout inside a transpose fusion: the kernel's
+# transposed scales ([K'/128, M]) chose the layout of the one gather that carried them (an optimization barrier on
+# the scale words did not change it), where a uint8 row's scales pass through a bitcast that changes the shape. The
+# local dispatcher has no exchange to share, so it moves the e4m3 bytes as uint32 and the scales by a gather of
+# their own (`_moved_tiles`).
 WORD = jnp.uint8
 
 
@@ -78,13 +80,19 @@ def dispatch(dispatcher, x_TD, ids_TK):
 
 def _moved_tiles(dispatcher, x_TD, ids_TK, keep_M1=None):
   """x's rows quantized to tiles here, then dispatched: (tiles of the M rows, meta). keep_M1: rows kept; the others
-  come out all zero bytes (q zero, scale 0), selected on the packed words so that the select is part of the
+  come out all zero bytes (q zero, scale 0), selected on the moved words so that the select is part of the
   gather's pass at the words' width."""
   tiles_T = fp8_quant.quantize_rows(x_TD)
+  k_padded = tiles_T.q_MK.shape[1]
+  keep = (lambda a: a) if keep_M1 is None else (lambda a: jnp.where(keep_M1, a, jnp.zeros((), a.dtype)))
+  if isinstance(dispatcher, local.LocalDispatcher):  # two gathers by one sort: no exchange to share (see WORD)
+    q_TW = jax.lax.bitcast_convert_type(tiles_T.q_MK.reshape(x_TD.shape[0], k_padded // 4, 4), jnp.uint32)
+    q_MW, meta = dispatcher.dispatch(q_TW, ids_TK)
+    scale_MKb = local.permute_rows(tiles_T.scale_MKb, meta.order_M, meta.slot_row_TK)
+    q_MK = jax.lax.bitcast_convert_type(keep(q_MW), fp8_quant.E4M3).reshape(q_MW.shape[0], k_padded)
+    return RowTiles(q_MK, keep(scale_MKb)), meta
   packed_MW, meta = dispatcher.dispatch(pack(tiles_T), ids_TK)
-  if keep_M1 is not None:
-    packed_MW = jnp.where(keep_M1, packed_MW, jnp.zeros((), packed_MW.dtype))
-  return unpack(packed_MW, tiles_T.q_MK.shape[1]), meta
+  return unpack(keep(packed_MW), k_padded), meta
 
 
 def _checked_once(dispatcher):
