@@ -56,3 +56,41 @@ def test_ffn_only_runs_the_ffn_cases_alone(monkeypatch, tmp_path, capsys):
   rows = json.loads((tmp_path / "results.json").read_text())["rows"]
   assert {(r["backend"], r["pass_"]) for r in rows} == {("dense", "ffn"), ("xla_fp8", "ffn")}
   assert "ffn M=512 G=4 zipf1.2" in capsys.readouterr().out
+
+
+def test_float32_references_per_group_with_empty_groups_and_rows_past_the_groups():
+  """ref_fwd/ref_tgmm (one product shape for every group) against NumPy group by group, and ffn_reference's
+  hand-written backward against jax autodiff of the same per-group FFN."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  sizes = np.array([0, 700, 3, 0, 1100, 1], np.int32)  # empty groups, one hot, 196 rows past sum(sizes)
+  m, k, f = 2000, 24, 16
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((6, k, 2 * f)).astype(np.float32)
+  w2 = rng.standard_normal((6, f, k)).astype(np.float32)
+  dy = rng.standard_normal((m, k)).astype(np.float32)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  want = np.zeros((m, 2 * f), np.float32)
+  want_dw = np.zeros((6, k, k), np.float32)
+  for g in range(6):
+    lo, hi = bounds[g], bounds[g + 1]
+    want[lo:hi] = x[lo:hi] @ w[g]
+    want_dw[g] = x[lo:hi].T @ dy[lo:hi]
+  np.testing.assert_allclose(bench.ref_fwd(x, w, sizes), want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(bench.ref_fwd(want, w, sizes, transpose=True)[:bounds[-1]],
+                             np.concatenate([want[bounds[g]:bounds[g + 1]] @ w[g].T for g in range(6)]),
+                             rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(bench.ref_tgmm(x, dy, sizes), want_dw, rtol=1e-5, atol=1e-3)
+
+  def ffn(x, w01, w2):
+    outs = []
+    for g in range(6):
+      h = x[bounds[g]:bounds[g + 1]] @ w01[g]
+      outs.append((jax.nn.silu(h[:, :f]) * h[:, f:]) @ w2[g])
+    return jnp.concatenate(outs + [jnp.zeros((m - bounds[-1], k))])
+  y, pull = jax.vjp(ffn, x, w, w2)
+  for got, ref in zip(bench.ffn_reference(x, w, w2, dy, sizes), (y,) + pull(dy)):
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-3)
