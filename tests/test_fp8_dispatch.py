@@ -36,7 +36,7 @@ def test_quantizing_commutes_with_moving_rows_bit_for_bit():
   got = fp8_dispatch.unpack(packed[rows], 256)
   want_q, want_scale_KbM = fp8_quant.quantize_row_tiles(jnp.pad(x[rows], ((0, 0), (0, 56))))
   assert (_bits(got.q_MK) == _bits(want_q)).all() and (_bits(got.scale_MKb) == _bits(want_scale_KbM.T)).all()
-  assert fp8_dispatch.pack(moved).dtype == fp8_dispatch.WORD == jnp.uint8  # what the dispatch moves (measured)
+  assert fp8_dispatch.pack(moved).dtype == fp8_dispatch.WORD == jnp.uint32  # what an exchange moves
   for word in (jnp.uint16, jnp.uint32):  # wider words carry the same bytes (tools/bench_packed_gather.py)
     wide = fp8_dispatch.pack(moved, word)
     assert wide.dtype == word and wide.shape == (40, packed.shape[1] // jnp.dtype(word).itemsize)

@@ -158,10 +158,10 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   assert 0 < r["estimate"]["fp8_flops"] < r["estimate"]["flops_per_device"]
   text = hlo.read_text()
   assert "f8e4m3fn" in text and "mosaic_gpu" in text  # the quantized operands reach our kernels
-  # The tokens cross the exchange as packed e4m3 tiles (uint8), quantized before it (BENCHMARKS session 12); the
-  # SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs
+  # The tokens cross the exchange as packed e4m3 tiles (uint32 words), quantized before it (BENCHMARKS session 12);
+  # the SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs
   # (session 21); the combine's cotangent, a gather of token rows, stays XLA's in dlhs and dW.
-  assert any("u8[" in line and ("all-to-all(" in line or "all-to-all-start(" in line) for line in text.splitlines())
+  assert any("u32[" in line and ("all-to-all(" in line or "all-to-all-start(" in line) for line in text.splitlines())
   spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tools" / "hlo_fp8_passes.py")
   passes = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(passes)
@@ -173,6 +173,25 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   assert any(where == "gmm_drhs" and kind != "mosaic" for (kind, _, _, where) in rows), rows
   assert any(where == "gmm_dlhs" and kind != "mosaic" for (kind, _, _, where) in rows), rows
   assert any(c["kind"] == "all-to-all" and "expert" in c["axes"] for c in r["collectives"])
+
+
+@pytest.mark.slow
+def test_the_ep2_proxys_packed_fp8_rows_are_gathered_row_major(tmp_path):
+  """The EP=2 proxy with FP8 experts, compiled for two H200s: every gather of the packed uint32 rows writes them
+  row-major. Without fp8_dispatch's layout constraint the kernel's transposed scales ([K'/128, M]) had XLA write
+  the forward's last gather of the exchanged rows transposed (session 23's compile; the tiny model's shapes do not
+  show it)."""
+  if gpu_target.unavailable_reason("h200"):
+    pytest.skip(gpu_target.unavailable_reason("h200"))
+  hlo = tmp_path / "step.hlo"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/bench/proxy-2xh200-ep2.yml", "target_gpu=h200",
+                        "moe_block=ours", "moe_fp8=blockwise", "--hlo", str(hlo)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  layouts = re.findall(r"= u32\[\d+,1,\d+\]\{([\d,]+)\} gather\(", hlo.read_text())
+  assert len(layouts) >= 6 and set(layouts) == {"2,1,0"}, layouts
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ the same e4m3 values and scales, bit for bit, that it would compute from the dis
 What changes is the cost:
   * the quantization reads T token rows, not the T x K dispatched ones;
   * every dispatcher moves 1 + 4/128 bytes per value instead of 2: the e4m3 row and its f32 scales,
-    packed side by side as uint8 (WORD) so that one exchange carries both.
+    packed side by side in uint32 words (WORD) so that one exchange carries both.
 
 Gradients flow through xhat_MD, the tiles' values in x's dtype. Its cotangent goes back to the tokens
 along the dispatcher's own backward (a bf16 exchange, like the combine's forward). dW quantizes xhat: the cached
@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from MaxText.moe import gmm as gmm_lib
 from MaxText.moe import vma
@@ -42,15 +43,15 @@ from MaxText.moe.gmm import fp8_quant
 from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 
-# The packed rows' word, for dispatchers that exchange rows between devices: uint8. XLA gathers a row of words as
-# that many elements, 4 to a GPU thread, and session 23 measured the packed rows' gather on the H200
-# (tools/bench_packed_gather.py, [131,072, 7,392] bytes): 1.245 ms in uint8, 0.583 in uint32. But in the whole
-# compiled step, uint32 words had XLA gather the rows in a transposed layout inside a transpose fusion: the kernel's
-# transposed scales ([K'/128, M]) chose the layout of the one gather that carried them (an optimization barrier on
-# the scale words did not change it), where a uint8 row's scales pass through a bitcast that changes the shape. The
-# local dispatcher has no exchange to share, so it moves the e4m3 bytes as uint32 and the scales by a gather of
-# their own (`_moved_tiles`).
-WORD = jnp.uint8
+# The packed rows' word, for dispatchers that exchange rows between devices. XLA gathers a row of words as that many
+# elements, 4 to a GPU thread, and session 23 measured the packed rows' gather on the H200
+# (tools/bench_packed_gather.py, [131,072, 7,392] bytes): 1.245 ms in uint8, 0.583 in uint32. In the whole compiled
+# step, uint32 words alone had XLA gather the forward's rows in a transposed layout: the kernel's transposed scales
+# ([K'/128, M]) chose the layout of the one gather that carried them (session 22; an optimization barrier did not
+# change it). `_moved_tiles` pins the moved rows row-major (a layout constraint), so the scales are transposed
+# alone, a [K'/128, M] fusion (the compile-only H200 HLO of the EP=2 proxy, session 23). The local dispatcher has no
+# exchange to share: it moves the e4m3 bytes as uint32 and the scales by a gather of their own (measured, 1.082x).
+WORD = jnp.uint32
 
 
 def pack(tiles: RowTiles, word=WORD) -> jax.Array:
@@ -92,6 +93,7 @@ def _moved_tiles(dispatcher, x_TD, ids_TK, keep_M1=None):
     q_MK = jax.lax.bitcast_convert_type(keep(q_MW), fp8_quant.E4M3).reshape(q_MW.shape[0], k_padded)
     return RowTiles(q_MK, keep(scale_MKb)), meta
   packed_MW, meta = dispatcher.dispatch(pack(tiles_T), ids_TK)
+  packed_MW = with_layout_constraint(packed_MW, Layout(major_to_minor=(0, 1)))  # row-major: see WORD
   return unpack(keep(packed_MW), k_padded), meta
 
 
