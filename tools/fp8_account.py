@@ -31,7 +31,8 @@ What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/mo
 Known bias (session 22): XLA's passes over a gather of token rows are charged at bench_fp8's rate for materialized
 rows. Taking wo's dy as the moved tiles removed two such passes, 11.6 ms here, for a 3.1 ms requantization: -8.5 ms
 predicted, about -2 measured (bench_train, 100 steps). Those passes fuse the gather and read the compact token rows,
-and the tiles they replace are still materialized by XLA's byte-wide gather (~0.8 TB/s): so the account overstates
+and the tiles they replace are still materialized by XLA's gather (byte-wide then, ~0.8 TB/s; in uint32 words since
+session 23, ~1.66 TB/s, tools/bench_packed_gather.py): so the account overstates
 what removing a gathered pass saves, by roughly 2x.
 """
 
