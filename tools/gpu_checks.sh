@@ -174,8 +174,9 @@ PY
       ls "$out/traces"
       ;;
     fp8-gmm)
-      # The FFN rows alone: issue 19's item 4. The GEMM rows filled the 540 s in session 21, and the FFN case
-      # printed nothing in 330 s in session 22 (each backend compiles its kernels for it): give it a call.
+      # The FFN rows alone: issue 19's item 4, in a call of its own. The case printed nothing in 330 s (session 22)
+      # and in 530 s (session 23): its float32 reference had a product shape per Zipf group for XLA to compile and
+      # autotune; since 05de17b one shape per product, and each phase's time is printed.
       (cd "$repo" && timeout "${GPU_CHECK_FP8_GMM_S:-540}" python3 tools/bench_gmm.py --quick --ffn-only \
           --backends mgpu,mgpu_fp8 --out "$out/gmm-fp8") 2>&1 | tee "$out/bench_gmm-fp8.log" \
           | grep -E " (dense|mgpu|mgpu_fp8) " | tail -n 24
