@@ -74,3 +74,23 @@ def test_a_resume_after_a_non_finite_stop_skips_its_batches(tmp_path, corpus):
   assert ("step 4 went non-finite after checkpoint 2; nonfinite_skip_batches=3: skipped 3 batches, those an "
           "unbroken run reads at steps 3..5; step 3 trains on the batch of step 6") in resumed.stdout
   assert {step: resumed.losses()[step] for step in (3, 4, 5, 6)} == {step: losses[step + 3] for step in (3, 4, 5, 6)}
+
+
+def test_the_real_text_corpus_cuts_files_at_line_ends_in_path_order_up_to_its_cap(tmp_path):
+  """tools/text_corpus.py: documents of whole lines, files in sorted order, non-text skipped, the cap honoured."""
+  from tools import text_corpus  # pylint: disable=import-outside-toplevel
+
+  src = tmp_path / "src"
+  (src / "b").mkdir(parents=True)
+  (src / "a.py").write_text("".join(f"line {i}\n" for i in range(10)))  # 70 characters
+  (src / "b" / "c.txt").write_text("only one line\n")
+  (src / "d.py").write_bytes(b"\xff\xfe not utf-8")
+  (src / "e.bin").write_text("not a chosen suffix\n")
+  docs = text_corpus.documents(src, (".py", ".txt"), max_chars=10**6, doc_chars=30)
+  assert docs == ["line 0\nline 1\nline 2\nline 3\n", "line 4\nline 5\nline 6\nline 7\n", "line 8\nline 9\n",
+                  "only one line\n"]
+  assert text_corpus.documents(src, (".py", ".txt"), max_chars=50, doc_chars=30) == docs[:2]  # stops at the cap
+
+  out = tmp_path / "c.array_record"
+  assert text_corpus.main([str(out), "--source", str(src), "--suffixes", ".py,.txt"]) == 0 and out.stat().st_size
+  assert text_corpus.main([str(out), "--source", str(tmp_path / "missing")]) == 2

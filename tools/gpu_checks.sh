@@ -34,6 +34,10 @@
 #   fp8-gmm   issue 19's bench_gmm FFN run: --quick --ffn-only (the expert FFN fwd+bwd, Zipf-1.2) for mgpu and mgpu_fp8
 #             in one process, FP8 quantization inside the timed calls (its own limit, GPU_CHECK_FP8_GMM_S, default 540 s;
 #             the GEMM rows: bench_gmm.py --quick --backends mgpu,mgpu_fp8 without --ffn-only)
+#   fp8-text  issue 19 item 5's loss tolerance on text it cannot memorize: the proxy with FP8 experts against ours
+#             in bf16, 100 steps each, on real text (tools/text_corpus.py: this machine's Python standard library, or
+#             the ArrayRecord file GPU_CHECK_CORPUS names), Llama 2's tokenizer from the maxtext wheel (vocab 32,000);
+#             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -181,6 +185,16 @@ PY
           --backends mgpu,mgpu_fp8 --out "$out/gmm-fp8") 2>&1 | tee "$out/bench_gmm-fp8.log" \
           | grep -E " (dense|mgpu|mgpu_fp8) " | tail -n 24
       ;;
+    fp8-text)
+      corpus="${GPU_CHECK_CORPUS:-$out/text.array_record}"
+      [ -f "$corpus" ] || python3 "$repo/tools/text_corpus.py" "$corpus"
+      tok=$(cd "$repo" && python3 -c "import sys; sys.path.insert(0, 'tests'); import text_fixture; print(text_fixture.tokenizer_path())")
+      (cd "$repo" && timeout "${GPU_CHECK_FP8_TEXT_S:-540}" python3 tools/bench_train.py --variants ours,ours_fp8 \
+          --steps 100 --timeout 260 --out "$out/bt-fp8-text" dataset_type=grain grain_file_type=arrayrecord \
+          grain_train_files="$corpus" grain_worker_count=1 tokenizer_type=sentencepiece tokenizer_path="$tok" \
+          vocab_size=32000) >"$out/bt-fp8-text.log" 2>&1
+      echo "[gpu_checks] bench_train fp8 on text exit $?"; grep -E "^(max|\(loss)" "$out/bt-fp8-text.log"; tail -n 5 "$out/bt-fp8-text.log"
+      ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
       # (no bias update, no top-k renormalisation): TE's block supports neither. In one process our
@@ -188,7 +202,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-profile, fp8-gmm, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-profile, fp8-gmm, fp8-text, te-block)"; exit 2 ;;
   esac
 done
 
