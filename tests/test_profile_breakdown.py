@@ -184,7 +184,8 @@ def test_bench_train_reports_loss_gap_to_upstream():
   text = bt.format_losses(rows)
   assert "max |loss - upstream_tokamax| over 3 steps, ours: 0.0200" in text
   # the last tenth (here one step) relative: (8.5 - 8.49) / 8.49
-  assert "(loss - upstream_tokamax) / upstream_tokamax over the last 1 steps, ours: mean +0.118%, largest |.| 0.118%" in text
+  assert ("(loss - upstream_tokamax) / upstream_tokamax over the last 1 steps, ours: mean +0.118%, "
+          "largest |.| 0.118%") in text
   assert "upstream_ragged" not in text
   assert text.splitlines()[0].split() == ["loss", "by", "step", "ours", "upstream_tokamax"]
 

@@ -188,12 +188,13 @@ PY
     fp8-text)
       corpus="${GPU_CHECK_CORPUS:-$out/text.array_record}"
       [ -f "$corpus" ] || python3 "$repo/tools/text_corpus.py" "$corpus"
-      tok=$(cd "$repo" && python3 -c "import sys; sys.path.insert(0, 'tests'); import text_fixture; print(text_fixture.tokenizer_path())")
+      tok=$(cd "$repo/tests" && python3 -c "import text_fixture; print(text_fixture.tokenizer_path())")
       (cd "$repo" && timeout "${GPU_CHECK_FP8_TEXT_S:-540}" python3 tools/bench_train.py --variants ours,ours_fp8 \
           --steps 100 --timeout 260 --out "$out/bt-fp8-text" dataset_type=grain grain_file_type=arrayrecord \
           grain_train_files="$corpus" grain_worker_count=1 tokenizer_type=sentencepiece tokenizer_path="$tok" \
           vocab_size=32000) >"$out/bt-fp8-text.log" 2>&1
-      echo "[gpu_checks] bench_train fp8 on text exit $?"; grep -E "^(max|\(loss)" "$out/bt-fp8-text.log"; tail -n 5 "$out/bt-fp8-text.log"
+      echo "[gpu_checks] bench_train fp8 on text exit $?"
+      grep -E "^(max|\(loss)" "$out/bt-fp8-text.log"; tail -n 5 "$out/bt-fp8-text.log"
       ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
