@@ -25,6 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import text_fixture  # noqa: E402  (the ArrayRecord writer and the shipped tokenizer's path)
 
 
+def _cut(text: str, doc_chars: int):
+  """text in documents of whole lines, each <= doc_chars (a longer line alone); a whitespace-only tail is dropped."""
+  doc: list[str] = []
+  size = 0
+  for line in text.splitlines(keepends=True):
+    if size + len(line) > doc_chars and doc:
+      yield "".join(doc)
+      doc, size = [], 0
+    doc.append(line)
+    size += len(line)
+  if doc and "".join(doc).strip():
+    yield "".join(doc)
+
+
 def documents(source: Path, suffixes: tuple[str, ...], max_chars: int, doc_chars: int) -> list[str]:
   """Whole lines of the source tree's text files, in sorted path order, in documents of <= doc_chars."""
   docs: list[str] = []
@@ -34,20 +48,9 @@ def documents(source: Path, suffixes: tuple[str, ...], max_chars: int, doc_chars
       text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
       continue  # binary or unreadable: not text for this corpus
-    doc: list[str] = []
-    size = 0
-    for line in text.splitlines(keepends=True):
-      if size + len(line) > doc_chars and doc:
-        docs.append("".join(doc))
-        total += size
-        doc, size = [], 0
-        if total >= max_chars:
-          return docs
-      doc.append(line)
-      size += len(line)
-    if doc and "".join(doc).strip():
-      docs.append("".join(doc))
-      total += size
+    for doc in _cut(text, doc_chars):
+      docs.append(doc)
+      total += len(doc)
       if total >= max_chars:
         return docs
   return docs
