@@ -24,7 +24,7 @@ def _np_row_tiles(x):
   tiles = x.astype(np.float32).reshape(m, k // 128, 128)
   amax = np.abs(tiles).max(-1)
   scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
-  q = (tiles / scale[..., None]).reshape(m, k).astype(E4M3_NP)
+  q = (tiles * (np.float32(1) / scale)[..., None]).reshape(m, k).astype(E4M3_NP)
   return q, scale.T
 
 
@@ -41,9 +41,9 @@ def test_row_tiles_match_numpy_and_use_the_whole_e4m3_range():
   _, scale_np = _np_row_tiles(x)
   assert q.dtype == jnp.float8_e4m3fn and scale_KbM.shape == (3, 40) and scale_KbM.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(scale_KbM), scale_np, rtol=2.5e-7)  # amax / 448, to an f32 ulp
-  # Every value rounded to e4m3 as NumPy's ml_dtypes rounds x / scale (with our scales: no ulp drift).
+  # Every value rounded to e4m3 as NumPy's ml_dtypes rounds x * (1 / scale) (with our scales: no ulp drift).
   ours = np.asarray(scale_KbM).T
-  q_np = (x.reshape(40, 3, 128) / ours[..., None]).reshape(40, 384).astype(E4M3_NP)
+  q_np = (x.reshape(40, 3, 128) * (np.float32(1) / ours)[..., None]).reshape(40, 384).astype(E4M3_NP)
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_np.view(np.uint8))
   # Each tile's largest magnitude lands on 448 (e4m3's largest finite value); the zero tile stays 0.
   tile_max = np.abs(np.asarray(q, np.float32)).reshape(40, 3, 128).max(-1)

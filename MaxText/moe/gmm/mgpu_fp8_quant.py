@@ -16,8 +16,8 @@ groups), so a block is one TMA box from its first source row; rows past the bloc
 (the next group's, or past M, which TMA fills with zeros) are masked to zero before the amax,
 so a NaN there leaks nowhere. Blocks with no valid row are zeros with scale 1, as in fp8_quant.
 
-Bit for bit `fp8_quant.quantize_group_row_blocks`: the same f32 amax, the same division, the
-same round-to-nearest-even conversion (tests/test_fp8.py runs it in the Mosaic-GPU interpreter).
+Bit for bit `fp8_quant.quantize_group_row_blocks`: the same f32 amax, the same reciprocal of each
+scale and product, the same round-to-nearest-even conversion (tests/test_fp8.py runs it in the Mosaic-GPU interpreter).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _group_row_blocks(x_MK, scale_MKb, layout: fp8_quant.GroupBlocks, value_dtyp
         x_RC = jnp.where(rows < valid, x_RC, 0.0)
         amax_C = jnp.max(jnp.abs(x_RC), axis=0)
         scale_C = jnp.where(amax_C > 0, amax_C / fp8_quant.E4M3_MAX, 1.0)
-        q_RC = x_RC / lax.broadcast_in_dim(scale_C, (BLOCK, BLOCK), [1])
+        q_RC = x_RC * lax.broadcast_in_dim(1.0 / scale_C, (BLOCK, BLOCK), [1])
         # The transposed register layout holds a column's rows as vectors: stored contiguously below.
         q_RC = plgpu.layout_cast(q_RC, plgpu.Layout.WGMMA_TRANSPOSED)
         q_smem.at[slot].transpose((1, 0))[...] = q_RC.astype(fp8_quant.E4M3)
@@ -180,7 +180,7 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
         x_RC = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         amax_R = jnp.max(jnp.abs(x_RC), axis=1)
         scale_R = jnp.where(amax_R > 0, amax_R / fp8_quant.E4M3_MAX, 1.0)
-        q_RC = x_RC / lax.broadcast_in_dim(scale_R, (BLOCK, BLOCK), [0])
+        q_RC = x_RC * lax.broadcast_in_dim(1.0 / scale_R, (BLOCK, BLOCK), [0])
         q_smem.at[slot][...] = q_RC.astype(fp8_quant.E4M3)
         s_smem.at[slot, 0][...] = scale_R
         plgpu.commit_smem()
