@@ -235,3 +235,31 @@ def test_gmm_backward_hands_the_cotangents_tiles_to_dlhs_and_dw(monkeypatch, tra
   for a, b in zip(with_tiles, without):
     if a is not None:
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_dlhs_multiplies_the_blocks_the_forward_quantized(monkeypatch, transpose_rhs):
+  """FP8 gmm quantizes its weight once, in the forward (zero-padded to whole blocks: K = 136 and N = 200 here), and
+  hands the blocks to dlhs through the VJP's residuals: both products get rhs_blocks, and the gradients are, bit for
+  bit, those of each product quantizing the weight itself (an empty group and rows past the groups included)."""
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  real_gmm = xla_fp8.gmm
+  monkeypatch.setattr(xla_fp8, "gmm", lambda *a, **kw: (seen.append(kw.get("rhs_blocks") is not None),
+                                                        real_gmm(*a, **kw))[1])
+  x = jax.random.normal(jax.random.key(1), (200, 136), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (3, 200, 136) if transpose_rhs else (3, 136, 200), jnp.float32)
+  ct = jax.random.normal(jax.random.key(3), (200, 200), jnp.float32)
+  gs = jnp.asarray([50, 0, 120], jnp.int32)
+
+  def loss(x, w):
+    return (gmm_lib.gmm(x, w, gs, backend="xla_fp8", transpose_rhs=transpose_rhs) * ct).sum()
+
+  got = jax.grad(loss, argnums=(0, 1))(x, w)
+  assert seen == [True, True]  # the forward's product, then dlhs's
+  monkeypatch.setattr(xla_fp8, "gmm", lambda *a, rhs_blocks=None, **kw: real_gmm(*a, **kw))
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(got[1]).max()) > 0 and float(jnp.abs(got[0][170:]).max()) == 0

@@ -83,6 +83,7 @@ def test_selftest_holds_fp8_backends_to_their_quantization(monkeypatch):
     calls.append(1)
     if len(calls) <= 2:  # the backend under test (its forward and dlhs); later calls are the reference's
       kwargs.pop("lhs_gathered")  # an FP8 backend's argument (which pass quantizes lhs), not the xla backend's
+      kwargs.pop("rhs_blocks")  # the weight's blocks (the forward's, kept for dlhs): FP8 backends' only
       return xla_backend.gmm(*args, **kwargs)
     return reference(*args, **kwargs)
 

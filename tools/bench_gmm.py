@@ -35,6 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from MaxText.moe import gmm as gmm_lib  # noqa: E402
+
 SHAPES = {  # name -> (K, N) of one expert's product
     "up_fused": (7168, 4096),  # w0|w1 fused
     "up": (7168, 2048),
@@ -133,7 +135,6 @@ def backends(names):
             lambda a, w, gs, transpose_rhs: mgpu.jax_ragged_dot(a, w, gs, transpose_rhs=transpose_rhs),
             lambda x, d, gs, nl: mgpu.jax_transposed_ragged_dot(x, d, gs))
     elif name in FP8_BACKENDS:  # blockwise FP8: each call quantizes its operands (MaxText/moe/gmm/fp8_quant.py)
-      from MaxText.moe import gmm as gmm_lib
       reason = gmm_lib.unavailable_reason(name)
       if reason:
         print(f"[skip] {name}: {reason}")
@@ -364,6 +365,10 @@ def run_ffn_case(m, g, dist, bks, seed, rows):
     if name == "tokamax":
       ffn = fwd  # tokamax.ragged_dot is differentiable: use its own VJP
       fn = fwd_bwd(lambda x, a, b, gs: ffn(swiglu(ffn(x, a, gs)), b, gs))
+    elif name in gmm_lib.BACKENDS:  # our backends through the block's own custom VJP, as the step runs them (FP8:
+      # each weight quantized once, in the forward, and its blocks kept for dlhs)
+      fn = fwd_bwd(lambda x, a, b, gs, name=name: gmm_lib.gmm(swiglu(gmm_lib.gmm(x, a, gs, backend=name)), b, gs,
+                                                              backend=name))
     else:
       fn = fwd_bwd(make_ffn(fwd, bwd))
     row = dict(case=label, backend=name, pass_="ffn")

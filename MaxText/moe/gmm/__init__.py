@@ -148,7 +148,15 @@ def _fp8_lhs_kw(static: _Static, lhs_gathered: bool) -> dict:
   return {"lhs_gathered": lhs_gathered} if static.backend in FP8_BACKENDS else {}
 
 
+def _fp8_rhs_kw(rhs_blocks) -> dict:
+  return {} if rhs_blocks is None else {"rhs_blocks": rhs_blocks}
+
+
 def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
+  # FP8 backends: the weight's blocks, quantized once for the forward and kept for dlhs, which multiplies the
+  # same 128x128 blocks transposed. dlhs quantizing them again read the bf16 weight twice more (its amax, then
+  # the quantize); the residual is the e4m3 copy, half the weight's bytes.
+  rhs_blocks = fp8_quant.quantize_weight_blocks(rhs_GKN) if static.backend in FP8_BACKENDS else None
   out_MN = _import_backend(static.backend).gmm(
       lhs_MK,
       rhs_GKN,
@@ -158,17 +166,18 @@ def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _S
       out_dtype=static.out_dtype,
       **({} if lhs_tiles is None else {"lhs_tiles": lhs_tiles}),
       **_fp8_lhs_kw(static, static.gathered[0]),
+      **_fp8_rhs_kw(rhs_blocks),
   )
   # Kernel outputs (Pallas, TE, tokamax) carry no varying manual axes: type them as a lax op would.
   out_MN = vma.like_operands(out_MN, lhs_MK, rhs_GKN, group_sizes_G, group_offset)
-  return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset)
+  return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, rhs_blocks)
 
 
 def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles | None = None):
   """The cotangents of `_gmm`'s operands from the output's. dout_tiles (FP8 backends): dout_MN's rows as the
   1x128 tiles they are the values of (dout_MN = dequantize_rows(dout_tiles) in lhs's dtype), which dlhs
   multiplies and dW requantizes in one pass: the FP8 combine's backward moved them (fp8_dispatch)."""
-  lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset = residuals
+  lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, rhs_blocks = residuals
   backend = _import_backend(static.backend)
   # The kernels take equal-dtype operands: dout is rounded to the compute dtype
   # as the forward's inputs were (a float32 out_dtype still accumulates in f32).
@@ -185,6 +194,7 @@ def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles
         out_dtype=lhs_MK.dtype,
         **({} if dout_tiles is None else {"lhs_tiles": dout_tiles}),
         **_fp8_lhs_kw(static, static.gathered[1]),
+        **_fp8_rhs_kw(rhs_blocks),
     )
     dlhs_MK = vma.like_operands(dlhs_MK, dout_MN, rhs_GKN, group_sizes_G, group_offset)
   with jax.named_scope("gmm_drhs"):

@@ -3,9 +3,13 @@
   activations: one scale per (row, 128 contraction columns): a 1x128 tile
   weights:     one scale per 128x128 block
 
-A value is stored as q = x / s in float8_e4m3fn with s = amax(tile) / 448 (448: e4m3's largest
+A value is stored as q = x * (1 / s) in float8_e4m3fn with s = amax(tile) / 448 (448: e4m3's largest
 finite value), so each tile uses the format's whole range and an outlier spoils only its own
-128 values. The GEMM multiplies e4m3 products exactly into an f32 partial sum per 128 of the
+128 values. One f32 reciprocal per tile, then a product per value, which the one-pass kernels
+(mgpu_fp8_quant.py) compute exactly: an f32 division per value is a multi-instruction sequence on a
+GPU. Measured on the H200 at the proxy's shapes, the kernels ran 1.00-1.05x faster than dividing, with
+the same e4m3 bytes there (tools/bench_quant.py, BENCHMARKS.md session 25): the division was not what
+limits them. The GEMM multiplies e4m3 products exactly into an f32 partial sum per 128 of the
 contraction and applies s_row * s_block to it before adding it to the f32 accumulator:
 DeepSeek's promotion interval (N_C = 128), one scale pair per partial.
 
@@ -32,6 +36,11 @@ def _scale(amax):
   return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
 
 
+def _reciprocal(scale):
+  """1 / scale in f32: q = x * _reciprocal(s) for every value of s's tile."""
+  return (1.0 / scale).astype(jnp.float32)
+
+
 def _check_multiple(name: str, size: int) -> None:
   if size % BLOCK:
     raise ValueError(f"blockwise FP8: {name} = {size} must be a multiple of {BLOCK}")
@@ -43,7 +52,7 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_multiple("K (the contraction)", k)
   tiles_MKbB = x_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   scale_MKb = _scale(jnp.max(jnp.abs(tiles_MKbB), axis=-1))
-  q_MK = (tiles_MKbB / scale_MKb[..., None]).reshape(m, k).astype(E4M3)
+  q_MK = (tiles_MKbB * _reciprocal(scale_MKb)[..., None]).reshape(m, k).astype(E4M3)
   return q_MK, scale_MKb.T
 
 
@@ -78,8 +87,15 @@ def quantize_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_multiple("N", n)
   blocks = w_GKN.astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
   scale_GKbNb = _scale(jnp.max(jnp.abs(blocks), axis=(2, 4)))
-  q_GKN = (blocks / scale_GKbNb[:, :, None, :, None]).reshape(g, k, n).astype(E4M3)
+  q_GKN = (blocks * _reciprocal(scale_GKbNb)[:, :, None, :, None]).reshape(g, k, n).astype(E4M3)
   return q_GKN, scale_GKbNb
+
+
+def quantize_weight_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """quantize_blocks of w zero-padded to whole blocks along axes 1 and 2 (zeros change no block's amax): the
+  blocks a weight's forward and its dlhs both multiply, whichever of its axes each contracts (the FP8 backends'
+  gmm takes them as rhs_blocks, the custom VJP keeps them from the forward for dlhs: MaxText/moe/gmm/__init__.py)."""
+  return quantize_blocks(_pad.pad_axes(w_GKN, {1: BLOCK, 2: BLOCK}))
 
 
 def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:

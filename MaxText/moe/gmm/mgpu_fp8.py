@@ -261,7 +261,8 @@ def unavailable_reason() -> str | None:
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
-        tiling: Fp8Tiling = Fp8Tiling(), lhs_tiles: fp8_quant.RowTiles | None = None, lhs_gathered: bool = False):
+        tiling: Fp8Tiling = Fp8Tiling(), lhs_tiles: fp8_quant.RowTiles | None = None, lhs_gathered: bool = False,
+        rhs_blocks: tuple[jax.Array, jax.Array] | None = None):
   """The grouped GEMM's contract with both operands quantized to blockwise e4m3 here:
   out[rows of local group g] = lhs[rows] @ rhs[g] (rhs[g].T with transpose_rhs), zeros elsewhere.
   rhs is [G_local, K, N] (or [G_local, N, K]). Other shapes are zero-padded to the kernel's
@@ -269,7 +270,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   (the FP8 dispatch moved lhs already quantized) the kernel reads those and lhs_MK only gives the shape.
   lhs_gathered: lhs is a gather of token rows (tgmm's `gathered`), quantized by XLA through the gather;
   otherwise it is materialized rows, quantized in one pass (`mgpu_fp8_quant.quantize_row_tiles`, the same
-  bytes: 0.36 against XLA's 0.82 ms at 65,536 x 7,168 on the H200, session 21)."""
+  bytes: 0.36 against XLA's 0.82 ms at 65,536 x 7,168 on the H200, session 21). rhs_blocks: rhs already
+  quantized (`fp8_quant.quantize_weight_blocks(rhs)`: the forward's, which dlhs reuses), else quantized here."""
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   tiling = tiling.fit_output(out_dtype.itemsize)
   quantize_rows = fp8_quant.quantize_row_tiles if lhs_gathered else mgpu_fp8_quant.quantize_row_tiles
@@ -279,7 +281,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
       lhs_q_PK, lhs_scale_KbP = quantize_rows(lhs_PK)
     else:
       lhs_q_PK, lhs_scale_KbP = fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0])
-    w_q, w_scale = fp8_quant.quantize_blocks(rhs)
+    # rhs padded to whole blocks (cta_n is BLOCK): quantize_weight_blocks's shapes.
+    w_q, w_scale = fp8_quant.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
     # The kernel wants rhs as [G, out, contraction]: the forward's [G, K, N] weights transposed,
     # dlhs's ([G, N, K] with transpose_rhs: contraction N) as stored.
     rhs_q, rhs_scale = (w_q, w_scale) if transpose_rhs else (w_q.swapaxes(1, 2), w_scale.swapaxes(1, 2))

@@ -21,8 +21,10 @@ def unavailable_reason() -> str | None:
   return None  # plain JAX
 
 
-def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype, lhs_tiles=None, lhs_gathered=False):
-  """lhs_gathered (which pass quantizes lhs on a GPU) changes no value, as tgmm's `gathered`."""
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtype, lhs_tiles=None, lhs_gathered=False,
+        rhs_blocks=None):
+  """lhs_gathered (which pass quantizes lhs on a GPU) changes no value, as tgmm's `gathered`. rhs_blocks: rhs
+  already quantized (`fp8_quant.quantize_weight_blocks`), as mgpu_fp8.gmm's."""
   del lhs_gathered
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
 
@@ -31,7 +33,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
       lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.kept(fp8_quant.quantize_row_tiles(lhs_PK)))
     else:  # quantized before the dispatch (the same tiles, bit for bit)
       lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0]))
-    rhs = fp8_quant.dequantize_blocks(*fp8_quant.kept(fp8_quant.quantize_blocks(rhs)))
+    rhs = fp8_quant.dequantize_blocks(*fp8_quant.kept(fp8_quant.quantize_blocks(rhs) if rhs_blocks is None
+                                                      else rhs_blocks))
     return xla.gmm(lhs_PK, rhs, group_sizes_G, group_offset=group_offset, transpose_rhs=transpose_rhs,
                    out_dtype=out_dtype)
 
