@@ -6,8 +6,9 @@ and, with --against, another version of the module timed beside this one.
 
   git show REV:MaxText/moe/gmm/mgpu_fp8_quant.py > old.py   # a module to compare (it imports today's helpers)
 
-Per kernel: median ms, its bytes (reads + writes) per ms as TB/s, and that as a share of the roof: an XLA
-bf16 -> e4m3 convert of the same [rows, K] (2 B read and 1 B written a value, memory-bound). With --against:
+Per kernel: median ms, its bytes (reads + writes) per ms as TB/s, and that as a share of the roof: XLA's
+x * 2 on the same bf16 [rows, K] (2 B read and 2 B written a value, memory-bound). Session 25 used an XLA
+bf16 -> e4m3 convert instead, which ran at 2.5 TB/s, below the row-tile kernel's 3.9: no roof. With --against:
 the old module's time on the same inputs, and the share of e4m3 bytes on which the two disagree (another
 rounding formula moves a value across an e4m3 rounding boundary only when it sits within an f32 ulp of one).
 Kernels, as the step calls them (BENCHMARKS.md, session 24's table):
@@ -90,8 +91,8 @@ def main():
   results = []
   for label, k, nbytes, make in cases(args.rows, args.groups):
     x = jax.random.normal(jax.random.key(0), (args.rows, k), jnp.bfloat16)
-    roof_ms = time_ms(jax.jit(lambda x: x.astype(fp8_quant.E4M3)), (x,))[0]
-    roof_tbs = args.rows * k * 3 / roof_ms / 1e9
+    roof_ms = time_ms(jax.jit(lambda x: x * 2), (x,))[0]
+    roof_tbs = args.rows * k * 4 / roof_ms / 1e9
     fn, fn_args = make(mgpu_fp8_quant)
     row = dict(kernel=label, rows=args.rows, k=k, ms=time_ms(fn, fn_args)[0], roof_tbs=roof_tbs)
     row["tbs"] = nbytes / row["ms"] / 1e9
