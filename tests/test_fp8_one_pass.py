@@ -263,3 +263,26 @@ def test_dlhs_multiplies_the_blocks_the_forward_quantized(monkeypatch, transpose
   for a, b in zip(got, want):
     np.testing.assert_array_equal(a, b)
   assert float(jnp.abs(got[1]).max()) > 0 and float(jnp.abs(got[0][170:]).max()) == 0
+
+
+def test_weight_block_kernel_lowers_for_cuda_at_deepseek_shapes():
+  for shape in ((32, 7168, 4096), (32, 2048, 7168)):
+    assert "mosaic_gpu" in _lower(mgpu_fp8_quant.quantize_weight_blocks_both, (shape, jnp.bfloat16))
+  with pytest.raises(ValueError, match="K = 200 and N = 128 must be multiples of 128"):
+    mgpu_fp8_quant.quantize_weight_blocks_both(jnp.zeros((2, 200, 128), jnp.bfloat16))
+
+
+def test_weight_block_kernel_interpreted_is_bit_for_bit_fp8_quant():  # ~5 s interpreted: the fast tier
+  """The one-pass 128x128 kernel gives exactly fp8_quant.quantize_weight_blocks's bytes and scales, and the same
+  bytes transposed: a zero block (scale 1), a block with one large value, a block with a NaN."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  w = (jax.random.normal(jax.random.key(1), (2, 256, 384)) * 4).astype(jnp.bfloat16)
+  w = w.at[0, :128, :128].set(0).at[1, 130, 300].set(jnp.nan).at[1, 5, 5].set(1e4)
+  want_q, want_s = fp8_quant.quantize_weight_blocks(w)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    q, q_t, s = jax.block_until_ready(mgpu_fp8_quant.quantize_weight_blocks_both(w))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+  assert float(s[0, 0, 0]) == 1.0
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(q_t).view(np.uint8), np.asarray(want_q.swapaxes(1, 2)).view(np.uint8))

@@ -38,6 +38,8 @@
 #             in bf16, 100 steps each, on real text (tools/text_corpus.py: this machine's Python standard library, or
 #             the ArrayRecord file GPU_CHECK_CORPUS names), Llama 2's tokenizer from the maxtext wheel (vocab 32,000);
 #             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
+#   fp8-quant the one-pass FP8 quantization kernels at the proxy's shapes against the memory roof, and the weights'
+#             blocks in both layouts, the one-pass candidate against XLA's passes (tools/bench_quant.py)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -195,6 +197,10 @@ PY
           vocab_size=32000) >"$out/bt-fp8-text.log" 2>&1
       echo "[gpu_checks] bench_train fp8 on text exit $?"
       grep -E "^(max|\(loss)" "$out/bt-fp8-text.log"; tail -n 5 "$out/bt-fp8-text.log"
+      ;;
+    fp8-quant)
+      (cd "$repo" && timeout "$limit" python3 tools/bench_quant.py --out "$out/quant") 2>&1 | tee "$out/bench_quant.log" \
+          | tail -n 8
       ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
