@@ -154,8 +154,8 @@ def _fp8_rhs_kw(rhs_blocks) -> dict:
 
 def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
   # FP8 backends: the weight's blocks, quantized once for the forward and kept for dlhs, which multiplies the
-  # same 128x128 blocks transposed. dlhs quantizing them again read the bf16 weight twice more (its amax, then
-  # the quantize); the residual is the e4m3 copy, half the weight's bytes.
+  # same 128x128 blocks transposed and had quantized the bf16 weight again (the expert FFN 24.70 -> 24.01 ms on
+  # the H200, BENCHMARKS.md session 25). The residual is the e4m3 copy, half the weight's bytes.
   rhs_blocks = fp8_quant.quantize_weight_blocks(rhs_GKN) if static.backend in FP8_BACKENDS else None
   out_MN = _import_backend(static.backend).gmm(
       lhs_MK,
