@@ -42,6 +42,8 @@ from tools.bench_gmm import group_sizes, time_ms  # noqa: E402
 
 
 def load_module(path: str):
+  if not os.path.isfile(path):
+    raise SystemExit(f"bench_quant: --against {path}: no such file (e.g. git show REV:MaxText/moe/gmm/mgpu_fp8_quant.py)")
   spec = importlib.util.spec_from_file_location("mgpu_fp8_quant_against", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
