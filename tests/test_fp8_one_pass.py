@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import MANY_CPU_THREADS, in_own_process
 from MaxText.moe.gmm import fp8_quant, mgpu_fp8, mgpu_fp8_quant, xla_fp8
 
 
@@ -272,17 +273,58 @@ def test_weight_block_kernel_lowers_for_cuda_at_deepseek_shapes():
     mgpu_fp8_quant.quantize_weight_blocks_both(jnp.zeros((2, 200, 128), jnp.bfloat16))
 
 
-def test_weight_block_kernel_interpreted_is_bit_for_bit_fp8_quant():  # ~5 s interpreted: the fast tier
+@pytest.mark.parametrize("chunk", [4, 1])
+def test_weight_block_kernel_interpreted_is_bit_for_bit_fp8_quant(chunk):  # ~5 s interpreted: the fast tier
   """The one-pass 128x128 kernel gives exactly fp8_quant.quantize_weight_blocks's bytes and scales, and the same
-  bytes transposed: a zero block (scale 1), a block with one large value, a block with a NaN."""
+  bytes transposed: a zero block (scale 1), a block with one large value, a block with a NaN; three column blocks
+  per grid block (each store buffer reused) and one."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
   w = (jax.random.normal(jax.random.key(1), (2, 256, 384)) * 4).astype(jnp.bfloat16)
   w = w.at[0, :128, :128].set(0).at[1, 130, 300].set(jnp.nan).at[1, 5, 5].set(1e4)
   want_q, want_s = fp8_quant.quantize_weight_blocks(w)
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    q, q_t, s = jax.block_until_ready(mgpu_fp8_quant.quantize_weight_blocks_both(w))
+    q, q_t, s = jax.block_until_ready(mgpu_fp8_quant.quantize_weight_blocks_both(w, chunk=chunk))
   np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
   assert float(s[0, 0, 0]) == 1.0
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(q_t).view(np.uint8), np.asarray(want_q.swapaxes(1, 2)).view(np.uint8))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.slow  # long on CPU (interpreted kernels): --all only
+def test_the_forward_multiplies_the_one_pass_kernels_blocks_exactly(request, transpose_rhs):
+  """mgpu_fp8's forward with the blocks `quantize_weight` wrote in both layouts in one pass (the transposed copy
+  read where the kernel wants [G, out, contraction]) gives, bit for bit, the forward that quantizes the weight
+  itself: an empty group, rows past the groups, K and N not multiples of 128 (padded)."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  m, k, n = 296, 200, 136
+  x = jax.random.normal(jax.random.key(1), (m, n if transpose_rhs else k), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(2), (3, k, n)) / 8).astype(jnp.bfloat16)
+  w = w.swapaxes(1, 2) if transpose_rhs else w
+  gs = jnp.asarray([100, 0, 150], jnp.int32)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    blocks = mgpu_fp8.quantize_weight(w)
+    got = mgpu_fp8.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32, rhs_blocks=blocks)
+    want = mgpu_fp8.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    got, want = (np.asarray(jax.block_until_ready(a)) for a in (got, want))
+  assert blocks.q_GNK is not None
+  np.testing.assert_array_equal(got, want)
+  assert np.abs(got[:250]).max() > 0 and (got[250:] == 0).all()
+
+
+def test_the_vjp_keeps_only_the_blocks_dlhs_reads():
+  """The forward's transposed copy of the weight's blocks is not a residual: dlhs reads the stored layout, and the
+  copy would hold a second e4m3 weight per expert matrix from the forward to the backward."""
+  from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+
+  static = gmm_lib._Static(backend="mgpu_fp8", transpose_rhs=False, out_dtype=np.dtype(jnp.bfloat16))  # pylint: disable=protected-access
+  operands = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), None, jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16),
+              jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+  _, residuals = jax.eval_shape(lambda *ops: gmm_lib.forward(ops, static), *operands)
+  blocks = residuals[-1]
+  assert isinstance(blocks, fp8_quant.WeightBlocks) and blocks.q_GNK is None
+  assert blocks.q_GKN.shape == (4, 256, 384) and blocks.q_GKN.dtype == fp8_quant.E4M3

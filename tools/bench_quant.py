@@ -17,8 +17,9 @@ Kernels, as the step calls them (BENCHMARKS.md, session 24's table):
   requantize     dW's 128x1 tiles from the 1x128 tiles that crossed the dispatch (x and the combine's
                  cotangent, K = 7,168): 1 B read and 1 B written a value, plus the row scales
 Then the weights' 128x128 blocks in both layouts (w01 [32, 7168, 4096] and w2 [32, 2048, 7168]): the one-pass
-candidate `quantize_weight_blocks_both` against what the step runs today (XLA: `fp8_quant.quantize_weight_blocks`
-and the forward's transposed copy), with the bytes on which they disagree (none, if bit for bit).
+kernel `quantize_weight_blocks_both` that the step runs (mgpu_fp8.quantize_weight), for a few chunks, against XLA's
+passes (`fp8_quant.quantize_weight_blocks` and the forward's transposed copy), with the bytes on which they
+disagree (none, if bit for bit).
 """
 
 from __future__ import annotations
@@ -80,19 +81,25 @@ def cases(rows: int, groups: int):
   ]
 
 
-def weight_rows(groups: int, shapes=((7168, 4096), (2048, 7168))) -> list[dict]:
-  """The weights' blocks in both layouts: the one-pass candidate against XLA's passes, per DeepSeek-V3 weight
-  ([K, N] per expert: w0|w1 fused, w2)."""
+# quantize_weight_blocks_both's chunk (column blocks per grid block): its default first.
+WEIGHT_CHUNKS = (mgpu_fp8_quant.WEIGHT_CHUNK, 2, 8)
+
+
+def weight_rows(groups: int, shapes=((7168, 4096), (2048, 7168)), chunks=WEIGHT_CHUNKS) -> list[dict]:
+  """The weights' blocks in both layouts: the one-pass kernel (each chunk) against XLA's passes, per DeepSeek-V3
+  weight ([K, N] per expert: w0|w1 fused, w2)."""
   xla = jax.jit(lambda w: (lambda q, s: (q, q.swapaxes(1, 2), s))(*fp8_quant.quantize_weight_blocks(w)))
-  kernel = jax.jit(mgpu_fp8_quant.quantize_weight_blocks_both)
   rows = []
   for shape in ((groups, k, n) for k, n in shapes):
     w = (jax.random.normal(jax.random.key(4), shape, jnp.float32) / np.sqrt(shape[1])).astype(jnp.bfloat16)
-    row = dict(kernel="weight blocks", shape=list(shape), ms=time_ms(kernel, (w,))[0], xla_ms=time_ms(xla, (w,))[0])
-    row["tbs"] = np.prod(shape) * 4 / row["ms"] / 1e9  # 2 B read, 1 B written twice, a value
-    row["e4m3_bytes_differing"] = max(e4m3_disagreement(a, b) for a, b in zip(kernel(w)[:2], xla(w)[:2]))
-    rows.append(row)
-    print(json.dumps(row), flush=True)
+    xla_ms, want = time_ms(xla, (w,))[0], xla(w)
+    for chunk in chunks:
+      kernel = jax.jit(lambda w, chunk=chunk: mgpu_fp8_quant.quantize_weight_blocks_both(w, chunk=chunk))
+      row = dict(kernel="weight blocks", shape=list(shape), chunk=chunk, ms=time_ms(kernel, (w,))[0], xla_ms=xla_ms)
+      row["tbs"] = np.prod(shape) * 4 / row["ms"] / 1e9  # 2 B read, 1 B written twice, a value
+      row["e4m3_bytes_differing"] = max(e4m3_disagreement(a, b) for a, b in zip(kernel(w)[:2], want[:2]))
+      rows.append(row)
+      print(json.dumps(row), flush=True)
   return rows
 
 
@@ -131,7 +138,8 @@ def main():
     print(f"{r['kernel']:14s} {r['k']:5d} {r['ms']:7.3f} {r['tbs']:6.2f} {r['tbs'] / r['roof_tbs']:7.2f}"
           + (f"  {r['against_ms']:10.3f}  {r['against_ms'] / r['ms']:6.2f}x  {r['e4m3_bytes_differing']:.2e}" if other else ""))
   for r in weights:
-    print(f"weight blocks {r['shape']}: one-pass kernel {r['ms']:.3f} ms ({r['tbs']:.2f} TB/s), XLA "
+    print(f"weight blocks {r['shape']} chunk {r['chunk']}: one-pass kernel {r['ms']:.3f} ms "
+          f"({r['tbs']:.2f} TB/s), XLA "
           f"{r['xla_ms']:.3f} ms: {r['xla_ms'] / r['ms']:.2f}x, e4m3 bytes differing {r['e4m3_bytes_differing']:.2e}")
   results += weights
   if args.out:

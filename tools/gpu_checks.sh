@@ -39,7 +39,7 @@
 #             the ArrayRecord file GPU_CHECK_CORPUS names), Llama 2's tokenizer from the maxtext wheel (vocab 32,000);
 #             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
 #   fp8-quant the one-pass FP8 quantization kernels at the proxy's shapes against the memory roof, and the weights'
-#             blocks in both layouts, the one-pass candidate against XLA's passes (tools/bench_quant.py)
+#             blocks in both layouts, the step's one-pass kernel against XLA's passes (tools/bench_quant.py)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -200,7 +200,7 @@ PY
       ;;
     fp8-quant)
       (cd "$repo" && timeout "$limit" python3 tools/bench_quant.py --out "$out/quant") 2>&1 | tee "$out/bench_quant.log" \
-          | tail -n 8
+          | tail -n 12
       ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published

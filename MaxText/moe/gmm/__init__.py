@@ -155,9 +155,11 @@ def _fp8_rhs_kw(rhs_blocks) -> dict:
 def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
   # FP8 backends: the weight's blocks, quantized once for the forward and kept for dlhs, which multiplies the
   # same 128x128 blocks transposed and had quantized the bf16 weight again (the expert FFN 24.70 -> 24.01 ms on
-  # the H200, BENCHMARKS.md session 25). The residual is the e4m3 copy, half the weight's bytes.
-  rhs_blocks = fp8_quant.quantize_weight_blocks(rhs_GKN) if static.backend in FP8_BACKENDS else None
-  out_MN = _import_backend(static.backend).gmm(
+  # the H200, BENCHMARKS.md session 25). The residual is the e4m3 copy dlhs reads, half the weight's bytes: not
+  # the forward's transposed one, which `quantize_weight` may have written beside it.
+  backend = _import_backend(static.backend)
+  rhs_blocks = backend.quantize_weight(rhs_GKN) if static.backend in FP8_BACKENDS else None
+  out_MN = backend.gmm(
       lhs_MK,
       rhs_GKN,
       group_sizes_G,
@@ -170,7 +172,8 @@ def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _S
   )
   # Kernel outputs (Pallas, TE, tokamax) carry no varying manual axes: type them as a lax op would.
   out_MN = vma.like_operands(out_MN, lhs_MK, rhs_GKN, group_sizes_G, group_offset)
-  return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, rhs_blocks)
+  kept_blocks = None if rhs_blocks is None else rhs_blocks._replace(q_GNK=None)
+  return out_MN, (lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, kept_blocks)
 
 
 def backward(static: _Static, residuals, dout_MN, dout_tiles: fp8_quant.RowTiles | None = None):

@@ -91,11 +91,25 @@ def quantize_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q_GKN, scale_GKbNb
 
 
+class WeightBlocks(NamedTuple):
+  """A weight's 128x128 blocks, the FP8 backends' rhs_blocks: q_GKN e4m3 and scale_GKbNb f32 (`quantize_blocks`
+  of the weight padded to whole blocks), and q_GNK, the same bytes transposed, where the pass that quantized them
+  wrote that layout too (mgpu_fp8's forward reads it; XLA would transpose q_GKN in a pass of its own)."""
+
+  q_GKN: jax.Array
+  scale_GKbNb: jax.Array
+  q_GNK: jax.Array | None = None
+
+
 def quantize_weight_blocks(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array]:
   """quantize_blocks of w zero-padded to whole blocks along axes 1 and 2 (zeros change no block's amax): the
   blocks a weight's forward and its dlhs both multiply, whichever of its axes each contracts (the FP8 backends'
   gmm takes them as rhs_blocks, the custom VJP keeps them from the forward for dlhs: MaxText/moe/gmm/__init__.py)."""
-  return quantize_blocks(_pad.pad_axes(w_GKN, {1: BLOCK, 2: BLOCK}))
+  return quantize_blocks(pad_weight(w_GKN))
+
+
+def pad_weight(w_GKN: jax.Array) -> jax.Array:
+  return _pad.pad_axes(w_GKN, {1: BLOCK, 2: BLOCK})
 
 
 def dequantize_blocks(q_GKN: jax.Array, scale_GKbNb: jax.Array) -> jax.Array:

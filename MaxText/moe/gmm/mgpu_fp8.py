@@ -262,7 +262,7 @@ def unavailable_reason() -> str | None:
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, out_dtype=None,
         tiling: Fp8Tiling = Fp8Tiling(), lhs_tiles: fp8_quant.RowTiles | None = None, lhs_gathered: bool = False,
-        rhs_blocks: tuple[jax.Array, jax.Array] | None = None):
+        rhs_blocks: fp8_quant.WeightBlocks | None = None):
   """The grouped GEMM's contract with both operands quantized to blockwise e4m3 here:
   out[rows of local group g] = lhs[rows] @ rhs[g] (rhs[g].T with transpose_rhs), zeros elsewhere.
   rhs is [G_local, K, N] (or [G_local, N, K]). Other shapes are zero-padded to the kernel's
@@ -271,7 +271,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   lhs_gathered: lhs is a gather of token rows (tgmm's `gathered`), quantized by XLA through the gather;
   otherwise it is materialized rows, quantized in one pass (`mgpu_fp8_quant.quantize_row_tiles`, the same
   bytes: 0.36 against XLA's 0.82 ms at 65,536 x 7,168 on the H200, session 21). rhs_blocks: rhs already
-  quantized (`fp8_quant.quantize_weight_blocks(rhs)`: the forward's, which dlhs reuses), else quantized here."""
+  quantized (`quantize_weight(rhs)`: the forward's, which dlhs reuses), else quantized here."""
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   tiling = tiling.fit_output(out_dtype.itemsize)
   quantize_rows = fp8_quant.quantize_row_tiles if lhs_gathered else mgpu_fp8_quant.quantize_row_tiles
@@ -282,16 +282,28 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
     else:
       lhs_q_PK, lhs_scale_KbP = fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0])
     # rhs padded to whole blocks (cta_n is BLOCK): quantize_weight_blocks's shapes.
-    w_q, w_scale = fp8_quant.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
-    # The kernel wants rhs as [G, out, contraction]: the forward's [G, K, N] weights transposed,
-    # dlhs's ([G, N, K] with transpose_rhs: contraction N) as stored.
-    rhs_q, rhs_scale = (w_q, w_scale) if transpose_rhs else (w_q.swapaxes(1, 2), w_scale.swapaxes(1, 2))
+    w = fp8_quant.WeightBlocks(*fp8_quant.quantize_blocks(rhs)) if rhs_blocks is None else rhs_blocks
+    # The kernel wants rhs as [G, out, contraction]: the forward's [G, K, N] weights transposed (the copy
+    # `quantize_weight` wrote, else an XLA transpose), dlhs's ([G, N, K] with transpose_rhs: contraction N) as stored.
+    if transpose_rhs:
+      rhs_q, rhs_scale = w.q_GKN, w.scale_GKbNb
+    else:
+      rhs_q = w.q_GKN.swapaxes(1, 2) if w.q_GNK is None else w.q_GNK
+      rhs_scale = w.scale_GKbNb.swapaxes(1, 2)
     table = mgpu_schedule.work_table(group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], tiling.block_m,
                                      window_align=TMA_ROW_ALIGN)
     return grouped_matmul_fp8(lhs_q_PK, lhs_scale_KbP, rhs_q, rhs_scale, table, tiling=tiling, out_dtype=out_dtype)
 
   return _pad.gmm(kernel, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs,
                   align=_pad.Align(m=TMA_ROW_ALIGN, k=BLOCK, n=tiling.cta_n))
+
+
+def quantize_weight(rhs_GKN) -> fp8_quant.WeightBlocks:
+  """The weight's blocks, once for the forward and dlhs (gmm's custom VJP), in both layouts from one pass over the
+  bf16 weight (`mgpu_fp8_quant.quantize_weight_blocks_both`), where XLA's amax, quantize and transpose read it
+  twice and the e4m3 blocks once more (the expert FFN's compiled HLO, session 25)."""
+  q_GKN, q_GNK, scale_GKbNb = mgpu_fp8_quant.quantize_weight_blocks_both(fp8_quant.pad_weight(rhs_GKN))
+  return fp8_quant.WeightBlocks(q_GKN, scale_GKbNb, q_GNK)
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, out_dtype=None, gathered=(False, False),

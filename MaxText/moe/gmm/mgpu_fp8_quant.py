@@ -211,48 +211,54 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
 # amax pass over the bf16 weight, a quantizing pass that reads it again, and a transpose of the e4m3 blocks (the
 # FFN's compiled HLO, session 25): per weight 2 + 3 + 2 bytes a value, where this reads 2 and writes 2. Each
 # [128, 128] block is loaded once by TMA; one warpgroup takes its amax (each row's, then the rows' across warps),
-# scales, converts, and stores the block as is and transposed. Candidate only: tools/bench_quant.py times it
-# against XLA's passes; it joins the step if it is faster there (not yet measured on a GPU).
+# scales, converts, and stores the block as is and transposed. mgpu_fp8.quantize_weight calls it for the forward.
+#
+# One shared-memory buffer per output layout: a tile's stores wait for the previous tile's to have read it. Two
+# (129 KB a grid block, one block per SM) ran at 3.0 TB/s; one (97 KB, two blocks per SM) at 3.8 TB/s, 1.85x XLA's
+# passes, on the H200 at DeepSeek-V3's shapes (tools/bench_quant.py, BENCHMARKS.md session 26). Four column blocks
+# per grid block measured 3-5% faster than eight.
+WEIGHT_CHUNK = 4
 
 
-def quantize_weight_blocks_both(w_GKN: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_weight_blocks_both(w_GKN: jax.Array, *,
+                                chunk: int = WEIGHT_CHUNK) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(q_GKN, q_GNK e4m3, scale_GKbNb f32): `fp8_quant.quantize_weight_blocks(w)` and its blocks transposed
-  (q_GKN.swapaxes(1, 2)), bit for bit. K and N must be multiples of 128 (quantize_weight_blocks pads them)."""
+  (q_GKN.swapaxes(1, 2)), bit for bit. K and N must be multiples of 128 (quantize_weight_blocks pads them).
+  chunk: the most column blocks one grid block pipelines (tools/bench_quant.py sweeps it)."""
   g, k, n = w_GKN.shape
   if k % BLOCK or n % BLOCK:
     raise ValueError(f"weight-block quantization: K = {k} and N = {n} must be multiples of {BLOCK}")
   kb, nb = k // BLOCK, n // BLOCK
-  chunk = max(c for c in range(1, CHUNK + 1) if nb % c == 0)
+  chunk = max(c for c in range(1, chunk + 1) if nb % c == 0)
   out_transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
 
   def body(w_gmem, q_gmem, qT_gmem, s_gmem):
     gi, bi, c = lax.axis_index("g"), lax.axis_index("b"), lax.axis_index("c")
     rows = pl.ds(bi * BLOCK, BLOCK)
 
-    @functools.partial(pl.run_scoped, q_smem=plgpu.SMEM((2, BLOCK, BLOCK), fp8_quant.E4M3),
-                       qT_smem=plgpu.SMEM((2, BLOCK, BLOCK), fp8_quant.E4M3, transforms=out_transforms),
-                       s_smem=plgpu.SMEM((2, 1, BLOCK), jnp.float32))
+    @functools.partial(pl.run_scoped, q_smem=plgpu.SMEM((BLOCK, BLOCK), fp8_quant.E4M3),
+                       qT_smem=plgpu.SMEM((BLOCK, BLOCK), fp8_quant.E4M3, transforms=out_transforms),
+                       s_smem=plgpu.SMEM((1, BLOCK), jnp.float32))
     def _scope(q_smem, qT_smem, s_smem):
-      def tile(idx, w_smem):  # stores from two slots, as quantize_group_row_blocks (the interpreter's reason)
+      def tile(idx, w_smem):  # stores issued here, as quantize_group_row_blocks's (the interpreter's reason)
         (j,) = idx
-        slot = j % 2
-        plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # this slot's three stores of two tiles ago have read it
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's three stores have read the buffers
         w_RC = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         amax_R = jnp.max(jnp.abs(w_RC), axis=1)
         # Every column of the block gets the block's amax: the rows' maxima broadcast back, then their max.
         amax_C = jnp.max(lax.broadcast_in_dim(amax_R, (BLOCK, BLOCK), [0]), axis=0)
         scale_C = jnp.where(amax_C > 0, amax_C / fp8_quant.E4M3_MAX, 1.0)
         q_RC = w_RC * lax.broadcast_in_dim(1.0 / scale_C, (BLOCK, BLOCK), [1])
-        q_smem.at[slot][...] = q_RC.astype(fp8_quant.E4M3)
-        qT_smem.at[slot].transpose((1, 0))[...] = plgpu.layout_cast(q_RC, plgpu.Layout.WGMMA_TRANSPOSED).astype(
+        q_smem[...] = q_RC.astype(fp8_quant.E4M3)
+        qT_smem.transpose((1, 0))[...] = plgpu.layout_cast(q_RC, plgpu.Layout.WGMMA_TRANSPOSED).astype(
             fp8_quant.E4M3)
-        s_smem.at[slot, 0][...] = scale_C  # 128 copies of the block's scale: the caller keeps the first
+        s_smem.at[0][...] = scale_C  # 128 copies of the block's scale: the caller keeps the first
         plgpu.commit_smem()
         nblk = c * chunk + j
         cols = pl.ds(nblk * BLOCK, BLOCK)
-        plgpu.copy_smem_to_gmem(q_smem.at[slot], q_gmem.at[gi, rows, cols])
-        plgpu.copy_smem_to_gmem(qT_smem.at[slot], qT_gmem.at[gi, cols, rows])
-        plgpu.copy_smem_to_gmem(s_smem.at[slot], s_gmem.at[gi, bi, pl.ds(nblk, 1)])
+        plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[gi, rows, cols])
+        plgpu.copy_smem_to_gmem(qT_smem, qT_gmem.at[gi, cols, rows])
+        plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[gi, bi, pl.ds(nblk, 1)])
 
       plgpu.emit_pipeline(
           tile,

@@ -34,13 +34,18 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset, transpose_rhs, out_dtyp
     else:  # quantized before the dispatch (the same tiles, bit for bit)
       lhs_PK = fp8_quant.dequantize_row_tiles(*fp8_quant.rows_for_kernel(lhs_tiles, lhs_PK.shape[0]))
     rhs = fp8_quant.dequantize_blocks(*fp8_quant.kept(fp8_quant.quantize_blocks(rhs) if rhs_blocks is None
-                                                      else rhs_blocks))
+                                                      else rhs_blocks[:2]))
     return xla.gmm(lhs_PK, rhs, group_sizes_G, group_offset=group_offset, transpose_rhs=transpose_rhs,
                    out_dtype=out_dtype)
 
   # Zero padding to the quantization blocks changes no tile's amax: the same quantization as the kernel's.
   return _pad.gmm(emulated, lhs_MK, rhs_GKN, transpose_rhs=transpose_rhs,
                   align=_pad.Align(m=1, k=fp8_quant.BLOCK, n=fp8_quant.BLOCK))
+
+
+def quantize_weight(rhs_GKN) -> fp8_quant.WeightBlocks:
+  """The weight's blocks, once for the forward and dlhs (gmm's custom VJP)."""
+  return fp8_quant.WeightBlocks(*fp8_quant.quantize_weight_blocks(rhs_GKN))
 
 
 def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset, num_local_groups, out_dtype, gathered=(False, False),
