@@ -25,7 +25,6 @@ between runs: not kept, for the six warpgroups a cluster must co-schedule (and i
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -47,33 +46,16 @@ COMPUTE_WGS = 3
 TILE_M = COMPUTE_WGS * WG_ROWS
 
 
-def smem_bytes(out_itemsize: int, stages: int = STAGES, compute_wgs: int = COMPUTE_WGS) -> int:
-  tile_m = compute_wgs * WG_ROWS
-  stage = (tile_m + BLOCK) * BLOCK + (tile_m + BLOCK) * 4  # lhs and dout blocks (e4m3), their scale rows
-  return stages * stage + tile_m * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
-
-
-@dataclasses.dataclass(frozen=True)
-class DwSchedule:
-  """How a dW tile's steps run. compute_wgs: warpgroups of WG_ROWS output rows each. overlap: each warpgroup issues
-  step s's wgmma before it promotes step s - 1's partial (two partials in registers: two warpgroups at most), so
-  the promotion's 64 FMUL + 64 FFMA a thread run under the warpgroup's own MMA, where without it they wait for
-  it and the tensor cores wait for them unless another warpgroup's MMA is ready (an experiment, session 26)."""
-
-  compute_wgs: int = COMPUTE_WGS
-  overlap: bool = False
+def smem_bytes(out_itemsize: int, stages: int = STAGES) -> int:
+  stage = (TILE_M + BLOCK) * BLOCK + (TILE_M + BLOCK) * 4  # lhs and dout blocks (e4m3), their scale rows
+  return stages * stage + TILE_M * BLOCK * out_itemsize + mgpu_kernels.SMEM_OVERHEAD_BYTES
 
 
 def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN, block0_L, blocks_L, *,
-                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None,
-                                  schedule: DwSchedule = DwSchedule()):
+                                  out_dtype=jnp.bfloat16, profile_dir: str | None = None):
   """[G_local, K, N] from `fp8_quant.quantize_group_row_blocks`'s operands (128-row blocks, each
-  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L; K >= a tile's rows. profile_dir: a
-  trace of the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
-  compute_wgs = schedule.compute_wgs
-  tile_m = compute_wgs * WG_ROWS
-  if schedule.overlap and compute_wgs > 2:
-    raise ValueError(f"dW schedule {schedule}: overlapping keeps two partials a thread, for two warpgroups at most")
+  [columns, 128] contraction-major) and `group_blocks`'s block0_L / blocks_L; K >= 192. profile_dir: a trace
+  of the `dw_tile` scopes from Mosaic GPU's on-device profiler (tools/bench_fp8.py --profile-dir)."""
   pb, k, b = lhs_q_PbKB.shape
   pb2, n, b2 = dout_q_PbNB.shape
   if (pb, b) != (pb2, b2) or b != BLOCK or lhs_scale_PbK.shape != (pb, k) or dout_scale_PbN.shape != (pb, n):
@@ -82,16 +64,14 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
   for name, size in (("K", k), ("N", n)):
     if size % BLOCK:
       raise ValueError(f"blockwise-FP8 dW: {name} = {size} must be a multiple of {BLOCK}")
-  if k < tile_m:
-    raise ValueError(f"blockwise-FP8 dW: K = {k} is less than a tile's {tile_m} rows")
+  if k < TILE_M:
+    raise ValueError(f"blockwise-FP8 dW: K = {k} is less than a tile's {TILE_M} rows")
   out_itemsize = jnp.dtype(out_dtype).itemsize
   stages = STAGES
-  while stages > 2 and smem_bytes(out_itemsize, stages, compute_wgs) > SMEM_LIMIT_BYTES:
+  while stages > 2 and smem_bytes(out_itemsize, stages) > SMEM_LIMIT_BYTES:
     stages -= 1
   num_groups = block0_L.shape[0]
-  grid_m, grid_n = -(-k // tile_m), n // BLOCK
-  # Overlapping, a step's shared memory is read by its wgmma until the next step waits for it: released a step late.
-  delay = {"delay_release": 1} if schedule.overlap else {}
+  grid_m, grid_n = -(-k // TILE_M), n // BLOCK
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
 
   def pipeline(body, compute_context, steps):
@@ -100,26 +80,26 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         grid=(steps,),
         memory_registers=24,  # as the forward's: (512 - 24) / 3 -> 160 per compute thread
         in_specs=[  # step si: row block si of the group: [192 lhs columns, 128 rows], [128 dout columns, 128 rows]
-            plgpu.BlockSpec((None, tile_m, BLOCK), lambda si: (si, 0, 0), transforms=transforms, **delay),
-            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms, **delay),
-            plgpu.BlockSpec((1, tile_m), lambda si: (si, 0), **delay),
-            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0), **delay),
+            plgpu.BlockSpec((None, TILE_M, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
+            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
+            plgpu.BlockSpec((1, TILE_M), lambda si: (si, 0)),
+            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=compute_wgs,
+        num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )
 
   def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
     ignore = lambda *_, **__: None
-    shapes = (lhs_gmem.at[:, pl.ds(0, tile_m)], dout_gmem.at[:, pl.ds(0, BLOCK)],
-              lhs_scale_gmem.at[:, pl.ds(0, tile_m)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
+    shapes = (lhs_gmem.at[:, pl.ds(0, TILE_M)], dout_gmem.at[:, pl.ds(0, BLOCK)],
+              lhs_scale_gmem.at[:, pl.ds(0, TILE_M)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, stages).get_allocations(*shapes),
-        out_smem=plgpu.SMEM((compute_wgs, WG_ROWS, BLOCK), out_dtype),
+        out_smem=plgpu.SMEM((COMPUTE_WGS, WG_ROWS, BLOCK), out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -133,9 +113,9 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
         steps = blocks_g[gi]
         first = block0_g[gi]
-        row0 = pl.multiple_of(jnp.minimum(mi * tile_m, k - tile_m), WG_ROWS)  # the last tile ends at K
+        row0 = pl.multiple_of(jnp.minimum(mi * TILE_M, k - TILE_M), WG_ROWS)  # the last tile ends at K
         wg_row0 = row0 + wg * WG_ROWS
-        new_rows = wg_row0 >= mi * tile_m  # not stored by the previous row tile
+        new_rows = wg_row0 >= mi * TILE_M  # not stored by the previous row tile
 
         def store(tile):
           @pl.when(new_rows)
@@ -145,70 +125,32 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], o_gmem.at[gi, pl.ds(wg_row0, WG_ROWS), pl.ds(ni * BLOCK, BLOCK)])
 
-        def zeros(shape, layout):
-          return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+        def compute_context(run_pipeline):
+          zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+          store(run_pipeline(zeros).astype(out_dtype))
 
-        def promote(acc, partial, row_scale, col_scale):  # acc + partial * (row scale x column scale)
+        def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
+          def mma(partial_ref):
+            plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
+            return partial_ref[...]
+
+          partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+          row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)],
+                                 layout=plgpu.Layout.WGMMA.reduce(1))
+          col_scale = plgpu.load(dout_scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
           scale = (lax.broadcast_in_dim(row_scale, (WG_ROWS, BLOCK), [0])
                    * lax.broadcast_in_dim(col_scale, (WG_ROWS, BLOCK), [1]))
           return acc + partial * scale
 
-        def scales(lhs_scale_smem, dout_scale_smem):
-          return (plgpu.load(lhs_scale_smem.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)], layout=plgpu.Layout.WGMMA.reduce(1)),
-                  plgpu.load(dout_scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)))
-
-        def mma(partial_ref, lhs_smem, dout_smem):
-          plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
-
-        def compute_context(run_pipeline):
-          acc0 = zeros((WG_ROWS, BLOCK), plgpu.Layout.WGMMA)
-          store(run_pipeline(acc0).astype(out_dtype))
-
-        def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
-          def run(partial_ref):
-            mma(partial_ref, lhs_smem, dout_smem)
-            return partial_ref[...]
-
-          partial = pl.run_scoped(run, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-          return promote(acc, partial, *scales(lhs_scale_smem, dout_scale_smem))
-
-        # Overlapped: one partial ref for the whole tile (its wgmma in flight across steps); the carry holds the
-        # scales of the step whose wgmma is in flight. Step s waits for step s - 1's wgmma, takes its partial, issues
-        # its own into the zeroed ref and promotes s - 1's under it; the first step promotes a zero partial with
-        # zero scales, and the context promotes the last.
-        partial_refs = []
-
-        def overlapped_context(run_pipeline):
-          def run(partial_ref):
-            partial_refs.append(partial_ref)
-            partial_ref[...] = zeros((WG_ROWS, BLOCK), plgpu.Layout.WGMMA)
-            carry0 = (zeros((WG_ROWS, BLOCK), plgpu.Layout.WGMMA), zeros((WG_ROWS,), plgpu.Layout.WGMMA.reduce(1)),
-                      zeros((BLOCK,), plgpu.Layout.WGMMA.reduce(0)))
-            acc, row_scale, col_scale = run_pipeline(carry0)
-            store(promote(acc, partial_ref[...], row_scale, col_scale).astype(out_dtype))
-
-          pl.run_scoped(run, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-
-        def overlapped_step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, carry):
-          acc, prev_row_scale, prev_col_scale = carry
-          partial_ref = partial_refs[-1]
-          prev = partial_ref[...]  # waits for step s - 1's wgmma
-          partial_ref[...] = zeros((WG_ROWS, BLOCK), plgpu.Layout.WGMMA)
-          mma(partial_ref, lhs_smem, dout_smem)
-          row_scale, col_scale = scales(lhs_scale_smem, dout_scale_smem)
-          return promote(acc, prev, prev_row_scale, prev_col_scale), row_scale, col_scale
-
-        body_fns = (overlapped_step, overlapped_context) if schedule.overlap else (step, compute_context)
-
         @pl.when(steps > 0)
         def _compute():
           blocks = pl.ds(first, pb)  # may run past the end: the pipeline reads `steps` blocks only
-          pipeline(*body_fns, steps)(
-              lhs_gmem.at[blocks, pl.ds(row0, tile_m)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
-              lhs_scale_gmem.at[blocks, pl.ds(row0, tile_m)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+          pipeline(step, compute_context, steps)(
+              lhs_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
+              lhs_scale_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
               allocations=allocs)
 
-        @pl.when((steps == 0) & (wg < compute_wgs))
+        @pl.when((steps == 0) & (wg < COMPUTE_WGS))
         def _empty():
           store(plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), out_dtype), plgpu.Layout.WGMMA))
 
@@ -219,10 +161,9 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
       out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
       grid=(mgpu_kernels.num_sms(),),
       grid_names=("sm",),
-      num_threads=compute_wgs + 1,
+      num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages, compute_wgs),
-                                                   compute_wgs + 1),
+      compiler_params=mgpu_kernels.compiler_params(profile_dir, smem_bytes(out_itemsize, stages), COMPUTE_WGS + 1),
   )
   return kernel(block0_L, blocks_L, lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_scale_PbN)
 
