@@ -38,7 +38,7 @@
 #             in bf16, 100 steps each, on real text (tools/text_corpus.py: this machine's Python standard library, or
 #             the ArrayRecord file GPU_CHECK_CORPUS names), Llama 2's tokenizer from the maxtext wheel (vocab 32,000);
 #             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
-#   fp8-quant the one-pass FP8 quantization kernels at the proxy's shapes against the memory roof, and the weights'
+#   fp8-quant the one-pass FP8 quantization kernels at the proxy's shapes against XLA's x * 2, and the weights'
 #             blocks in both layouts, the step's one-pass kernel against XLA's passes (tools/bench_quant.py)
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
