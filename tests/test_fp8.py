@@ -438,6 +438,36 @@ def test_dw_kernel_interpreted_matches_its_quantization(request, name):
   assert _rel(got, want) < (1e-5 if out_dtype == jnp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("num_sms", [1, 2])
+@pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
+def test_dw_ring_runs_through_an_sms_tiles_interpreted(request, monkeypatch, num_sms):
+  """Few simulated SMs, so that each runs many tiles through one ring of 4 slots: groups of 1, 3, 6 and 0
+  blocks wrap it mid-tile and across tiles, the memory warpgroup loading the next tile while the compute
+  warpgroups finish this one. Against the same quantization through float32. Not under the interpreter's race
+  detector: it reports the compute warpgroups' scale loads against the TMA that filled the slot (plain loads
+  of TMA-written shared memory), for JAX's own emit_pipeline_warp_specialized (the kernel before session 27)
+  as for this ring, on any SM that runs two steps or more, though the slot's `full` barrier orders them."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe.gmm import mgpu_fp8_tgmm, mgpu_kernels  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
+  sizes, k, n = [100, 300, 0, 700, 0], 384, 256  # 1, 3, 0, 6, 0 blocks of 128 rows
+  m = sum(sizes) + 20
+  kx, kd = jax.random.split(jax.random.key(9))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  d = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = mgpu_fp8_tgmm.tgmm(x, d, gs, num_local_groups=len(sizes), out_dtype=jnp.float32)
+    got = np.asarray(jax.block_until_ready(got), np.float32)
+  want = np.asarray(xla_fp8.tgmm(x, d, gs, group_offset=0, num_local_groups=len(sizes), out_dtype=jnp.float32))
+  assert (got[2] == 0).all() and (got[4] == 0).all()
+  assert _rel(got, want) < 1e-5
+
+
 @pytest.mark.slow  # two short training runs
 def test_a_tiny_run_with_fp8_experts_trains_like_the_unquantized_one(tmp_path):
   """The entry point with moe_fp8=blockwise on CPU (xla_fp8: the kernel's quantization emulated) against

@@ -21,6 +21,20 @@ every case (up balanced 2.445 -> 2.240 ms), the forward's session-18 change. Iss
 in turn around a ring of barriers was 3-6% slower, on two warpgroups or three, and was removed.
 2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (session 19, c5910b3), about the spread
 between runs: not kept, for the six warpgroups a cluster must co-schedule (and its tests' own processes).
+
+One pipeline runs through all of an SM's tiles (session 27): the memory warpgroup loads the SM's next tile
+while the compute warpgroups finish this one and store it. The ring's barriers are the ping-pong kernel's
+(`mgpu_pingpong`): `full[s]` counts slot s's four loads, `empty[s]` the three compute warpgroups' releases, and
+each compute warpgroup releases a slot as soon as it has read it (before its promotion). JAX's
+`emit_pipeline_warp_specialized` ran one pipeline per tile, which drains at the tile's end and fills again at
+the next (its `pipeline_state` chaining needs a static step count). The compute warpgroups also start in
+turn, each once the one before has finished its first MMA. Measured on the H200 against the per-tile
+pipelines, bit for bit the same output: 1.01-1.05x (session 27, BENCHMARKS.md).
+
+What limits it (session 27): a step takes about the three warpgroups' MMAs (768 cycles at the FP8 peak) plus
+every compute warp's other instructions, issued one after another (~183 a warp a step: 64 FMUL and 64 FFMA
+for the promotion, 18 scale loads, the rest addressing and barriers). Without the column scale (64 FFMA, as
+the forward) the kernel ran 1.25x faster, and with no promotion at all 1.33x, as that model predicts.
 """
 
 from __future__ import annotations
@@ -39,6 +53,9 @@ from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES
 
 STAGES = 4
 GRID_BLOCK_N = 4
+# Registers per thread, as the forward's: the memory warpgroup keeps 24, the compute ones (512 - 24) / 3 -> 160.
+MEMORY_REGISTERS = 24
+COMPUTE_REGISTERS = 160
 
 
 # Output rows per tile: three compute warpgroups of WG_ROWS, as the forward's (mgpu_fp8.Fp8Tiling).
@@ -72,89 +89,119 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
     stages -= 1
   num_groups = block0_L.shape[0]
   grid_m, grid_n = -(-k // TILE_M), n // BLOCK
+  num_tiles = num_groups * grid_m * grid_n
   transforms = mgpu_kernels.swizzled(BLOCK, fp8_quant.E4M3)
 
-  def pipeline(body, compute_context, steps):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=24,  # as the forward's: (512 - 24) / 3 -> 160 per compute thread
-        in_specs=[  # step si: row block si of the group: [192 lhs columns, 128 rows], [128 dout columns, 128 rows]
-            plgpu.BlockSpec((None, TILE_M, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((None, BLOCK, BLOCK), lambda si: (si, 0, 0), transforms=transforms),
-            plgpu.BlockSpec((1, TILE_M), lambda si: (si, 0)),
-            plgpu.BlockSpec((1, BLOCK), lambda si: (si, 0)),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=COMPUTE_WGS,
-        max_concurrent_steps=stages,
-        compute_context=compute_context,
-    )
+  def tile_of(flat):
+    """(group, row tile, column tile, first output row) of the SM's tile `flat`."""
+    gi = flat // (grid_m * grid_n)
+    mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
+    return gi, mi, ni, pl.multiple_of(jnp.minimum(mi * TILE_M, k - TILE_M), WG_ROWS)  # the last tile ends at K
 
   def body(block0_g, blocks_g, lhs_gmem, lhs_scale_gmem, dout_gmem, dout_scale_gmem, o_gmem):
-    ignore = lambda *_, **__: None
-    shapes = (lhs_gmem.at[:, pl.ds(0, TILE_M)], dout_gmem.at[:, pl.ds(0, BLOCK)],
-              lhs_scale_gmem.at[:, pl.ds(0, TILE_M)], dout_scale_gmem.at[:, pl.ds(0, BLOCK)])
+    wg = lax.axis_index("wg")
 
     @functools.partial(
         pl.run_scoped,
-        allocs=pipeline(ignore, ignore, stages).get_allocations(*shapes),
+        lhs_smem=plgpu.SMEM((stages, TILE_M, BLOCK), fp8_quant.E4M3, transforms=transforms),
+        dout_smem=plgpu.SMEM((stages, BLOCK, BLOCK), fp8_quant.E4M3, transforms=transforms),
+        lhs_scale_smem=plgpu.SMEM((stages, 1, TILE_M), jnp.float32),
+        dout_scale_smem=plgpu.SMEM((stages, 1, BLOCK), jnp.float32),
         out_smem=plgpu.SMEM((COMPUTE_WGS, WG_ROWS, BLOCK), out_dtype),
+        full=plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a slot's four loads landed
+        empty=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # every compute warpgroup released it
+        go=plgpu.Barrier(num_barriers=COMPUTE_WGS),  # go[w]: compute warpgroup w may start
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem):
-      wg = lax.axis_index("wg")
+    def _scope(lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, out_smem, full, empty, go):
 
-      @plgpu.nd_loop((num_groups * grid_m * grid_n,), collective_axes="sm")
-      @jax.named_scope("dw_tile")
-      def _tiles(loop_info):
-        flat = loop_info.index[0]
-        gi = flat // (grid_m * grid_n)
-        mi, ni = plgpu.planar_snake(flat % (grid_m * grid_n), (grid_m, grid_n), 1, GRID_BLOCK_N)
-        steps = blocks_g[gi]
-        first = block0_g[gi]
-        row0 = pl.multiple_of(jnp.minimum(mi * TILE_M, k - TILE_M), WG_ROWS)  # the last tile ends at K
-        wg_row0 = row0 + wg * WG_ROWS
-        new_rows = wg_row0 >= mi * TILE_M  # not stored by the previous row tile
+      @pl.when(wg == COMPUTE_WGS)
+      def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-        def store(tile):
-          @pl.when(new_rows)
-          def _():
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(loop_info, carry):  # carry: steps loaded so far (slot = that count mod stages)
+          loaded = carry
+          gi, _, ni, row0 = tile_of(loop_info.index[0])
+          first, steps = block0_g[gi], blocks_g[gi]
+          cols = pl.ds(ni * BLOCK, BLOCK)
+
+          @pl.loop(0, steps)
+          def _step(si):
+            slot = lax.rem(loaded + si, stages)
+            plgpu.barrier_wait(empty.at[slot])
+            b = first + si
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[b, pl.ds(row0, TILE_M)], lhs_smem.at[slot], full.at[slot])
+            plgpu.copy_gmem_to_smem(dout_gmem.at[b, cols], dout_smem.at[slot], full.at[slot])
+            plgpu.copy_gmem_to_smem(lhs_scale_gmem.at[pl.ds(b, 1), pl.ds(row0, TILE_M)], lhs_scale_smem.at[slot],
+                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(dout_scale_gmem.at[pl.ds(b, 1), cols], dout_scale_smem.at[slot], full.at[slot])
+
+          return loaded + steps
+
+        # Each slot gets one release more than it had loads (the initial one): observe it, so that no
+        # barrier is freed with a phase its waiter has not seen.
+        for s in range(stages):
+          plgpu.barrier_wait(empty.at[s])
+
+      @pl.when(wg < COMPUTE_WGS)
+      def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        for s in range(stages):  # every slot starts free: the memory warpgroup's first waits pass
+          plgpu.barrier_arrive(empty.at[s])
+        # The warpgroups start in turn, w once w - 1 has finished its first MMA: they are then out of step, and
+        # one promotes while the tensor cores run the others' MMAs (+0-3% measured, session 27).
+        @pl.when(wg > 0)
+        def _():
+          plgpu.barrier_wait(go.at[wg])
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        @jax.named_scope("dw_tile")
+        def _tiles(loop_info, carry):  # carry: steps this warpgroup consumed so far
+          consumed = carry
+          gi, mi, ni, row0 = tile_of(loop_info.index[0])
+          wg_row0 = row0 + wg * WG_ROWS
+
+          def step(si, acc):
+            slot = lax.rem(consumed + si, stages)
+            plgpu.barrier_wait(full.at[slot])
+
+            def mma(partial_ref):
+              plgpu.wgmma(partial_ref, lhs_smem.at[slot, pl.ds(wg * WG_ROWS, WG_ROWS)],
+                          dout_smem.at[slot].transpose((1, 0)))
+              return partial_ref[...]
+
+            partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+            @pl.when((consumed + si == 0) & (wg + 1 < COMPUTE_WGS))  # this warpgroup's first MMA is done
+            def _():
+              plgpu.barrier_arrive(go.at[wg + 1])
+
+            row_scale = plgpu.load(lhs_scale_smem.at[slot, 0, pl.ds(wg * WG_ROWS, WG_ROWS)],
+                                   layout=plgpu.Layout.WGMMA.reduce(1))
+            col_scale = plgpu.load(dout_scale_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
+            plgpu.barrier_arrive(empty.at[slot])  # the slot is read: the memory warpgroup may refill it
+            scale = (lax.broadcast_in_dim(row_scale, (WG_ROWS, BLOCK), [0])
+                     * lax.broadcast_in_dim(col_scale, (WG_ROWS, BLOCK), [1]))
+            return acc + partial * scale
+
+          zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+          steps = blocks_g[gi]
+          acc = lax.fori_loop(0, steps, step, zeros)  # an empty group's tile stores zeros
+
+          @pl.when(wg_row0 >= mi * TILE_M)  # rows the previous row tile did not store
+          def _store():
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem[wg] = tile
+            out_smem[wg] = acc.astype(out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], o_gmem.at[gi, pl.ds(wg_row0, WG_ROWS), pl.ds(ni * BLOCK, BLOCK)])
 
-        def compute_context(run_pipeline):
-          zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-          store(run_pipeline(zeros).astype(out_dtype))
+          return consumed + steps
 
-        def step(_, lhs_smem, dout_smem, lhs_scale_smem, dout_scale_smem, acc):
-          def mma(partial_ref):
-            plgpu.wgmma(partial_ref, lhs_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], dout_smem.transpose((1, 0)))
-            return partial_ref[...]
+        @pl.when((_tiles == 0) & (wg + 1 < COMPUTE_WGS))  # an SM without steps still lets the next one go
+        def _():
+          plgpu.barrier_arrive(go.at[wg + 1])
 
-          partial = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-          row_scale = plgpu.load(lhs_scale_smem.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)],
-                                 layout=plgpu.Layout.WGMMA.reduce(1))
-          col_scale = plgpu.load(dout_scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-          scale = (lax.broadcast_in_dim(row_scale, (WG_ROWS, BLOCK), [0])
-                   * lax.broadcast_in_dim(col_scale, (WG_ROWS, BLOCK), [1]))
-          return acc + partial * scale
-
-        @pl.when(steps > 0)
-        def _compute():
-          blocks = pl.ds(first, pb)  # may run past the end: the pipeline reads `steps` blocks only
-          pipeline(step, compute_context, steps)(
-              lhs_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
-              lhs_scale_gmem.at[blocks, pl.ds(row0, TILE_M)], dout_scale_gmem.at[blocks, pl.ds(ni * BLOCK, BLOCK)],
-              allocations=allocs)
-
-        @pl.when((steps == 0) & (wg < COMPUTE_WGS))
-        def _empty():
-          store(plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), out_dtype), plgpu.Layout.WGMMA))
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
       body,
