@@ -32,9 +32,10 @@ turn, each once the one before has finished its first MMA. Measured on the H200 
 pipelines, bit for bit the same output: 1.01-1.05x (session 27, BENCHMARKS.md).
 
 What limits it (session 27): a step takes about the three warpgroups' MMAs (768 cycles at the FP8 peak) plus
-every compute warp's other instructions, issued one after another (~183 a warp a step: 64 FMUL and 64 FFMA
-for the promotion, 18 scale loads, the rest addressing and barriers). Without the column scale (64 FFMA, as
-the forward) the kernel ran 1.25x faster, and with no promotion at all 1.33x, as that model predicts.
+every compute warp's other instructions, issued one after another (190 a warp a step in the SASS: 64 FMUL and
+64 FFMA for the promotion, 18 scale loads, the rest addressing, barriers and the branch). Without the column
+scale (64 FFMA, as the forward) the kernel ran 1.25x faster, and with no promotion at all 1.34x; that model
+gives 1.22x and 1.24x (BENCHMARKS.md, session 27).
 """
 
 from __future__ import annotations
