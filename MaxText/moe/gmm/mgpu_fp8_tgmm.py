@@ -198,7 +198,8 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
 
           return consumed + steps
 
-        @pl.when((_tiles == 0) & (wg + 1 < COMPUTE_WGS))  # an SM without steps still lets the next one go
+        steps_consumed = _tiles  # nd_loop returns its final carry
+        @pl.when((steps_consumed == 0) & (wg + 1 < COMPUTE_WGS))  # an SM without steps still lets the next one go
         def _():
           plgpu.barrier_arrive(go.at[wg + 1])
 
