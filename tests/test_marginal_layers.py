@@ -41,11 +41,13 @@ def test_bad_input_gets_one_line_naming_it_and_exit_2(tmp_path, capsys):
   four = _run(tmp_path, "bt4", {"ours": 0.780, "ours_fp8": 0.712})
   other4 = _run(tmp_path, "other4", {"ours": 0.781, "ours_fp8": 0.713})
   oom = _run(tmp_path, "bt6", {"ours": 1.117}, failed=["ours_fp8"])
+  six = _run(tmp_path, "six", {"ours": 1.117, "ours_fp8": 1.010})
   cases = {
       ("four", str(four)): "expected LAYERS:PATH",
       ("4:" + str(four), "6:" + str(tmp_path / "nowhere.json")): "nowhere.json: not a readable bench_train.json",
       ("4:" + str(four), "4:" + str(other4)): "both runs have 4 layers",
       ("4:" + str(four), "6:" + str(oom)): "ours_fp8 have a step time in only one run",
+      ("6:" + str(four), "4:" + str(six)): "ours, ours_fp8 did not run slower with 6 layers than with 4",
   }
   for args, message in cases.items():
     assert ml.main(list(args)) == 2

@@ -14,8 +14,9 @@ and optimizer update), the part of a DeepSeek-V3 step that a change to the MoE b
 both median steps, the seconds per added layer, and the first variant's per-layer time over this one's (its
 speed-up per layer). The two runs should be the same day and GPU; the difference carries both runs' spread.
 
-Exit 2, with one line naming the argument, for other than two arguments, a malformed one, an unreadable file, equal layer counts, or
-a variant without a step time in either run.
+Exit 2, with one line naming the argument or variant, for other than two arguments, a malformed one, an unreadable
+file, equal layer counts, a variant without a step time in either run, or one whose run with more layers was not
+slower (the layer counts named are then not the runs').
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def step_times(path: Path) -> dict[str, float]:
 
 
 def marginal(fewer: tuple[int, dict[str, float]], more: tuple[int, dict[str, float]]) -> list[dict]:
-  """Per variant present in both runs (the first run's order): steps, seconds per added layer, and the first
+  """Per variant (in the order of the run with fewer layers): steps, seconds per added layer, and the first
   variant's per-layer seconds over its own."""
   (l1, t1), (l2, t2) = sorted([fewer, more], key=lambda run: run[0])
   if l1 == l2:
@@ -57,6 +58,9 @@ def marginal(fewer: tuple[int, dict[str, float]], more: tuple[int, dict[str, flo
     raise InputError(f"variant(s) {', '.join(missing)} have a step time in only one run")
   rows = [{"variant": v, "layers": (l1, l2), "step_s": (t1[v], t2[v]), "per_layer_s": (t2[v] - t1[v]) / (l2 - l1)}
           for v in t1]
+  if slower := [r["variant"] for r in rows if r["per_layer_s"] <= 0]:
+    raise InputError(f"variant(s) {', '.join(slower)} did not run slower with {l2} layers than with {l1}: "
+                     "are those the runs' layer counts?")
   for row in rows:
     row["speedup_per_layer"] = rows[0]["per_layer_s"] / row["per_layer_s"]
     row["speedup_step"] = tuple(a / b for a, b in zip(rows[0]["step_s"], row["step_s"]))
