@@ -22,7 +22,7 @@ from MaxText import checkpoint_compat
 from MaxText import config as fork_config
 from MaxText import config_checks
 from MaxText import config_report
-from MaxText import hardware
+from MaxText.plan import hardware
 from MaxText import launch
 from MaxText import lifecycle
 from MaxText import metrics
@@ -190,7 +190,7 @@ class Prepared:
 def prepare_environment(run: fork_config.RunConfig, extra_xla_flags: str = "") -> Prepared:
   """Presets -> upstream keys and os.environ, before anything creates a jax backend.
 
-  Shared by the trainer and the planner (MaxText/plan.py), so both compile the same
+  Shared by the trainer and the planner (MaxText/plan/planner.py), so both compile the same
   program. `extra_xla_flags` (the planner's) are appended to the run's XLA_FLAGS.
   """
   composed = xla_presets.compose_for(run, dict(os.environ))

@@ -135,7 +135,7 @@ _PRESET_LIST = (
         env={
             # Pinned host pool PJRT may use for offloaded buffers, GB per process
             # (PJRT's default is 64). The 671B recipes offload ~100 GB per GPU
-            # at batch 6 (MaxText/analytic_memory.py): ~800 GB of a 2 TB HGX node.
+            # at batch 6 (MaxText/plan/analytic_memory.py): ~800 GB of a 2 TB HGX node.
             "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "128",
         },
         upstream_keys={

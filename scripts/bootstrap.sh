@@ -6,7 +6,7 @@
 #   MAXTEXT_MOE_VENV=/path/to/venv            put the environment elsewhere
 #   --gpu-plan   also install jax's CUDA compiler plugin into <venv>/gpu-plan
 #                (requirements/gpu-plan.txt): `python -m MaxText.plan` then compiles
-#                for an H100/H200 target without a GPU (MaxText/gpu_target.py)
+#                for an H100/H200 target without a GPU (MaxText/plan/gpu_target.py)
 #
 # The environment is installed from requirements/lock.txt (resolved for
 # CPython 3.12, x86_64 Linux) and re-installed whenever the lock or

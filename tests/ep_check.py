@@ -136,7 +136,7 @@ def trace_with_kernel_typing(gmm_backend, backend, mesh_shape, axes):
   Tracing (not running) is enough: JAX checks the varying manual axes of every value, custom-VJP
   cotangents included, while it traces, and the GPU kernels' outputs are typed then as on the GPU.
   """
-  from MaxText.moe.gmm import mgpu  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import bf16 as mgpu  # pylint: disable=import-outside-toplevel
 
   mgpu.unavailable_reason = lambda: None  # its kernels (and mgpu_fp8's) are only traced here, never run
   # mgpu_fp8 as moe_fp8 configures it: tokens quantized before the dispatch (MaxText/moe/fp8_dispatch.py).

@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO
 from MaxText import config as fork_config
-from MaxText import analytic_memory
+from MaxText.plan import analytic_memory
 from MaxText import launch, train, xla_presets
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yml"))

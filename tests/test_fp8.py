@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import MANY_CPU_THREADS, in_own_process
-from MaxText.moe.gmm import fp8_quant, mgpu_fp8, mgpu_tiling, xla, xla_fp8
+from MaxText.moe.gmm import fp8_quant, xla, xla_fp8
+from MaxText.moe.gmm.mgpu import fp8 as mgpu_fp8, tiling as mgpu_tiling
 
 E4M3_NP = ml_dtypes.float8_e4m3fn
 
@@ -190,7 +191,7 @@ def test_profile_traces_fit_beside_the_kernels_for_every_tile():
   """bench_fp8 --profile-dir: the forward's two ranges per tile (full_tile, epilogue) for every tile an SM takes at
   DeepSeek-V3's down-projection (the most tiles: N = 7168), balanced, in the shared memory the 4-stage tiling
   leaves; and dW's one per tile."""
-  from MaxText.moe.gmm import mgpu_kernels  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels  # pylint: disable=import-outside-toplevel
 
   t = mgpu_fp8.Fp8Tiling()
   ranges = mgpu_kernels.profile_ranges(t.smem_bytes(2), t.num_warpgroups)
@@ -199,14 +200,14 @@ def test_profile_traces_fit_beside_the_kernels_for_every_tile():
   assert ranges >= 2 * tiles_per_sm + 1, (ranges, tiles_per_sm)
   assert mgpu_kernels.compiler_params("/tmp/p", t.smem_bytes(2), t.num_warpgroups).profile_space == ranges
   # dW: one range per 192x128 output tile of 32 experts' [7168, 2048] gradients (38 row tiles, the last shifted)
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8_tgmm as mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   dw_ranges = mgpu_kernels.profile_ranges(mgpu_fp8_tgmm.smem_bytes(2), mgpu_fp8_tgmm.COMPUTE_WGS + 1)
   assert dw_ranges >= -(-32 * 38 * 16 // 132) + 1, dw_ranges
 
 
 def test_dw_tiles_fit_and_a_contraction_under_a_tile_is_refused_by_the_kernel_and_padded_by_the_backend():
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8_tgmm as mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   assert mgpu_fp8_tgmm.smem_bytes(2) <= mgpu_fp8.SMEM_LIMIT_BYTES  # four stages beside a bf16 epilogue
   operands = [jax.ShapeDtypeStruct(s, d) for s, d in (
@@ -418,7 +419,7 @@ def test_dw_kernel_interpreted_matches_its_quantization(request, name):
     return
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8_tgmm as mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   sizes, offset, num_local, out_dtype, k = DW_CASES[name]
   m, n = 296, 384
@@ -451,7 +452,7 @@ def test_dw_ring_runs_through_an_sms_tiles_interpreted(request, monkeypatch, num
     return
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import mgpu_fp8_tgmm, mgpu_kernels  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8_tgmm as mgpu_fp8_tgmm, kernels as mgpu_kernels  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(mgpu_kernels, "num_sms", lambda: num_sms)
   sizes, k, n = [100, 300, 0, 700, 0], 384, 256  # 1, 3, 0, 6, 0 blocks of 128 rows

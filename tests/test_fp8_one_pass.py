@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import MANY_CPU_THREADS, in_own_process
-from MaxText.moe.gmm import fp8_quant, mgpu_fp8, mgpu_fp8_quant, xla_fp8
+from MaxText.moe.gmm import fp8_quant, xla_fp8
+from MaxText.moe.gmm.mgpu import fp8 as mgpu_fp8, fp8_quant_kernels as mgpu_fp8_quant
 
 
 def _lower(fn, *shapes):
@@ -149,7 +150,7 @@ def test_dw_given_the_tiles_multiplies_the_bytes_it_would_quantize_from_their_va
   interpreted."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8_tgmm as mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
 
   seen = []
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import MANY_CPU_THREADS, in_own_process
-from MaxText.moe.gmm import mgpu, mgpu_kernels, mgpu_schedule, mgpu_tgmm, mgpu_tiling
+from MaxText.moe.gmm.mgpu import bf16 as mgpu, kernels as mgpu_kernels, schedule as mgpu_schedule, tgmm as mgpu_tgmm, tiling as mgpu_tiling
 
 
 # ------------------------------------------------------------------ tiling table

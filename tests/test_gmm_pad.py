@@ -21,7 +21,8 @@ import pytest
 from conftest import load_script
 from gmm_reference import Case, dense_gmm, rel_err
 from MaxText.moe import gmm as gmm_lib
-from MaxText.moe.gmm import _pad, mgpu, mgpu_kernels, mgpu_tgmm, mgpu_tiling
+from MaxText.moe.gmm import _pad
+from MaxText.moe.gmm.mgpu import bf16 as mgpu, kernels as mgpu_kernels, tgmm as mgpu_tgmm, tiling as mgpu_tiling
 from MaxText.moe.gmm import tokamax as tokamax_backend
 
 

@@ -50,7 +50,7 @@ def test_selftest_picks_cases_and_an_unrun_case_is_not_a_pass(capsys):
 
 
 def test_fwd_tiling_override_applies_to_every_forward_tiling_and_names_a_bad_field(monkeypatch):
-  from MaxText.moe.gmm import mgpu_tiling  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import tiling as mgpu_tiling  # pylint: disable=import-outside-toplevel
 
   selftest = _selftest()
   monkeypatch.setattr(mgpu_tiling, "TABLE", dict(mgpu_tiling.TABLE))

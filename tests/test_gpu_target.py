@@ -1,4 +1,4 @@
-"""Planning for GPUs this machine does not have (MaxText/gpu_target.py): XLA's GPU compiler on compile-only
+"""Planning for GPUs this machine does not have (MaxText/plan/gpu_target.py): XLA's GPU compiler on compile-only
 devices built from a shipped target config, no GPU used.
 
 The fast tier checks the pieces that need no CUDA plugin: the shipped target configs, the topology spec,
@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from MaxText import aot, gpu_target, hardware, plan
+from MaxText.plan import aot, gpu_target, hardware, planner as plan
 from MaxText import config as fork_config
 
 
@@ -105,7 +105,7 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
 
 _FP8_ROUND_TRIP = """
 import sys
-from MaxText import gpu_target
+from MaxText.plan import gpu_target
 device = gpu_target.enter("h200", 1, 8)[0]
 import jax, jax.numpy as jnp
 from MaxText.moe.gmm import fp8_quant, xla_fp8

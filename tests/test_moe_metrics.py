@@ -129,7 +129,8 @@ def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
 
 
 def test_mfu_peak_from_the_gpu_table_or_the_override():
-  from MaxText import hardware, metrics
+  from MaxText import metrics
+  from MaxText.plan import hardware
 
   assert hardware.mfu_peak("NVIDIA H200") == (989e12, "H200 dense bf16 989 TF/s")
   assert hardware.mfu_peak("NVIDIA B200")[0] == 2250e12

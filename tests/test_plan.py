@@ -1,4 +1,4 @@
-"""The planner (MaxText/plan.py, aot.py, hlo_inventory.py) on simulated CPU devices.
+"""The planner (MaxText/plan/planner.py, aot.py, hlo_inventory.py) on simulated CPU devices.
 
 The inventory is checked against hand-computed figures: a known FSDP all-gather
 compiled on 4 simulated devices, and HLO snippets in each replica-group
@@ -17,7 +17,8 @@ import textwrap
 import pytest
 
 from conftest import REPO, run_train
-from MaxText import aot, gpu_target, hardware, hlo_inventory, launch, plan
+from MaxText import launch
+from MaxText.plan import aot, gpu_target, hardware, hlo_inventory, planner as plan
 from MaxText import config as fork_config
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
@@ -111,7 +112,7 @@ def test_fsdp_all_gather_of_a_known_weight_on_4_simulated_devices():
   code = textwrap.dedent("""\
       import json, jax, jax.numpy as jnp
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from MaxText import aot, hlo_inventory
+      from MaxText.plan import aot, hlo_inventory
       aot.configure_backend(aot.Topology("cpu", 4, 8, 0))
       mesh = jax.make_mesh((4,), ("fsdp",))
       w = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
@@ -305,7 +306,8 @@ def test_tiny_plan_on_4_simulated_devices(tmp_path):
 
 
 def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
-  from MaxText import config as fork_config, plan_search  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import search as plan_search  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/deepseek3-tiny.yml", "recipe_num_gpus=8", "gpus_per_node=4",
                           "ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=2", "per_device_batch_size=2"])

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from gmm_reference import dense_gmm, rel_err
 from MaxText.moe import gmm as gmm_lib
 from MaxText.moe import vma
-from MaxText.moe.gmm import mgpu
+from MaxText.moe.gmm.mgpu import bf16 as mgpu
 
 MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
 

@@ -29,7 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule, xla, xla_fp8  # noqa: E402
+from MaxText.moe.gmm import fp8_quant, xla, xla_fp8  # noqa: E402
+from MaxText.moe.gmm.mgpu import bf16 as mgpu, fp8 as mgpu_fp8, fp8_quant_kernels as mgpu_fp8_quant, fp8_tgmm as mgpu_fp8_tgmm, schedule as mgpu_schedule  # noqa: E402
 from tools import gpu_clock, kernel_timeline  # noqa: E402
 from tools.bench_gmm import SHAPES, group_sizes, rel_err, time_ms  # noqa: E402
 

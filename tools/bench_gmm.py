@@ -121,7 +121,7 @@ def backends(names):
       out[name] = _autodiff_pair(
           lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic"))
     elif name in ("mgpu", "mgpu_jax"):
-      from MaxText.moe.gmm import mgpu
+      from MaxText.moe.gmm.mgpu import bf16 as mgpu
       reason = mgpu.unavailable_reason()
       if reason:
         print(f"[skip] {name}: {reason}")
@@ -412,7 +412,7 @@ def check_edges():
   """mgpu semantics the timed cases don't reach: group_offset (ring EP), rows past
   sum(group_sizes), M not a multiple of the tile, empty groups, transposed rhs, f32 out.
   Prints PASS/FAIL per case; returns the number of failures."""
-  from MaxText.moe.gmm import mgpu
+  from MaxText.moe.gmm.mgpu import bf16 as mgpu
   k, n, fails = 512, 768, 0
   cases = [  # (M, global sizes, group_offset, num_local, transpose, out_dtype)
       (3001, [700, 0, 1300, 1, 0, 999], 0, 6, False, jnp.bfloat16),

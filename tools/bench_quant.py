@@ -1,10 +1,10 @@
-"""The one-pass FP8 quantization kernels (MaxText/moe/gmm/mgpu_fp8_quant.py) on one Hopper GPU, at the 1-GPU
+"""The one-pass FP8 quantization kernels (MaxText/moe/gmm/mgpu/fp8_quant_kernels.py) on one Hopper GPU, at the 1-GPU
 proxy's shapes (16,384 tokens x top-8 = 131,072 rows), against an XLA copy-like pass measured in the same process
 and, with --against, another version of the module timed beside this one.
 
   python tools/bench_quant.py [--against OLD_MODULE.py] [--rows 131072] [--groups 32] [--out DIR]
 
-  git show REV:MaxText/moe/gmm/mgpu_fp8_quant.py > old.py   # a module to compare (it imports today's helpers)
+  git show REV:MaxText/moe/gmm/mgpu/fp8_quant_kernels.py > old.py   # a module to compare (it imports today's helpers)
 
 Per kernel: median ms, its bytes (reads + writes) per ms as TB/s, and that as a share of XLA's x * 2 on the same
 bf16 [rows, K] (2 B read and 2 B written a value): a reference, not a roof (3.3 TB/s on the H200, where the row-tile
@@ -38,13 +38,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.moe.gmm import fp8_quant, mgpu_fp8_quant  # noqa: E402
+from MaxText.moe.gmm import fp8_quant  # noqa: E402
+from MaxText.moe.gmm.mgpu import fp8_quant_kernels as mgpu_fp8_quant  # noqa: E402
 from tools.bench_gmm import group_sizes, time_ms  # noqa: E402
 
 
 def load_module(path: str):
   if not os.path.isfile(path):
-    raise SystemExit(f"bench_quant: --against {path}: no such file (e.g. git show REV:MaxText/moe/gmm/mgpu_fp8_quant.py)")
+    raise SystemExit(f"bench_quant: --against {path}: no such file (e.g. git show REV:MaxText/moe/gmm/mgpu/fp8_quant_kernels.py)")
   spec = importlib.util.spec_from_file_location("mgpu_fp8_quant_against", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

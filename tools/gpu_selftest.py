@@ -178,7 +178,7 @@ def _rel_err(got, want) -> float:
 def _override_fwd_tilings(spec: str) -> None:
   """Apply 'field=int,...' to every forward tiling mgpu looks up (table and default)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
-  from MaxText.moe.gmm import mgpu_tiling  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import tiling as mgpu_tiling  # pylint: disable=import-outside-toplevel
 
   fields = {f.name for f in dataclasses.fields(mgpu_tiling.FwdTiling)}
   changes = {}

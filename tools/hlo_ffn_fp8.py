@@ -1,5 +1,5 @@
 """The expert FFN's forward and backward with FP8 experts (the block's gmm and its custom VJP, backend mgpu_fp8),
-compiled for one H200 on this machine without a GPU (MaxText/gpu_target.py: needs scripts/bootstrap.sh --gpu-plan),
+compiled for one H200 on this machine without a GPU (MaxText/plan/gpu_target.py: needs scripts/bootstrap.sh --gpu-plan),
 its optimized HLO written to a file: where the weights are quantized and transposed (the grep below lists each
 weight's amax, quantize and transpose fusions).
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from MaxText import gpu_target  # noqa: E402
+from MaxText.plan import gpu_target  # noqa: E402
 
 
 def main():

@@ -1,5 +1,5 @@
 """Where a compiled FP8 step quantizes: the fusions of its HLO text that write e4m3 values, and the Mosaic GPU
-kernels that do (kind `mosaic`: the one-pass quantization kernels, `MaxText/moe/gmm/mgpu_fp8_quant.py`).
+kernels that do (kind `mosaic`: the one-pass quantization kernels, `MaxText/moe/gmm/mgpu/fp8_quant_kernels.py`).
 
     python3 tools/hlo_fp8_passes.py plan.hlo       # from `python -m MaxText.plan ... moe_fp8=blockwise --hlo plan.hlo`
 
@@ -17,7 +17,7 @@ import collections
 import re
 import sys
 
-from MaxText import hlo_inventory
+from MaxText.plan import hlo_inventory
 
 _SCOPES = ("rematted_computation", "gmm_dlhs", "gmm_drhs")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import sys
 
-from MaxText import hlo_inventory
+from MaxText.plan import hlo_inventory
 
 _OP = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) (all-gather|reduce-scatter|all-reduce|all-to-all|ragged-all-to-all|"
                  r"collective-permute)(?:-start)?\(")

@@ -103,7 +103,7 @@ KERNELS = ("fp8_fwd", "fp8_dw", "fp8_requant", "bf16_fwd")
 
 def _fp8_tiling(spec: str):
   """`key=value,...` -> mgpu_fp8.Fp8Tiling (fields as tools/bench_fp8.py --tilings takes them)."""
-  from MaxText.moe.gmm import mgpu_fp8  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import fp8 as mgpu_fp8  # pylint: disable=import-outside-toplevel
 
   fields = dict(item.split("=", 1) for item in spec.split(",") if item)
   names = {f.name for f in dataclasses.fields(mgpu_fp8.Fp8Tiling)}
@@ -118,7 +118,8 @@ def _kernels(m: int, sharding=None, fp8_tiling: str = ""):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText.moe.gmm import fp8_quant, mgpu, mgpu_fp8, mgpu_fp8_quant, mgpu_fp8_tgmm, mgpu_schedule  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm import fp8_quant  # pylint: disable=import-outside-toplevel
+  from MaxText.moe.gmm.mgpu import bf16 as mgpu, fp8 as mgpu_fp8, fp8_quant_kernels as mgpu_fp8_quant, fp8_tgmm as mgpu_fp8_tgmm, schedule as mgpu_schedule  # pylint: disable=import-outside-toplevel
 
   k, n, g = 7168, 2048, 32
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -145,14 +146,14 @@ def _kernels(m: int, sharding=None, fp8_tiling: str = ""):
 
 def _compile_one(name: str, m: int, target: str | None, fp8_tiling: str = "") -> None:
   """The child's work: compile one kernel on this process's GPU, or for a compile-only `target` GPU
-  on the CPU (MaxText/gpu_target.py: XLA's GPU pipeline compiles Mosaic GPU kernels there too)."""
+  on the CPU (MaxText/plan/gpu_target.py: XLA's GPU pipeline compiles Mosaic GPU kernels there too)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   sharding = None
   if target:
     from jax.sharding import SingleDeviceSharding  # pylint: disable=import-outside-toplevel
 
-    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+    from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
     sharding = SingleDeviceSharding(gpu_target.enter(target, 1, 1)[0])
   fn, shapes = _kernels(m, sharding, fp8_tiling)[name]
@@ -165,7 +166,7 @@ def main() -> int:
   ap.add_argument("--kernels", default=",".join(KERNELS))
   ap.add_argument("--m", type=int, default=16384)
   ap.add_argument("--target", default=None,
-                  help="compile on the CPU for this compile-only GPU (a MaxText/hardware.py key, e.g. h200) "
+                  help="compile on the CPU for this compile-only GPU (a MaxText/plan/hardware.py key, e.g. h200) "
                        "instead of on this machine's GPU (needs scripts/bootstrap.sh --gpu-plan)")
   ap.add_argument("--fp8-tiling", default="", help="fp8_fwd's Fp8Tiling fields, e.g. stages=3,epi_n=128")
   ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: compile this kernel
@@ -177,7 +178,7 @@ def main() -> int:
   if unknown := [n for n in names if n not in KERNELS]:
     raise SystemExit(f"--kernels: no kernel {', '.join(unknown)} (kernels: {', '.join(KERNELS)})")
   if args.target:
-    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+    from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
     if reason := gpu_target.unavailable_reason(args.target):
       raise SystemExit(f"--target: {reason}")

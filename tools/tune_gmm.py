@@ -1,5 +1,5 @@
 """Sweep tilings of the mgpu grouped-GEMM kernels and print the best per (op, K, N), as
-entries for `MaxText/moe/gmm/mgpu_tiling.TABLE` (copy them there; comments cite this run).
+entries for `MaxText/moe/gmm/mgpu/tiling.TABLE` (copy them there; comments cite this run).
 
   python tools/tune_gmm.py --m 65536 --g 32 --dist zipf1.2 --out /tmp/tune
 
@@ -25,10 +25,10 @@ import numpy as np  # noqa: E402
 
 import bench_gmm as bench  # noqa: E402
 import kernel_timeline as timeline  # noqa: E402
-from MaxText.moe.gmm import mgpu  # noqa: E402
-from MaxText.moe.gmm import mgpu_kernels as mk  # noqa: E402
-from MaxText.moe.gmm import mgpu_schedule as sched  # noqa: E402
-from MaxText.moe.gmm import mgpu_tiling as mt  # noqa: E402
+from MaxText.moe.gmm.mgpu import bf16 as mgpu  # noqa: E402
+from MaxText.moe.gmm.mgpu import kernels as mk  # noqa: E402
+from MaxText.moe.gmm.mgpu import schedule as sched  # noqa: E402
+from MaxText.moe.gmm.mgpu import tiling as mt  # noqa: E402
 
 # (op, K, N, transpose_rhs): the DeepSeek-V3 products (dlhs = fwd with K, N swapped).
 PROBLEMS = {

@@ -44,9 +44,9 @@ from MaxText.moe.gmm import fp8_quant
 BackendName = Literal[
     "xla",  # jax.lax.ragged_dot_general: portable float32 reference, the CPU path
     "tokamax",  # tokamax 0.0.17's ragged_dot, mosaic implementation (NVIDIA GPU)
-    "mgpu",  # JAX Pallas Mosaic GPU Hopper kernels with a per-shape tiling table (mgpu.py)
+    "mgpu",  # JAX Pallas Mosaic GPU Hopper kernels with a per-shape tiling table (mgpu/bf16.py)
     "te",  # Transformer Engine's cuBLAS grouped GEMM (needs transformer_engine.jax)
-    "mgpu_fp8",  # blockwise FP8 (DeepSeek-V3's tiles and blocks) Hopper kernels (mgpu_fp8.py, mgpu_fp8_tgmm.py, mgpu_fp8_quant.py)
+    "mgpu_fp8",  # blockwise FP8 (DeepSeek-V3's tiles and blocks) Hopper kernels (mgpu/fp8.py)
     "xla_fp8",  # the same FP8 quantization emulated in float32: the CPU path and mgpu_fp8's reference
 ]
 BACKENDS: tuple[str, ...] = typing.get_args(BackendName)
@@ -55,6 +55,8 @@ FP8_BACKENDS = ("mgpu_fp8", "xla_fp8")
 # "auto" picks per platform: GPU -> mgpu, else tokamax, else xla; CPU/TPU -> xla.
 Choice = BackendName | Literal["auto"]
 CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
+# Backend name -> its module under this package, where the two differ (our kernels live in the mgpu package).
+_MODULES = {"mgpu": "mgpu.bf16", "mgpu_fp8": "mgpu.fp8"}
 _GPU_PREFERENCE = ("mgpu", "tokamax", "xla")
 
 
@@ -73,9 +75,10 @@ def _import_backend(name: str):
   if name not in BACKENDS:
     raise ValueError(f"unknown grouped-GEMM backend {name!r}; valid: {', '.join(CHOICES)}")
   try:
-    module = importlib.import_module(f"{__name__}.{name}")
+    module_name = f"{__name__}.{_MODULES.get(name, name)}"
+    module = importlib.import_module(module_name)
   except ImportError as e:
-    raise BackendUnavailable(f"grouped-GEMM backend {name!r}: {__name__}.{name} does not import: {e}") from e
+    raise BackendUnavailable(f"grouped-GEMM backend {name!r}: {module_name} does not import: {e}") from e
   missing = [a for a in ("NAME", "unavailable_reason", "gmm", "tgmm") if not hasattr(module, a)]
   if missing:
     raise BackendUnavailable(f"grouped-GEMM backend {name!r} lacks {', '.join(missing)} (see this module's doc)")

@@ -18,7 +18,7 @@ The plugin (jax-cuda13-plugin/-pjrt, the same version as jax) lives outside the
 environment's site-packages, in GPU_PLAN_SITE: installed there, every CPU-only jax
 import would try to start CUDA and warn. A GPU image's jax[cuda13] already has it.
 
-Everything here runs in the planner's child process (MaxText/aot.py), never in a trainer.
+Everything here runs in the planner's child process (MaxText/plan/aot.py), never in a trainer.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import re
 import sys
 from pathlib import Path
 
-TARGETS_DIR = Path(__file__).resolve().parent / "data" / "gpu_targets"
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "data" / "gpu_targets"
 # Where scripts/bootstrap.sh --gpu-plan installs the plugin (requirements/gpu-plan.txt).
 GPU_PLAN_SITE = Path(os.environ.get("MAXTEXT_MOE_GPU_PLAN_SITE", Path(sys.prefix) / "gpu-plan"))
 INSTALL_HINT = "scripts/bootstrap.sh --gpu-plan (installs jax's CUDA compiler plugin, ~140 MB, no GPU needed)"
 
 
 def config_path(gpu: str) -> Path | None:
-  """The target config for a GPU key of MaxText/hardware.py (None: none shipped)."""
+  """The target config for a GPU key of MaxText/plan/hardware.py (None: none shipped)."""
   path = TARGETS_DIR / f"{gpu}.txtpb"
   return path if path.is_file() else None
 

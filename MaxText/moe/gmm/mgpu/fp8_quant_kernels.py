@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import _pad, fp8_quant, mgpu_kernels
+from MaxText.moe.gmm import _pad, fp8_quant
+from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels
 
 BLOCK = fp8_quant.BLOCK
 # Column tiles per block of the grid: each block pipelines this many tiles of one 128-row block.

@@ -35,17 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import _pad, fp8_quant, mgpu, mgpu_fp8_quant, mgpu_kernels, mgpu_schedule, mgpu_tiling
-from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
-from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES, TMA_ROW_ALIGN
+from MaxText.moe.gmm import _pad, fp8_quant
+from MaxText.moe.gmm.mgpu import bf16 as mgpu, fp8_quant_kernels as mgpu_fp8_quant, fp8_tgmm as mgpu_fp8_tgmm
+from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels, schedule as mgpu_schedule, tiling as mgpu_tiling
+from MaxText.moe.gmm.mgpu.schedule import COMPUTE, ZERO
+from MaxText.moe.gmm.mgpu.tiling import FP8_WG_ROWS as WG_ROWS, SMEM_LIMIT_BYTES, TMA_ROW_ALIGN
 
 BLOCK = fp8_quant.BLOCK  # contraction step = quantization block = one wgmma warpgroup's columns
-
-
-# Rows per compute warpgroup: one m64 wgmma. Its 64x128 f32 running sum and the 64x128 partial
-# of the current step are 64 registers per thread each. A warpgroup of 128 rows (the bf16 kernel's
-# tile) would hold 256 and spill: measured on the H200, 0.27-0.30 of a dense FP8 GEMM (session 11).
-WG_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +306,6 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
          lhs_tiles: fp8_quant.RowTiles | None = None, dout_tiles: fp8_quant.RowTiles | None = None):
   """dW in FP8 too: both operands in 128x1 tiles along the rows, groups 128-aligned (`mgpu_fp8_tgmm`;
   gathered: which operands XLA quantizes; lhs_tiles, dout_tiles: operands' rows as tiles, see there)."""
-  from MaxText.moe.gmm import mgpu_fp8_tgmm  # pylint: disable=import-outside-toplevel
-
   return mgpu_fp8_tgmm.tgmm(lhs_MK, dout_MN, group_sizes_G, group_offset=group_offset,
                             num_local_groups=num_local_groups, out_dtype=out_dtype, gathered=gathered,
                             lhs_tiles=lhs_tiles, dout_tiles=dout_tiles)

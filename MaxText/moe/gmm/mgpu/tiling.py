@@ -25,6 +25,10 @@ BF16_BYTES = 2
 # Mosaic GPU lowers a TMA load into swizzled, (8, 64)-tiled SMEM only from a row provably a
 # multiple of 8 (layout inference rejects other dynamic row indices).
 TMA_ROW_ALIGN = 8
+# Rows per compute warpgroup: one m64 wgmma. Its 64x128 f32 running sum and the 64x128 partial
+# of the current step are 64 registers per thread each. A warpgroup of 128 rows (the bf16 kernel's
+# tile) would hold 256 and spill: measured on the H200, 0.27-0.30 of a dense FP8 GEMM (session 11).
+FP8_WG_ROWS = 64
 # The widest TMA swizzle: 16-byte chunks permuted within each 128-byte row, by row mod 8.
 EPI_SWIZZLE_BYTES = 128
 

@@ -302,7 +302,7 @@ def _bytes(text: str) -> float:
   return float(match.group(1)) * units[match.group(2)] if match else 0.0
 
 
-if __name__ == "__main__":  # python -m MaxText.hlo_inventory HLO.txt '{"fsdp": 4}'
+if __name__ == "__main__":  # python -m MaxText.plan.hlo_inventory HLO.txt '{"fsdp": 4}'
   import sys
 
   shape = json.loads(sys.argv[2])

@@ -1,41 +1,5 @@
-"""Plan a run before the cluster: `python -m MaxText.plan <config.yml> [key=value ...] [options]`.
-
-Compiles the train step `python -m MaxText.train` would run with the same
-arguments (our config, presets and patches; MaxText/aot.py) for the recipe's
-full GPU count (`recipe_num_gpus`) on this machine, and prints
-  memory      per device from the compiler (arguments, outputs, temporaries,
-              aliases, host-offloaded) and whether it fits `target_gpu`'s HBM
-  collectives per step: count, bytes and wire bytes per kind and mesh axis,
-              and whether each crosses nodes (`gpus_per_node`)
-  estimate    step time and TFLOP/s/GPU, every constant with its source
-              (MaxText/hardware.py), and the analytic memory cross-check
-              (MaxText/analytic_memory.py)
-For a target GPU with a shipped XLA target config (target_gpu: h100, h200), the
-step is compiled by XLA's GPU compiler for compile-only devices of that GPU, on
-any machine, no GPU needed (MaxText/gpu_target.py; `scripts/bootstrap.sh
---gpu-plan` installs jax's CUDA compiler plugin): memory is the compiler's,
-against the target's own HBM. Otherwise, on a GPU machine, the GPU client is
-mocked to the recipe's topology (scheduled against the target's memory), and
-without a GPU simulated CPU devices stand in (up to 64): the collectives are the
-program's, but there is no GPU memory figure and GPU-only kernels are swapped
-for CPU ones (each swap is printed). Past 64 simulated devices the step is only
-lowered: every sharding is checked against its array (a mesh a parameter cannot
-be split over is an error naming the parameter), nothing is compiled.
-
-Options:
-  --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
-  --timeout S       give up a compile after S seconds (default 1800)
-  --hlo PATH        keep the compiled HLO text
-  --mock            compile on this machine's GPU with a mocked topology, even where a
-                    compile-only target exists (a cross-check of the two)
-  --cpu             simulated CPU devices only (lowered only past 64): a quick check that every
-                    sharding fits its array, no GPU compiler
-  --search          try other layouts in the same GPU count and rank those that fit
-                    (MaxText/plan_search.py)
-Bad input (one line naming the key, exit 2): a mesh that does not multiply to
-the GPU count, experts that do not split over EP, a config upstream or the
-compiler rejects.
-"""
+"""The planner's core: compile a run's train step for its real GPU count and read memory, collectives and an
+estimated step time off the compiled program (`python -m MaxText.plan`, MaxText/plan/__main__.py, is its command line)."""
 
 from __future__ import annotations
 
@@ -50,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from MaxText import aot, hardware, launch
+from MaxText import launch
+from MaxText.plan import aot, hardware
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -59,7 +24,7 @@ DEFAULT_TIMEOUT_S = 1800
 # H100's memory (+8.5%), 1,024 x H100 +6.8%, the 128 x H200 recipe +7.0%, the 1-GPU proxy +0.4%
 # (2026-12-01, BENCHMARKS.md sessions 9-10). A compile-only verdict inside this margin is marginal.
 COMPILE_ONLY_SHORTFALL = 0.09
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 
@@ -130,7 +95,7 @@ def mock_memory_limit(run: fork_config.RunConfig, topology: aot.Topology) -> str
   """On a GPU with more memory than the target's, the XLA flag that schedules against the target's memory."""
   if topology.platform != "gpu":
     return ""
-  from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
   gpu_key, _ = target_gpu(run, topology)
   target_bytes = gpu_target.device_memory_size(gpu_key) or int(hardware.GPUS[gpu_key].hbm_bytes.value)
@@ -155,7 +120,7 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
     }))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as child_log:
-      proc = subprocess.Popen([sys.executable, "-m", "MaxText.aot", str(request), str(result)], stdout=child_log,
+      proc = subprocess.Popen([sys.executable, "-m", "MaxText.plan.aot", str(request), str(result)], stdout=child_log,
                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
       try:
         rc = proc.wait(timeout=timeout_s)
@@ -195,8 +160,8 @@ def mem_fraction(env_xla: dict[str, str]) -> hardware.Figure:
 
 
 def analytic_cross_check(run: fork_config.RunConfig, num_gpus: int) -> dict[str, Any] | None:
-  """The arithmetic estimate (MaxText/analytic_memory.py), for configs that spell out a DeepSeek-V3 model."""
-  from MaxText import analytic_memory  # pylint: disable=import-outside-toplevel
+  """The arithmetic estimate (MaxText/plan/analytic_memory.py), for configs that spell out a DeepSeek-V3 model."""
+  from MaxText.plan import analytic_memory  # pylint: disable=import-outside-toplevel
 
   c = {"per_device_batch_size": 1, "max_target_length": 4096, **run.upstream}
   try:
@@ -285,7 +250,7 @@ def print_report(r: dict[str, Any]) -> None:
           "plan on a machine with one GPU (mocked topology).")
     a = r["analytic_memory"]
     if a:
-      print(f"  analytic memory {_gib(a['device_total_bytes'])} per GPU (MaxText/analytic_memory.py; no compiler "
+      print(f"  analytic memory {_gib(a['device_total_bytes'])} per GPU (MaxText/plan/analytic_memory.py; no compiler "
             "temporaries)")
     return
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
@@ -304,7 +269,7 @@ def print_report(r: dict[str, Any]) -> None:
             "the GPU's own compile; confirm with --mock on a GPU, or leave more room")
   a = r["analytic_memory"]
   if a:
-    print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/analytic_memory.py; no compiler temporaries)")
+    print(f"  analytic check  {_gib(a['device_total_bytes'])} (MaxText/plan/analytic_memory.py; no compiler temporaries)")
   if r.get("largest_buffers") and gpu_compile:
     print("  largest buffers (XLA's memory-usage report: slice size, values sharing it over the step):")
     for b in r["largest_buffers"]:
@@ -350,7 +315,7 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
     raise fork_config.ConfigError(f"moe_fp8={run.fork.moe_fp8}: the {hardware.GPUS[gpu_key].name} cannot run it "
                                   "(the FP8 grouped GEMM is Hopper's); plan for h100/h200 or set moe_fp8=none")
   if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":
-    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+    from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
     log(f"not compiling for compile-only {run.fork.target_gpu} devices: {gpu_target.unavailable_reason(run.fork.target_gpu)}")
   substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, lambda _: {})(run)
@@ -371,51 +336,3 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   if child.get("lowered_only"):
     return lowered_report(run, num_gpus, topology, child, substitutes)
   return build_report(run, num_gpus, topology, child, substitutes)
-
-
-def _take(args: list[str], flag: str, has_value: bool = True) -> Any:
-  if flag not in args:
-    return None
-  i = args.index(flag)
-  if not has_value:
-    del args[i]
-    return True
-  if i + 1 >= len(args):
-    raise fork_config.ConfigError(f"{flag} needs a value")
-  value = args[i + 1]
-  del args[i : i + 2]
-  return value
-
-
-def main(argv: list[str] | None = None) -> int:
-  args = sys.argv[1:] if argv is None else list(argv)
-  if not args or args[0] in ("-h", "--help"):
-    print(__doc__.strip())
-    return 0
-  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-  try:
-    json_path = _take(args, "--json")
-    hlo_path = _take(args, "--hlo")
-    timeout = _take(args, "--timeout")
-    search = _take(args, "--search", has_value=False)
-    mock, cpu = (bool(_take(args, flag, has_value=False)) for flag in ("--mock", "--cpu"))
-    if mock and cpu:
-      raise fork_config.ConfigError("--mock and --cpu exclude each other")
-    timeout_s = float(timeout) if timeout else DEFAULT_TIMEOUT_S
-    if search:
-      from MaxText import plan_search  # pylint: disable=import-outside-toplevel
-
-      return plan_search.main(args, timeout_s, json_path)
-    report = plan(args, timeout_s, hlo_path, mode="mock" if mock else "cpu" if cpu else "auto")
-  except ValueError as e:  # ConfigError, PlanError, a bad --timeout
-    print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
-    return 2
-  print_report(report)
-  if json_path:
-    write_json(report, json_path)
-    log(f"wrote {json_path}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

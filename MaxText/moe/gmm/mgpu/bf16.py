@@ -84,7 +84,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   rows of non-local groups and rows past sum(group_sizes) are zeros. tiling: a FwdTiling to
   use instead of the table's (the tuner's and benchmarks' override). profile_dir: write the
   kernel's on-device trace there (`mgpu_kernels.compiler_params`)."""
-  from MaxText.moe.gmm import mgpu_kernels, mgpu_schedule, mgpu_tiling
+  from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels, schedule as mgpu_schedule, tiling as mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
@@ -103,7 +103,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
         group_sizes_G, group_offset, rhs.shape[0], lhs_PK.shape[0], t.block_m,
         window_align=t.window_align)
     if t.pingpong:
-      from MaxText.moe.gmm import mgpu_pingpong
+      from MaxText.moe.gmm.mgpu import pingpong as mgpu_pingpong
       kernel_fn = mgpu_pingpong.grouped_matmul_pingpong
     else:
       kernel_fn = mgpu_kernels.grouped_matmul
@@ -118,7 +118,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
          tiling=None, profile_dir=None):
   """drhs[g]_KN = lhs[rows of local group g]^T @ dout[same rows]; empty groups give zeros.
   tiling, profile_dir: as for `gmm`."""
-  from MaxText.moe.gmm import mgpu_schedule, mgpu_tgmm, mgpu_tiling
+  from MaxText.moe.gmm.mgpu import schedule as mgpu_schedule, tgmm as mgpu_tgmm, tiling as mgpu_tiling
 
   if lhs_MK.ndim != 2 or dout_MN.ndim != 2 or lhs_MK.shape[0] != dout_MN.shape[0]:
     raise ValueError(f"expected lhs [M, K] and dout [M, N], got {lhs_MK.shape}, {dout_MN.shape}")
@@ -145,7 +145,7 @@ def jax_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, transpose_rhs=False):
   """JAX's own ragged_dot_mgpu with our tiling table (baseline; all groups local, rows past
   sum(group_sizes) are left unwritten by that kernel)."""
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  from MaxText.moe.gmm import mgpu_tiling
+  from MaxText.moe.gmm.mgpu import tiling as mgpu_tiling
 
   _check_operands(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs)
   k = lhs_MK.shape[1]
@@ -160,7 +160,7 @@ def jax_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, transpose_rhs=False):
 def jax_transposed_ragged_dot(lhs_MK, dout_MN, group_sizes_G):
   """JAX's own transposed_ragged_dot_mgpu (baseline dW over all groups)."""
   from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-  from MaxText.moe.gmm import mgpu_tiling
+  from MaxText.moe.gmm.mgpu import tiling as mgpu_tiling
 
   t = mgpu_tiling.lookup("tgmm", lhs_MK.shape[1], dout_MN.shape[1])
   return transposed_ragged_dot_mgpu.transposed_ragged_dot(

@@ -39,9 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import mgpu_kernels
-from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
-from MaxText.moe.gmm.mgpu_tiling import FwdTiling
+from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels
+from MaxText.moe.gmm.mgpu.schedule import COMPUTE, ZERO
+from MaxText.moe.gmm.mgpu.tiling import FwdTiling
 
 _MEMORY_WG = 2
 # Per-thread registers: the memory warpgroup gives back all but 40; the two compute

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm.mgpu_tiling import TgmmTiling
+from MaxText.moe.gmm.mgpu.tiling import TgmmTiling
 
 
 def _cdiv(a, b):

@@ -16,9 +16,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import mgpu_schedule
-from MaxText.moe.gmm.mgpu_kernels import NUM_WARPGROUPS, compiler_params, num_sms, swizzled
-from MaxText.moe.gmm.mgpu_tiling import TgmmTiling
+from MaxText.moe.gmm.mgpu import schedule as mgpu_schedule
+from MaxText.moe.gmm.mgpu.kernels import NUM_WARPGROUPS, compiler_params, num_sms, swizzled
+from MaxText.moe.gmm.mgpu.tiling import TgmmTiling
 
 
 def _dw_tile(flat, order_g, t: TgmmTiling, grid_mn: tuple[int, int]):

@@ -19,7 +19,8 @@ import json
 from typing import Any
 
 from MaxText import config as fork_config
-from MaxText import launch, plan
+from MaxText import launch
+from MaxText.plan import planner as plan
 
 BEST = 3
 OFFLOAD = {"remat_policy": "custom", "decoder_layer_input": "device", "moe_mlpwi_0": "offload", "moe_mlpwi_1": "offload"}

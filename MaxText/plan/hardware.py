@@ -1,6 +1,6 @@
 """The GPUs a run can be planned for, each figure with where it came from.
 
-MaxText/plan.py turns a compiled step into a verdict and a step time with these:
+MaxText/plan/planner.py turns a compiled step into a verdict and a step time with these:
   fits        compiler bytes per device <= HBM x XLA_PYTHON_CLIENT_MEM_FRACTION
   compute     FLOPs per device / the measured dense bf16 GEMM rate; with
               moe_fp8=blockwise the routed experts' GEMMs at the measured

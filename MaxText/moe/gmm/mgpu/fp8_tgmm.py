@@ -48,9 +48,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import fp8_quant, mgpu_fp8_quant, mgpu_kernels
-from MaxText.moe.gmm.mgpu_fp8 import BLOCK, WG_ROWS
-from MaxText.moe.gmm.mgpu_tiling import SMEM_LIMIT_BYTES
+from MaxText.moe.gmm import fp8_quant
+from MaxText.moe.gmm.mgpu import fp8_quant_kernels as mgpu_fp8_quant, kernels as mgpu_kernels
+from MaxText.moe.gmm.mgpu.tiling import FP8_WG_ROWS as WG_ROWS, SMEM_LIMIT_BYTES
+
+BLOCK = fp8_quant.BLOCK  # contraction step = quantization block
 
 STAGES = 4
 GRID_BLOCK_N = 4

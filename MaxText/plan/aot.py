@@ -6,7 +6,7 @@ a device count this machine does not have.
   result = aot.compile_train_step(run)   # run: a RunConfig after train.prepare_environment
 
 For a target GPU with a shipped XLA target config (h100, h200), the step is
-compiled for compile-only devices of that GPU (MaxText/gpu_target.py), on any
+compiled for compile-only devices of that GPU (MaxText/plan/gpu_target.py), on any
 machine, with or without a GPU: XLA's GPU compiler with the target's memory limit.
 
 Otherwise, on a GPU machine, the GPU client is mocked to the target topology
@@ -28,7 +28,7 @@ the main train step is compiled: with moe_dropless_fallback=step the trainer
 also compiles its dropless retry program, and it compiles the eval step when
 it evaluates.
 
-`python -m MaxText.aot REQUEST.json RESULT.json` is the planner's child process:
+`python -m MaxText.plan.aot REQUEST.json RESULT.json` is the planner's child process:
 one compile per process (a fresh backend, patches applied once), so that the
 parent can report a host out-of-memory kill or a timeout and name the knob.
 """
@@ -67,7 +67,7 @@ class Topology:
   """The devices a plan compiles for.
 
   Attributes:
-    platform: "gpu_target" (compile-only devices of target_gpu, MaxText/gpu_target.py),
+    platform: "gpu_target" (compile-only devices of target_gpu, MaxText/plan/gpu_target.py),
       "gpu" (mocked GPU client) or "cpu" (simulated CPU devices).
     num_devices: devices in the planned job.
     gpus_per_node: devices sharing one NVLink domain (a slice to jax).
@@ -150,7 +150,7 @@ def choose_topology(num_devices: int, gpus_per_node: int, local_gpus: int, targe
                     mode: Literal["auto", "mock", "cpu"] = "auto") -> Topology:
   """auto: compile-only devices of target_gpu where its compiler can run here, else the mocked GPU
   topology, else simulated CPU devices; mock/cpu force one of the last two. PlanError if it cannot be built."""
-  from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
   if mode == "auto" and gpu_target.unavailable_reason(target_gpu) is None:
     return Topology("gpu_target", num_devices, gpus_per_node, local_gpus, target_gpu=target_gpu)
@@ -175,7 +175,7 @@ def configure_backend(topology: Topology) -> None:
   if xla_bridge.backends_are_initialized():
     raise RuntimeError("configure_backend must be the first jax call: a backend is already up")
   if topology.platform == "gpu_target":
-    from MaxText import gpu_target  # pylint: disable=import-outside-toplevel
+    from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
     gpu_target.enter(topology.target_gpu, topology.num_devices, topology.gpus_per_node)
   elif topology.platform == "cpu":
@@ -338,7 +338,7 @@ def indivisible_message(error: str) -> str | None:
 
 
 def child_main(request_path: str, result_path: str) -> int:
-  """Compiles one request (written by MaxText/plan.py) and writes its result JSON."""
+  """Compiles one request (written by MaxText/plan/planner.py) and writes its result JSON."""
   from MaxText import train  # pylint: disable=import-outside-toplevel
 
   request = json.loads(Path(request_path).read_text())
@@ -373,7 +373,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   """Memory, collectives and FLOPs of a compiled step (and its HLO text, kept at hlo_path)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText import hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:

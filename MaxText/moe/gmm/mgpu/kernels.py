@@ -32,9 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from MaxText.moe.gmm import mgpu_schedule
-from MaxText.moe.gmm.mgpu_schedule import COMPUTE, ZERO
-from MaxText.moe.gmm.mgpu_tiling import EPI_SWIZZLE_BYTES, SMEM_LIMIT_BYTES, FwdTiling
+from MaxText.moe.gmm.mgpu import schedule as mgpu_schedule
+from MaxText.moe.gmm.mgpu.schedule import COMPUTE, ZERO
+from MaxText.moe.gmm.mgpu.tiling import EPI_SWIZZLE_BYTES, SMEM_LIMIT_BYTES, FwdTiling
 
 # Warpgroups per block of the warp-specialized kernels: one TMA (memory) + two wgmma. A
 # profile has one trace per warpgroup, so tools/tune_gmm.py reads it in threes.
@@ -54,7 +54,7 @@ def num_sms() -> int:
   """Blocks of the persistent kernels: one per SM (132 on an H100/H200 SXM; the interpreter
   on CPU simulates as many). The forward's chain schedule is built for the same count."""
   device = jax.devices()[0]
-  # Compile-only devices (MaxText/gpu_target.py) carry no core_count; the shipped targets are H100/H200 SXM.
+  # Compile-only devices (MaxText/plan/gpu_target.py) carry no core_count; the shipped targets are H100/H200 SXM.
   return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
 
 
