@@ -4,7 +4,6 @@ patches/metric_logger.py with the scalars upstream already computed."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -12,14 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-def _fmt_seconds(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  seconds = int(round(seconds))
-  hours, rest = divmod(seconds, 3600)
-  minutes, secs = divmod(rest, 60)
-  return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+from MaxText.progress import fmt_bytes, fmt_seconds
 
 
 @dataclass
@@ -130,7 +122,7 @@ class ProgressTracker:
     mfu_text = f"MFU {100 * mfu:.1f}% of {self.peak_label}" if mfu is not None else f"MFU {self.peak_label}"
     return (
         f"[progress] step {done}/{self.total_steps} ({pct:.0f}%) loss {record.loss:.4f} "
-        f"{per_step:.3f} s/step ETA {_fmt_seconds(remaining * per_step)} {mfu_text}"
+        f"{per_step:.3f} s/step ETA {fmt_seconds(remaining * per_step)} {mfu_text}"
     )
 
   def mfu(self, record: StepRecord) -> float | None:
@@ -185,7 +177,9 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"  loss                {fmt(summary['first_loss'], '.4f')} -> {fmt(summary['final_loss'], '.4f')}",
       f"  peak device memory  {fmt(summary.get('peak_device_memory_gib'), '.2f')} GiB"
       if summary.get("peak_device_memory_gib") is not None else "  peak device memory  n/a (no statistics on this backend)",
-      f"  wall time           {_fmt_seconds(summary['wall_time_s'])}",
+      f"  wall time           {fmt_seconds(summary['wall_time_s'])}",
+      *([f"  compile             {summary['compile_s']:.1f} s (the train step: trace, lower and compile)"]
+        if summary.get("compile_s") is not None else []),
       *([f"  expert load         max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} (first tenth of "
          f"{load['layer_calls']} MoE layer calls) -> {load['max_over_mean_last_tenth']:.2f} (last tenth)"]
         if (load := summary.get("expert_load")) else []),
@@ -194,14 +188,22 @@ def print_summary(summary: dict[str, Any]) -> None:
          f"router entropy {m['router_entropy']:.2f}, {int(m['overflow_layers'])} overflowed layer(s)"]
         if (m := summary.get("moe_load")) else []),
       f"  run directory       {summary['run_dir']}",
-      f"  checkpoints         {summary['checkpoints'] or 'disabled'}",
+      f"  checkpoints         {summary['checkpoints'] or 'disabled'}{_saves_text(summary.get('checkpoint_saves'))}",
       f"  tensorboard         tensorboard --logdir {summary['tensorboard']}",
       "=" * 72,
   ]
   print("\n".join(lines), flush=True)
 
 
-def write_summary(summary: dict[str, Any], run_dir: Path) -> Path:
-  path = run_dir / "summary.json"
+def _saves_text(saves: list[dict[str, Any]] | None) -> str:
+  if not saves:
+    return ""
+  last = saves[-1]
+  return f" ({len(saves)} saved; the last, step {last['step']}: {fmt_bytes(last['bytes'])} in {last['seconds']:.1f} s)"
+
+
+def write_summary(summary: dict[str, Any], directory: Path, name: str = "summary.json") -> Path:
+  directory.mkdir(parents=True, exist_ok=True)
+  path = directory / name
   path.write_text(json.dumps(summary, indent=2, sort_keys=True))
   return path

@@ -26,6 +26,7 @@ from MaxText.plan import hardware
 from MaxText import launch
 from MaxText import lifecycle
 from MaxText import metrics
+from MaxText import progress as progress_lines
 from MaxText import xla_presets
 from patches import UpstreamMismatch
 
@@ -35,6 +36,9 @@ from patches import UpstreamMismatch
 # run directory. This flag is a no-op (false is XLA's default) that keeps
 # XLA_FLAGS non-empty; XLA rejects a blank value.
 NEUTRAL_XLA_FLAGS = "--xla_cpu_enable_fast_math=false"
+# The name upstream gives its jitted train step (maxtext_utils.get_functional_train_with_signature sets the
+# partial's __name__), which jax's compile events carry: how the trainer and the planner follow its compile.
+TRAIN_STEP = "train_step"
 
 
 def log(msg: str) -> None:
@@ -238,13 +242,14 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
         f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")
     return {}
 
-  # Every process trains and prints its progress (as upstream logs per
-  # process); only the first writes the run's own files.
+  # Every process trains and keeps its own summary (<run>/maxtext-moe/summary.rank<k>.json in a multi-process
+  # job); only the first writes the run's own files and prints the [progress] lines, the compile and checkpoint
+  # lines and the closing summary (torchtitan's LOG_RANK=0), which would otherwise come once per process.
   lead = process.process_id == 0
   import jax  # pylint: disable=import-outside-toplevel
 
   peak_flops, peak_label = hardware.mfu_peak(jax.devices()[0].device_kind, run.fork.mfu_peak_tflops)
-  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every,
+  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every if lead else 0,
                                      peak_flops=peak_flops, peak_label=peak_label)
   metric_logger.set_mfu_peak(peak_flops)
   moe_profile.set_run_dir(run.run_dir)  # moe_profile_every_n_steps's traces stay in the run directory
@@ -278,6 +283,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
     logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+    compiles = _watch_train_step_compile(lead)
     try:
       # app.run parses absl flags (upstream's logging reads them) and calls main.
       app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
@@ -293,6 +299,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
       if resumed_from is not None and _changed_keys(previous, run.upstream):
         raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
       raise
+    finally:
+      compiles.stop()
   finally:
     if lock:
       lock.release()
@@ -304,15 +312,38 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
   summary["stopped"] = stopped or None
+  summary["compile_s"] = sum(compiles.compiles) if compiles.compiles else None
+  summary["checkpoint_saves"] = list(checkpoint_guard.finish_save_reports())
+  if process.num_processes > 1:
+    metrics.write_summary(summary, run.run_dir / lifecycle.RUN_FILES, f"summary.rank{process.process_id}.json")
   if lead:
     metrics.write_summary(summary, run.run_dir)
-  metrics.print_summary(summary)
+    metrics.print_summary(summary)
   if summary["stopped"]:
     s = summary["stopped"]
     saved = f"checkpoint of step {s['saved']} saved" if s["saved"] is not None else "checkpointing is off"
     print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {saved}; run again with the same "
           f"run_name to resume (exit {lifecycle.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
   return summary
+
+
+def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
+  """Says when the train step starts compiling (upstream compiles it ahead of the loop, or at its first call)
+  and how long that took (trace, lower and compile); every compile's time goes to the summary."""
+  announced = [False]
+
+  def on_phase(phase: str) -> None:  # pylint: disable=unused-argument
+    if not announced[0]:  # once per compile, at its first phase
+      announced[0] = True
+      if lead:
+        log("compiling the train step...")
+
+  def on_compiled(seconds: float) -> None:
+    announced[0] = False
+    if lead:
+      log(f"compiled the train step in {seconds:.1f} s")
+
+  return progress_lines.CompileWatch(TRAIN_STEP, on_phase, on_compiled).start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,11 @@ that would save:
      of space or permission becomes the same error, its partial directory
      removed; the last complete checkpoint stays.
 
+Each save it starts is timed from its start (after the finite check, which waits
+for the step) until orbax renames its step directory to the step number, on process 0
+only (MaxText/progress.watch_save); then one line gives the step directory's size and the
+time (`checkpoint 40 saved: 1.23 GiB in 3.4 s`), and `saves` keeps it for the summary.
+
 Also the shapes of the saved state go to <run>/maxtext-moe/state_shapes.json,
 which patches/checkpoint_restore.py compares on resume.
 """
@@ -30,9 +35,13 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+from MaxText import progress
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -62,6 +71,9 @@ class SaveFailed(RuntimeError):
 _stop_signal: Callable[[], str | None] = lambda: None
 _step_scalars: Callable[[], dict[str, Any]] = dict
 stopped: dict[str, Any] = {}  # filled when a stop request ended the loop: {"step", "signal", "saved"}
+saves: list[dict[str, Any]] = []  # each completed save this process watched: {"step", "bytes", "seconds"}
+_watching: list[threading.Thread] = []
+_stop_watching = threading.Event()
 
 
 def _leaves_with_paths(state) -> list[tuple[str, Any]]:
@@ -180,6 +192,34 @@ def _save_failed(e: BaseException, root: Path, step: int, state, last: int | Non
       f"and the last complete checkpoint ({'step ' + str(last) if last is not None else 'none'}) is kept")
 
 
+def _report_save(step: int):
+  def on_saved(seconds: float, nbytes: int) -> None:
+    saves.append({"step": step, "bytes": nbytes, "seconds": seconds})
+    # One write: this runs on the watch thread, beside the main thread's own lines.
+    sys.stdout.write(f"[maxtext-moe] checkpoint {step} saved: {progress.fmt_bytes(nbytes)} in {seconds:.1f} s\n")
+    sys.stdout.flush()
+
+  return on_saved
+
+
+def _watch_save(root: Path, step: int, began: float) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_index() == 0:  # one process looks: the step directory is shared
+    _watching.append(progress.watch_save(root / str(step), began, _report_save(step), _stop_watching))
+
+
+def finish_save_reports(timeout_s: float = 10.0) -> list[dict[str, Any]]:
+  """After the loop (upstream has waited for its saves): lets the watches print their lines, then stops any
+  left (a save that never completed); returns `saves`."""
+  deadline = time.monotonic() + timeout_s
+  for thread in _watching:
+    thread.join(max(0.0, deadline - time.monotonic()))
+  _stop_watching.set()
+  _watching.clear()
+  return saves
+
+
 def _record_shapes(state, run_dir: Path) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -217,8 +257,9 @@ def _wrap(original):
     root = Path(config.checkpoint_dir.rstrip("/"))
     last = max(done) if done else None
     if actual not in done:
-      check_finite(state, actual, last)
+      check_finite(state, actual, last)  # waits for the step: the save's time starts after it
       check_space(state, root, actual, last)
+    began = time.monotonic()
     try:
       if stop:
         if actual not in done:
@@ -232,6 +273,8 @@ def _wrap(original):
       if no_space_reason(e) is not None:
         raise _save_failed(e, root, actual, state, last) from e
       raise
+    if actual not in done:
+      _watch_save(root, actual, began)
     _record_shapes(state, root.parent)
     if stop:
       stopped.update(step=actual, signal=signal_name or "SIGTERM", saved=actual)
@@ -256,6 +299,8 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   if hooks is not None:
     _stop_signal, _step_scalars = hooks.stop_signal, hooks.step_scalars
   stopped.clear()
+  saves.clear()
+  _stop_watching.clear()
   SEAM.apply(_wrap)
 
 

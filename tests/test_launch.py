@@ -184,7 +184,7 @@ def test_sbatch_run_name_survives_requeue_and_resubmission(tmp_path, job_name, e
 def test_sbatch_time_limit_signal_saves_then_requeues(tmp_path):
   """SLURM's USR1 (--signal=B:USR1@120) reaches every task, then the job is requeued."""
   script = (REPO / "scripts/slurm/train.sbatch").read_text()
-  assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --requeue" in script
+  assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", script, re.M) and "#SBATCH --requeue" in script
   assert "XLA_FLAGS" not in script  # flags come from presets only
   environ, log = _fake_slurm(tmp_path)
   proc = _sbatch(environ)
@@ -194,6 +194,38 @@ def test_sbatch_time_limit_signal_saves_then_requeues(tmp_path):
   assert proc.returncode == 0, err
   assert log.read_text().splitlines()[1:] == ["scancel --signal=USR1 77", "srun got USR1", "scontrol requeue 77"]
   assert "requeueing job 77; it resumes run slurm-77" in out
+
+
+def test_sbatch_runs_the_images_package_unless_a_checkout_is_mounted(tmp_path):
+  """By default nothing of the host's shadows the image's installed package: only OUTPUT_DIR is mounted and the
+  tasks start in the image's working directory (docker/Dockerfile's WORKDIR: configs, no source). REPO_MOUNT
+  mounts a checkout and starts there, so its MaxText/ and patches/ are imported first."""
+  workdir = re.findall(r"^WORKDIR (\S+)$", (REPO / "docker/Dockerfile").read_text(), re.M)[-1]
+  environ, log = _fake_slurm(tmp_path, srun_steps=0)
+  proc = _sbatch(environ)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  (srun,) = [line for line in log.read_text().splitlines() if line.startswith("srun ")]
+  assert f"--container-mounts={tmp_path}/outputs:{tmp_path}/outputs --container-workdir={workdir} " in srun, srun
+  assert "code installed in the image" in out
+
+  checkout = tmp_path / "checkout"
+  for d in (checkout / "MaxText", tmp_path / "second", tmp_path / "third"):
+    d.mkdir(parents=True)
+  environ, log = _fake_slurm(tmp_path / "second", srun_steps=0, REPO_MOUNT=str(checkout))
+  proc = _sbatch(environ)
+  proc.communicate(timeout=30)
+  assert proc.returncode == 0
+  (srun,) = [line for line in log.read_text().splitlines() if line.startswith("srun ")]
+  outputs = tmp_path / "second" / "outputs"
+  assert (f"--container-mounts={checkout}:/workspace/maxtext-moe,{outputs}:{outputs} "
+          "--container-workdir=/workspace/maxtext-moe ") in srun, srun
+
+  environ, _ = _fake_slurm(tmp_path / "third", REPO_MOUNT=str(tmp_path / "outputs"))
+  proc = _sbatch(environ)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 2 and err.strip() == (f"train.sbatch: REPO_MOUNT={tmp_path}/outputs is not a maxtext-moe "
+                                                  "checkout (no MaxText/ in it)")
 
 
 def test_sbatch_without_an_image_says_how_to_make_one(tmp_path):
@@ -294,8 +326,17 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:]
   for rank in (0, 1):
     assert f"[p{rank}] [maxtext-moe] process {rank} of 2 (env)" in proc.stdout
-  losses = {rank: re.findall(rf"^\[p{rank}\] \[progress\] step 2/2 .*loss ([0-9.]+)", proc.stdout, re.M) for rank in (0, 1)}
-  assert losses[0] and losses[0] == losses[1], losses
+  # Process 0 alone prints the progress lines and the closing summary (as torchtitan's LOG_RANK=0); each process
+  # keeps its own summary file, and summary.json is process 0's.
+  assert re.search(r"^\[p0\] \[progress\] step 2/2 ", proc.stdout, re.M)
+  assert not re.search(r"^\[p1\] \[progress\]", proc.stdout, re.M)
+  assert re.findall(r"^\[p(\d)\] maxtext-moe run summary$", proc.stdout, re.M) == ["0"]
+  assert re.findall(r"^\[p(\d)\] \[maxtext-moe\] compiled the train step in ", proc.stdout, re.M) == ["0"]
+  run_files = tmp_path / "two" / "maxtext-moe"
+  ranks = {rank: json.loads((run_files / f"summary.rank{rank}.json").read_text()) for rank in (0, 1)}
+  assert ranks[0]["losses"] and ranks[0]["losses"] == ranks[1]["losses"], ranks
+  assert ranks[1]["compile_s"] > 0  # every process compiled, and kept its time
+  assert json.loads((tmp_path / "two" / "summary.json").read_text())["losses"] == ranks[0]["losses"]
   assert "Num_devices: 2" in proc.stdout  # one global mesh over both processes
 
   assert "[p0] [maxtext-moe] xla presets: lhs, gpu_runtime" in proc.stdout

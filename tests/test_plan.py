@@ -231,7 +231,8 @@ def test_fp8_experts_are_costed_at_the_fp8_rate_and_the_rest_at_bf16(monkeypatch
     (["recipe_num_gpus=4", "target_gpu=a100"], "target_gpu"),
     (["recipe_num_gpus=4", "stepz=3"], "stepz"),
     (["recipe_num_gpus=4", "target_gpu=b200", "moe_block=ours", "moe_fp8=blockwise"], "moe_fp8=blockwise"),
-], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper"])
+    (["recipe_num_gpus=4", "--heartbeat", "soon"], "--heartbeat soon: give seconds"),
+], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper", "heartbeat"])
 def test_bad_input_is_one_line_and_exit_2(args, key):
   out = _plan_cli("configs/deepseek3-tiny.yml", *args, timeout=120)
   assert out.returncode == 2, out.stderr[-1000:]
@@ -287,8 +288,15 @@ def test_tiny_plan_on_4_simulated_devices(tmp_path):
   FSDP all-gathers inside the layer scan, some crossing nodes; the JSON whole."""
   path = tmp_path / "plan" / "tiny.json"
   out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=4", "ici_fsdp_parallelism=2", "dcn_fsdp_parallelism=2",
-                  "gpus_per_node=2", "per_device_batch_size=1", "max_target_length=32", "--json", str(path))
+                  "gpus_per_node=2", "per_device_batch_size=1", "max_target_length=32", "--json", str(path),
+                  "--heartbeat", "1")
   assert out.returncode == 0, out.stderr[-2000:]
+  # A heartbeat each second names the phase the compile process last reported, in the order they come.
+  phases = re.findall(r"^\[plan\] compiling for 4 simulated CPU devices \(([a-zA-Z ]+)\): \w+ elapsed$", out.stdout, re.M)
+  order = ["starting", "loading the config", "starting upstream", "building the abstract state", "tracing", "lowering",
+           "compiling", "reading the HLO"]
+  assert "compiling" in phases and set(phases) <= set(order), phases
+  assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases), phases
   assert "GPU memory needs a GPU compile" in out.stdout
   assert "CPU stand-in: ici_fsdp_parallelism=4" in out.stdout and "dcn_fsdp_parallelism=1" in out.stdout
   report = json.loads(path.read_text())
@@ -324,6 +332,26 @@ def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
       c for c in meshes if c["ici_expert_parallelism"] == 1).items()  # FSDP in node, data across
   assert plan_search.OFFLOAD in cands
   assert {"per_device_batch_size": 1.0} in cands and {"per_device_batch_size": 4.0} in cands
+
+
+def test_search_says_which_candidate_of_how_many_with_an_eta(monkeypatch, capsys):
+  """The loop's lines, each candidate's compile replaced by a refusal (each real one is a full compile)."""
+  from MaxText.plan import search as plan_search  # pylint: disable=import-outside-toplevel
+
+  args = ["configs/deepseek3-tiny.yml", "recipe_num_gpus=8", "gpus_per_node=4", "ici_fsdp_parallelism=4",
+          "dcn_fsdp_parallelism=2"]
+  total = len(plan_search.candidates(fork_config.load(args), 8))
+
+  def refuse(*_args, **_kwargs):
+    raise aot.PlanError("refused here")
+
+  monkeypatch.setattr(plan, "plan", refuse)
+  assert plan_search.main(args, 60, None, heartbeat_s=0) == 2  # nothing fits
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[plan] search: ")]
+  assert len(lines) == total > 3
+  assert lines[0] == f"[plan] search: candidate 1 of {total}: (as given)"
+  for k, line in enumerate(lines[1:], start=2):
+    assert re.fullmatch(rf"\[plan\] search: candidate {k} of {total}: .+ \(ETA \w+, \w+ a candidate so far\)", line), line
 
 
 def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():

@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import pytest
 
 from conftest import run_rejected, run_train
+from MaxText import progress
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -51,6 +52,22 @@ def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
   assert f"run directory       {result.run_dir}" in result.stdout
   effective = (result.run_dir / "maxtext-moe" / "effective_config.json").read_text()
   assert '"steps": 5' in effective
+
+  # Long phases say what they are doing: the compile before the first step, and each save's size and time.
+  lines = result.stdout.splitlines()
+  compiling = lines.index("[maxtext-moe] compiling the train step...")
+  (compiled,) = [i for i, line in enumerate(lines) if line.startswith("[maxtext-moe] compiled the train step in ")]
+  first_step = next(i for i, line in enumerate(lines) if line.startswith("[progress] step 1/"))
+  assert compiling < compiled < first_step
+  seconds = float(lines[compiled].split(" in ")[1].removesuffix(" s"))
+  assert seconds > 0 and abs(summary["compile_s"] - seconds) < 0.06
+  assert f"  compile             {seconds:.1f} s" in result.stdout
+  saves = summary["checkpoint_saves"]
+  assert [s["step"] for s in saves] == saved
+  for s in saves:  # the size is the finished step directory's
+    assert s["bytes"] == progress.dir_bytes(result.run_dir / "checkpoints" / str(s["step"])) > 0
+    assert f"[maxtext-moe] checkpoint {s['step']} saved: {progress.fmt_bytes(s['bytes'])} in {s['seconds']:.1f} s" in lines
+  assert "(3 saved; the last, step 4: " in result.stdout
 
 
 def _files_under(root: Path) -> set[Path]:

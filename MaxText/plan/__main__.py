@@ -25,6 +25,7 @@ be split over is an error naming the parameter), nothing is compiled.
 Options:
   --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
   --timeout S       give up a compile after S seconds (default 1800)
+  --heartbeat S     while a compile runs, a line every S seconds naming its phase (default 30; 0: none)
   --hlo PATH        keep the compiled HLO text
   --mock            compile on this machine's GPU with a mocked topology, even where a
                     compile-only target exists (a cross-check of the two)
@@ -61,6 +62,16 @@ def _take(args: list[str], flag: str, has_value: bool = True) -> Any:
   return value
 
 
+def _seconds(flag: str, value: str) -> float:
+  try:
+    seconds = float(value)
+  except ValueError:
+    seconds = -1.0
+  if not seconds >= 0:
+    raise fork_config.ConfigError(f"{flag} {value}: give seconds, a number >= 0")
+  return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
   args = sys.argv[1:] if argv is None else list(argv)
   if not args or args[0] in ("-h", "--help"):
@@ -71,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     json_path = _take(args, "--json")
     hlo_path = _take(args, "--hlo")
     timeout = _take(args, "--timeout")
+    heartbeat = _take(args, "--heartbeat")
     do_search = _take(args, "--search", has_value=False)
     mock, cpu = (bool(_take(args, flag, has_value=False)) for flag in ("--mock", "--cpu"))
     if mock and cpu:
       raise fork_config.ConfigError("--mock and --cpu exclude each other")
     timeout_s = float(timeout) if timeout else planner.DEFAULT_TIMEOUT_S
+    heartbeat_s = planner.HEARTBEAT_S if heartbeat is None else _seconds("--heartbeat", heartbeat)
     if do_search:
-      return search.main(args, timeout_s, json_path)
-    report = planner.plan(args, timeout_s, hlo_path, mode="mock" if mock else "cpu" if cpu else "auto")
+      return search.main(args, timeout_s, json_path, heartbeat_s)
+    report = planner.plan(args, timeout_s, hlo_path, mode="mock" if mock else "cpu" if cpu else "auto",
+                          heartbeat_s=heartbeat_s)
   except ValueError as e:  # ConfigError, PlanError, a bad --timeout
     print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
     return 2

@@ -45,7 +45,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from MaxText import config as fork_config
 
@@ -247,34 +247,45 @@ def start_upstream(run: fork_config.RunConfig) -> Any:
   return config
 
 
-def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False) -> Compiled:
+def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
+                       on_phase: Callable[[str], None] = lambda phase: None) -> Compiled:
   """Patches, upstream validation, and the AOT compile of upstream's train step.
 
   Call after train.prepare_environment (the environment is the run's) and
   configure_backend; compiles over all the devices configure_backend set up.
   lower_only: stop after lowering (`compiled` is jax's Lowered): the shardings
   are checked against every array's shape, nothing is partitioned or compiled.
+  on_phase(phase) as each phase starts: "starting upstream", "building the abstract
+  state", then jax's "tracing", "lowering" and "compiling" (MaxText/progress.CompileWatch).
   """
   import jax  # pylint: disable=import-outside-toplevel
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
   from maxtext.utils import max_utils, maxtext_utils  # pylint: disable=import-outside-toplevel
 
+  from MaxText import progress, train  # pylint: disable=import-outside-toplevel
+
+  on_phase("starting upstream")
   config = start_upstream(run)
   start = time.perf_counter()
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
-  with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
-    step = train_step(config, mesh)
-    if lower_only:
-      with mesh, axis_rules(config.logical_axis_rules):
-        lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
-                          static_argnums=step.static_argnums, donate_argnums=step.donate_argnums,
-                          ).lower(*step.args, **step.kwargs)
-      return Compiled(lowered, mesh, config, time.perf_counter() - start)
-    compiled = train_compile.jit_and_compile(
-        step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
-        step.donate_argnums, config, axis_rules(config.logical_axis_rules),
-    )
+  watch = progress.CompileWatch(train.TRAIN_STEP, on_phase).start()
+  try:
+    with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
+      on_phase("building the abstract state")
+      step = train_step(config, mesh)
+      if lower_only:
+        with mesh, axis_rules(config.logical_axis_rules):
+          lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
+                            static_argnums=step.static_argnums, donate_argnums=step.donate_argnums,
+                            ).lower(*step.args, **step.kwargs)
+        return Compiled(lowered, mesh, config, time.perf_counter() - start)
+      compiled = train_compile.jit_and_compile(
+          step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
+          step.donate_argnums, config, axis_rules(config.logical_axis_rules),
+      )
+  finally:
+    watch.stop()
   return Compiled(compiled, mesh, config, time.perf_counter() - start)
 
 
@@ -339,19 +350,24 @@ def indivisible_message(error: str) -> str | None:
 
 def child_main(request_path: str, result_path: str) -> int:
   """Compiles one request (written by MaxText/plan/planner.py) and writes its result JSON."""
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText import progress, train  # pylint: disable=import-outside-toplevel
 
   request = json.loads(Path(request_path).read_text())
   topology = Topology(**request["topology"])
+
+  def on_phase(phase: str) -> None:  # read by the parent's heartbeat (MaxText/plan/planner.py)
+    progress.write_phase(request.get("phase_path"), phase)
+
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
   result: dict[str, Any] = {}
   try:
+    on_phase("loading the config")
     run = fork_config.load(request["args"])
     extra = " ".join(filter(None, [GPU_AOT_XLA_FLAGS if topology.compiles_for_gpu else "", request.get("xla_flags", "")]))
     prepared = train.prepare_environment(run, extra_xla_flags=extra)
     configure_backend(topology)
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-    step = compile_train_step(prepared.run, lower_only=topology.lower_only)
+    step = compile_train_step(prepared.run, lower_only=topology.lower_only, on_phase=on_phase)
   except fork_config.ConfigError as e:
     result["config_error"] = str(e)
   except Exception as e:  # pylint: disable=broad-exception-caught  # the compiler's word, reported in one line
@@ -362,6 +378,7 @@ def child_main(request_path: str, result_path: str) -> int:
       result.update(lowered_only=True, compile_seconds=step.seconds,
                     mesh={k: int(v) for k, v in step.mesh.shape.items()})
     else:
+      on_phase("reading the HLO")
       result.update(_compiled_result(step, topology, request.get("hlo_path")))
   tmp = Path(result_path + ".tmp")
   tmp.write_text(json.dumps(result, indent=2))  # insertion order: the mesh axes in mesh order

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from MaxText import launch
+from MaxText import progress
 from MaxText.plan import aot, hardware
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
+HEARTBEAT_S = 30.0  # a line naming the compile's phase this often while the child works (--heartbeat)
 # How much lower a compile-only plan's memory has read than the same tree compiled on the GPU itself:
 # the 128 x H100 recipe, 65.55 GiB compile-only against 71.11 GiB mocked on an H200 scheduled against the
 # H100's memory (+8.5%), 1,024 x H100 +6.8%, the 128 x H200 recipe +7.0%, the 1-GPU proxy +0.4%
@@ -105,25 +107,40 @@ def mock_memory_limit(run: fork_config.RunConfig, topology: aot.Topology) -> str
   return flag
 
 
+def devices_text(topology: aot.Topology) -> str:
+  """What a compile is for, in the heartbeat's words."""
+  n = topology.num_devices
+  return {"gpu_target": f"{n} x {topology.target_gpu}",
+          "gpu": f"{n} GPUs (mock {topology.mock_spec})" if topology.mock_spec else f"{n} local GPUs",
+          "cpu": f"{n} simulated CPU devices"}[topology.platform]
+
+
 def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None,
-                     xla_flags: str = "") -> dict[str, Any]:
-  """One compile in a fresh process: its result, or PlanError naming what ran out."""
+                     xla_flags: str = "", heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
+  """One compile in a fresh process: its result, or PlanError naming what ran out. Every heartbeat_s, a
+  line with the phase the child last wrote to its phase file (MaxText/plan/aot.py child_main)."""
   with tempfile.TemporaryDirectory(prefix="maxtext-plan-") as tmp:
     request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
+    phase_path = Path(tmp, "phase")
     # Outputs (compile cache, dumps) go to the temporary directory, never the user's run directory.
     request.write_text(json.dumps({
         # dump_hlo: XLA's memory-usage report, for the largest buffers (into tmp, like every output),
         # unless the user's XLA_FLAGS already dump somewhere: then the report is read there.
         "args": [*args, f"base_output_directory={tmp}/out", "run_name=plan", "skip_jax_distributed_system=true",
                  *([] if "--xla_dump_to" in os.environ.get("XLA_FLAGS", "") else ["dump_hlo=true"])],
-        "topology": topology.__dict__, "hlo_path": hlo_path, "xla_flags": xla_flags,
+        "topology": topology.__dict__, "hlo_path": hlo_path, "xla_flags": xla_flags, "phase_path": str(phase_path),
     }))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as child_log:
       proc = subprocess.Popen([sys.executable, "-m", "MaxText.plan.aot", str(request), str(result)], stdout=child_log,
                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+      def beat(elapsed: float) -> None:
+        log(f"compiling for {devices_text(topology)} ({progress.read_phase(phase_path)}): "
+            f"{progress.fmt_seconds(elapsed)} elapsed")
+
       try:
-        rc = proc.wait(timeout=timeout_s)
+        rc = progress.wait_beating(lambda t: proc.wait(timeout=t), timeout_s, heartbeat_s, beat)
       except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -303,7 +320,7 @@ def write_json(report: dict[str, Any], path: str) -> None:
 
 
 def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | None = None,
-         local_gpus: int | None = None, mode: str = "auto") -> dict[str, Any]:
+         local_gpus: int | None = None, mode: str = "auto", heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
   """Checks, compiles (child process) and returns the report; ConfigError on bad input."""
   run = fork_config.load(args)
   num_gpus = num_gpus_of(run)
@@ -327,7 +344,7 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
            "gpu": f"this machine's GPU, mock {topology.mock_spec}" if topology.mock_spec else "this machine's GPU",
            "cpu": "simulated CPU devices"}[topology.platform]
   log(f"compiling for {num_gpus} devices on {where}")
-  child = compile_in_child(child_args, topology, timeout_s, hlo_path, mock_memory_limit(run, topology))
+  child = compile_in_child(child_args, topology, timeout_s, hlo_path, mock_memory_limit(run, topology), heartbeat_s)
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
   if "compile_error" in child:

@@ -20,6 +20,7 @@ from typing import Any
 
 from MaxText import config as fork_config
 from MaxText import launch
+from MaxText import progress
 from MaxText.plan import planner as plan
 
 BEST = 3
@@ -69,19 +70,23 @@ def _args(overrides: dict[str, Any]) -> list[str]:
   return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()]
 
 
-def main(args: list[str], timeout_s: float, json_path: str | None) -> int:
+def main(args: list[str], timeout_s: float, json_path: str | None, heartbeat_s: float = plan.HEARTBEAT_S) -> int:
   run = fork_config.load(args)
   num_gpus = plan.num_gpus_of(run)
   results = []
-  for overrides in candidates(run, num_gpus):
+  layouts = candidates(run, num_gpus)
+  eta = progress.Eta(len(layouts))
+  for overrides in layouts:
     label = " ".join(_args(overrides)) or "(as given)"
-    plan.log(f"search: {label}")
+    plan.log(f"search: {eta.start(label)}")
     try:
-      report = plan.plan([*args, *_args(overrides)], timeout_s)
+      report = plan.plan([*args, *_args(overrides)], timeout_s, heartbeat_s=heartbeat_s)
     except ValueError as e:  # a layout the checks or the compiler refuse: reported, not ranked
       results.append({"overrides": overrides, "error": str(e)})
       plan.log(f"  refused: {e}")
       continue
+    finally:
+      eta.done()
     results.append({"overrides": overrides, "report": report})
   print(f"\n== search: {run.config_path.name}, {num_gpus} GPUs")
   print(f"  {'layout':60s} {'GiB/GPU':>8s} {'fits':>5s} {'step ms':>9s} {'TFLOP/s':>8s}")
