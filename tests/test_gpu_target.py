@@ -124,7 +124,7 @@ for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("xla_fp8 gmm
 
 @pytest.mark.slow
 def test_the_e4m3_rounding_survives_xlas_gpu_pipeline():
-  """Session 13's self-test on the H200: under jit XLA's GPU pipeline dropped the quantize-then-dequantize
+  """The self-test on the H200 (2026-12-02): under jit XLA's GPU pipeline dropped the quantize-then-dequantize
   convert pair as excess precision, so xla_fp8 (the FP8 reference) multiplied unquantized values. Compiled
   for a compile-only H200, the e4m3 converts must still be in the optimized HLO of fp8_quant.kept's round
   trip and of xla_fp8's products (the forward and dlhs form, and dW's)."""
@@ -158,10 +158,10 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   assert 0 < r["estimate"]["fp8_flops"] < r["estimate"]["flops_per_device"]
   text = hlo.read_text()
   assert "f8e4m3fn" in text and "mosaic_gpu" in text  # the quantized operands reach our kernels
-  # The tokens cross the exchange as packed e4m3 tiles (uint32 words), quantized before it (BENCHMARKS session 12);
-  # the SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs
-  # (session 21); dW's operands that are gathers of token rows stay XLA's; dlhs quantizes nothing itself: its dout is
-  # the combine's moved tiles or the one-pass kernel's, and its weight blocks are the forward's (session 25).
+  # The tokens cross the exchange as packed e4m3 tiles (uint32 words), quantized before it (docs/fp8.md); the
+  # SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs;
+  # dW's operands that are gathers of token rows stay XLA's; dlhs quantizes nothing itself: its dout is the
+  # combine's moved tiles or the one-pass kernel's, and its weight blocks are the forward's.
   assert any("u32[" in line and ("all-to-all(" in line or "all-to-all-start(" in line) for line in text.splitlines())
   spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tools" / "hlo_fp8_passes.py")
   passes = importlib.util.module_from_spec(spec)
@@ -180,8 +180,8 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
 def test_the_ep2_proxys_packed_fp8_rows_are_gathered_row_major(tmp_path):
   """The EP=2 proxy with FP8 experts, compiled for two H200s: every gather of the packed uint32 rows writes them
   row-major. Without fp8_dispatch's layout constraint the kernel's transposed scales ([K'/128, M]) had XLA write
-  the forward's last gather of the exchanged rows transposed (session 23's compile; the tiny model's shapes do not
-  show it)."""
+  the forward's last gather of the exchanged rows transposed (the compile of 2026-12-03; the tiny model's shapes do
+  not show it)."""
   if gpu_target.unavailable_reason("h200"):
     pytest.skip(gpu_target.unavailable_reason("h200"))
   hlo = tmp_path / "step.hlo"

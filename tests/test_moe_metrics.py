@@ -1,4 +1,4 @@
-"""MoE observability (issue 18): routing statistics computed in the step, their TensorBoard output,
+"""MoE observability (moe_metrics_every_n_steps): routing statistics computed in the step, their TensorBoard output,
 and that turning them off compiles nothing extra."""
 
 from __future__ import annotations

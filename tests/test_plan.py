@@ -214,8 +214,8 @@ def test_fp8_experts_are_costed_at_the_fp8_rate_and_the_rest_at_bf16(monkeypatch
   est = hardware.estimate_step(h200, 600e12, 0.0, [], fp8_flops=400e12)
   assert est.compute_s == pytest.approx(200e12 / h200.gemm_flops.value + 400e12 / h200.fp8_grouped_flops.value)
   assert est.compute_s < hardware.estimate_step(h200, 600e12, 0.0, []).compute_s and "FP8" in est.flops_from
-  # Held to session 23's measurement: the 1xH200 proxy's 138.5 T of routed GEMMs per step saved 58.0 ms in FP8
-  # (0.7666 -> 0.7086 s per step).
+  # Held to the measurement (BENCHMARKS.md "Planner accuracy", b891976): the 1xH200 proxy's 138.5 T of routed GEMMs
+  # per step saved 58.0 ms in FP8 (0.7666 -> 0.7086 s per step).
   routed = 138.5e12
   assert 0.053 < routed / h200.gemm_flops.value - routed / h200.fp8_grouped_flops.value < 0.063
   with pytest.raises(ValueError, match="moe_fp8"):

@@ -56,7 +56,7 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
     "ours_gmm_seam": (["moe_gmm_backend=auto"], True),
-    # Issue 19's end-to-end comparison: our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
+    # FP8 end to end (BENCHMARKS.md "FP8 end to end"): our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
     # against "ours" in bf16 in the same invocation. TFLOP/s counts the same (bf16-equivalent) FLOPs.
     "ours_fp8": (["moe_block=ours", "moe_fp8=blockwise"], True),
     "dense_equivalent": (["first_num_dense_layers=4", "base_mlp_dim=18432"], True),

@@ -60,8 +60,8 @@ class Gpu:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
 
 
-# Measured on one H200 by tools/bench_train.py (BENCHMARKS.md, "End to end: the 1xH200
-# DeepSeek-V3 proxy", commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
+# Measured on one H200 by tools/bench_train.py (BENCHMARKS.md "End to end on one H200", its
+# calibration GEMM; commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
 _H200_GEMM = Figure(648e12, "measured: dense bf16 GEMM 8192^3 on one H200, BENCHMARKS.md (7dd98d6)")
 _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/DGX), one direction")
 # Measured on 2xH200 (NVLink), jax 0.11.2, 0.47 GB per device, balanced: all_to_all 3 ms,
@@ -69,13 +69,14 @@ _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/D
 _A2A_H200 = Figure(150 * GB, "measured: jax.lax.all_to_all, 2xH200 NVLink, 0.47 GB/device")
 _RAGGED_H200 = Figure(5.3 * GB, "measured: jax.lax.ragged_all_to_all, 2xH200 NVLink, 0.47 GB/device")
 # What moe_fp8 costs end to end, on the scale of the bf16 rate above: what a step gains, not the kernels' rate
-# (820-915 TF/s alone promised 45 ms per step in session 13, where 6 came). The proxy's routed GEMMs take 219.5 ms
-# per step with our bf16 kernels (session 13's profile). Session 23 on one H200 (BENCHMARKS.md; bench_train.py
-# --variants ours,ours_fp8, 100 steps, the local dispatch moving e4m3 rows as uint32 words): 0.7666 -> 0.7086 s per
-# step, 58.0 ms saved, all of it charged to the routed GEMMs with the quantization passes FP8 adds.
+# (820-915 TF/s alone promised 45 ms per step on 2026-12-02, where 6 came). The proxy's routed GEMMs take 219.5 ms
+# per step with our bf16 kernels (its profile, tools/bench_train.py --profile). On one H200 at b891976 (2026-12-03;
+# bench_train.py --variants ours,ours_fp8, 100 steps, the local dispatch moving e4m3 rows as uint32 words;
+# BENCHMARKS.md "Planner accuracy"): 0.7666 -> 0.7086 s per step, 58.0 ms saved, all of it charged to the routed
+# GEMMs with the quantization passes FP8 adds.
 _H200_FP8_GROUPED = Figure(_H200_GEMM.value * 219.5 / (219.5 - 58.0), "measured: the routed GEMMs with their FP8 "
-                           "quantization at 1.36x our bf16 kernels on one H200 (the proxy step 1.082x, BENCHMARKS.md, "
-                           "session 23), on the dense bf16 rate's scale")
+                           "quantization at 1.36x our bf16 kernels on one H200 (the proxy step 1.082x, b891976; "
+                           "BENCHMARKS.md \"Planner accuracy\"), on the dense bf16 rate's scale")
 
 GPUS: dict[str, Gpu] = {
     "h100": Gpu(
@@ -197,7 +198,7 @@ def recompute_flops(config) -> tuple[float, str]:
   GEMMs when their up-projections (moe_mlpwi_0 and _1) are saved or offloaded:
   the backward then needs no expert GEMM again (wo's input is elementwise from
   them). Other policies save the matmul outputs: counted as no recompute.
-  The term the H200 honesty check found missing (BENCHMARKS.md, session 7).
+  The term the H200 honesty check found missing (tools/gpu_checks.sh plan-honesty; BENCHMARKS.md "Planner accuracy").
   """
   policy = getattr(config, "remat_policy", "full")
   tokens = config.per_device_batch_size * config.max_target_length

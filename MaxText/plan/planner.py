@@ -24,7 +24,7 @@ HEARTBEAT_S = 30.0  # a line naming the compile's phase this often while the chi
 # How much lower a compile-only plan's memory has read than the same tree compiled on the GPU itself:
 # the 128 x H100 recipe, 65.55 GiB compile-only against 71.11 GiB mocked on an H200 scheduled against the
 # H100's memory (+8.5%), 1,024 x H100 +6.8%, the 128 x H200 recipe +7.0%, the 1-GPU proxy +0.4%
-# (2026-12-01, BENCHMARKS.md sessions 9-10). A compile-only verdict inside this margin is marginal.
+# (2026-12-01; BENCHMARKS.md "Compile proofs (mocked topology)"). A compile-only verdict inside this margin is marginal.
 COMPILE_ONLY_SHORTFALL = 0.09
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
