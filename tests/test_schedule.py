@@ -314,3 +314,19 @@ def test_bubble_and_fp8_and_opaque_kernels():
     _estimate(mosaic, bubble_fraction=1.0)
   with pytest.raises(ValueError, match="moe_fp8"):
     schedule.estimate(textwrap.dedent(mosaic), hardware.GPUS["b200"], MESH, ONE_NODE, fp8_experts=True)
+
+
+def test_the_honesty_check_reads_the_plan_and_bench_train_and_judges_at_the_tolerance():
+  """tools/estimate_check.py: the planner's JSON estimate against bench_train.py's median step (its own keys)."""
+  from conftest import load_script
+
+  load_script("profile_breakdown", "tools/profile_breakdown.py")
+  load_script("bench_train", "tools/bench_train.py")
+  check = load_script("estimate_check", "tools/estimate_check.py")
+  plan = {"estimate": {"step_s": 0.85}, "memory": {"device_total": 82 * 2**30}}
+  bench = {"rows": [{"variant": "ours", "median_step_time_s": 0.774, "peak_device_memory_gib": 82.1}]}
+  passed, line = check.verdict(plan, bench, 0.10)
+  assert passed and line.startswith("PASS: estimated 850.0 ms / measured 774.0 ms (ours, median) = 1.098")
+  assert "memory 82.00 GiB (compiler) / 82.10 GiB (peak)" in line
+  passed, line = check.verdict({**plan, "estimate": {"step_s": 0.68}}, bench, 0.10)
+  assert not passed and line.startswith("FAIL") and "= 0.879" in line  # the estimate before this module: 0.88
