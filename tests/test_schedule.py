@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from MaxText.plan import hardware, schedule
+from MaxText.plan import hardware, op_cost, schedule
 from MaxText.plan.hardware import Figure
 
 GPU = dataclasses.replace(
@@ -262,12 +262,12 @@ def test_a_fusion_reads_its_operands_and_writes_its_output_at_hbm_rate():
 
 
 def test_grouped_gemm_and_attention_flops_from_their_shapes():
-  gmm = schedule.grouped_gemm_flops([[("s32", (32,))], [("bf16", (1024, 256))], [("bf16", (8, 256, 128))]],
+  gmm = op_cost.grouped_gemm_flops([[("s32", (32,))], [("bf16", (1024, 256))], [("bf16", (8, 256, 128))]],
                                     [("bf16", (1024, 128))])
-  tgmm = schedule.grouped_gemm_flops([[("bf16", (1024, 128))], [("bf16", (1024, 256))]], [("bf16", (8, 128, 256))])
-  fp8_tgmm = schedule.grouped_gemm_flops([[("f8e4m3fn", (12, 256, 128))], [("f32", (12, 256))],
+  tgmm = op_cost.grouped_gemm_flops([[("bf16", (1024, 128))], [("bf16", (1024, 256))]], [("bf16", (8, 128, 256))])
+  fp8_tgmm = op_cost.grouped_gemm_flops([[("f8e4m3fn", (12, 256, 128))], [("f32", (12, 256))],
                                           [("f8e4m3fn", (12, 128, 128))], [("f32", (12, 128))]], [("bf16", (8, 256, 128))])
-  quantize = schedule.grouped_gemm_flops([[("bf16", (512, 128))]], [("f8e4m3fn", (512, 128)), ("f32", (1, 512))])
+  quantize = op_cost.grouped_gemm_flops([[("bf16", (512, 128))]], [("f8e4m3fn", (512, 128)), ("f32", (1, 512))])
   assert (gmm, tgmm, fp8_tgmm, quantize) == (2 * 1024 * 256 * 128, 2 * 1024 * 128 * 256, 2 * 12 * 128 * 256 * 128, 0)
   attention = """\
       HloModule m

@@ -4,14 +4,14 @@ put between its start and its done (MaxText/plan/planner.py prints the terms; al
 
   terms = schedule.estimate(hlo_text, hardware.GPUS["h200"], mesh_shape={"fsdp": 8}, nodes=[0] * 8)
 
-Each op's cost (the rates are MaxText/plan/hardware.py's, each with its source):
+Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/hardware.py's, each with its source):
   GEMM         dots, convolutions, cuBLAS custom calls, fusions holding a dot (Triton/cuBLAS/cuDNN GEMM
                fusions), our Mosaic GPU grouped GEMMs: FLOPs at the dense GEMM rate (with FP8 experts,
-               the grouped GEMMs at the FP8 grouped rate)
+               the grouped GEMMs at the FP8 grouped rate, whose measurement includes the quantization
+               passes that are also costed as memory-bound: an upper bound by a few ms)
   attention    cuDNN flash attention: FLOPs from Q, K, V and the mask, at its own rate
   memory-bound every other fusion and op (norms, softmax, routing, optimizer, elementwise, copies,
-               gathers): bytes read and written at XLA's HBM rate. A parameter a fusion only slices is
-               read for the slice; a buffer updated in place (dynamic-update-slice, scatter) costs the update
+               gathers): bytes read and written at XLA's HBM rate
   collectives  wire bytes (hlo_inventory.collective) at their link's rate; host offload copies at PCIe's
 The walk, a critical path: ops on the compute stream run one after another in schedule order. An async
 collective (`*-start`/`*-done`, or `async-start` wrapping one) runs on its link's stream from its start,
@@ -34,18 +34,12 @@ import re
 import sys
 from typing import Any
 
-from MaxText.plan import hardware, hlo_inventory
-from MaxText.plan.hlo_inventory import Computation, Instr, arrays, nbytes
+from MaxText.plan import hardware, hlo_inventory, op_cost
+from MaxText.plan.hlo_inventory import Computation, Instr, nbytes
 
 # Ops that move no bytes of their own: structure, aliases, and the waits handled by the walk.
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "add-dependency", "opt-barrier",
         "partition-id", "replica-id", "domain", "copy-done", "fusion-done", "async-done", "async-update"}
-_SLICING = {"dynamic-slice", "slice", "gather"}  # read only the part they return
-_IN_PLACE = {"dynamic-update-slice", "scatter"}  # write only the update into operand 0's buffer
-# Custom calls read as GEMMs or attention, or known to be memory-bound; any other (a Triton kernel, Transformer
-# Engine's) is opaque: costed by its bytes, and the FLOPs the HLO does not show are added (estimate's counted_flops).
-_READ_TARGETS = re.compile(r"cublas|__cudnn\$fmha|mosaic_gpu|cub|[Ss]ort|callback|Sharding|SPMD|AllocateBuffer|"
-                           r"SliceToDynamic|PadToStatic|Host")
 RowKey = tuple[str, tuple[str, ...], bool]  # (kind, mesh axes, crosses nodes), as hlo_inventory's rows
 
 
@@ -301,16 +295,20 @@ class _Walk:
     """("gemm_s" | "fp8_gemm_s" | "attention_s" | "memory_s", FLOPs or bytes) of one op on the stream."""
     target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
     if instr.opcode == "custom-call" and target and target[1].startswith("__cudnn$fmha"):
-      return "attention_s", attention_flops(instr, comp)
-    if instr.opcode == "custom-call" and target and not _READ_TARGETS.search(target[1]):
-      self.opaque.add(target[1])
+      return "attention_s", op_cost.attention_flops(instr, comp)
+    self._note_opaque(instr)
     called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs) if instr.opcode in ("fusion", "fusion-start") else []
-    flops, grouped = (self._gemm_flops(called[0]) if called else _gemm_flops_of(instr, comp))
+    flops, grouped = (self._gemm_flops(called[0]) if called else op_cost.gemm_flops_of(instr, comp))
     if flops:
       return ("fp8_gemm_s" if grouped and self.fp8 else "gemm_s"), flops
     if called:
       return "memory_s", self._fusion_bytes(instr, comp, self.comps[called[0]])
-    return "memory_s", _op_bytes(instr, comp)
+    return "memory_s", op_cost.op_bytes(instr, comp)
+
+  def _note_opaque(self, instr: Instr) -> None:
+    target = re.search(r'custom_call_target="([^"]+)"', instr.attrs) if instr.opcode == "custom-call" else None
+    if target and not op_cost.READ_TARGETS.search(target[1]):
+      self.opaque.add(target[1])
 
   def _gemm_flops(self, name: str) -> tuple[float, bool]:
     """FLOPs of the dots and GEMM calls inside a fused computation (and fusions nested in it); and whether
@@ -318,7 +316,8 @@ class _Walk:
     if name not in self.gemm_cache:
       comp, total, grouped = self.comps[name], 0.0, False
       for i in comp.instrs:
-        flops, is_grouped = _gemm_flops_of(i, comp)
+        self._note_opaque(i)
+        flops, is_grouped = op_cost.gemm_flops_of(i, comp)
         if i.opcode == "fusion":
           flops, is_grouped = self._gemm_flops(re.search(r"calls=%?([\w.\-]+)", i.attrs)[1])
         total, grouped = total + flops, grouped or is_grouped
@@ -328,127 +327,13 @@ class _Walk:
   def _fusion_bytes(self, instr: Instr, comp: Computation, fused: Computation) -> float:
     """Bytes a memory-bound fusion reads (its operands, or the slices it takes of them) and writes (its
     output, or the update it writes in place)."""
-    users = _users(fused)
+    uses = op_cost.users_of(fused)
     params = {self.param_index.get((fused.name, i.name)): i.name for i in fused.instrs if i.opcode == "parameter"}
     read = 0.0
     for index, operand in enumerate(instr.operands):
       full = nbytes(comp.shapes.get(operand, ""))
-      read += min(full, _read_bytes(params[index], fused, users)) if index in params else full
-    return read + _written_bytes(self.roots[fused.name], fused)
-
-
-# --- per-op rules (no walk state) --------------------------------------------------------------
-
-
-def _users(comp: Computation) -> dict[str, list[Instr]]:
-  users: dict[str, list[Instr]] = {}
-  for i in comp.instrs:
-    for o in i.operands:
-      users.setdefault(o, []).append(i)
-  return users
-
-
-def _read_bytes(value: str, comp: Computation, users: dict[str, list[Instr]]) -> float:
-  """Bytes a fused computation reads of `value`: the slices its slicing users take, nothing for a buffer
-  updated in place, all of it otherwise (through bitcasts)."""
-  full = nbytes(comp.shapes.get(value, ""))
-  total = 0.0
-  for user in users.get(value, []):
-    if user.opcode == "bitcast":
-      total += _read_bytes(user.name, comp, users)
-    elif user.opcode in _SLICING and user.operands[0] == value:
-      total += nbytes(user.type_text)
-    elif user.opcode in _IN_PLACE and user.operands[0] == value:
-      continue
-    else:
-      return full
-  return min(full, total)
-
-
-def _written_bytes(root: Instr, comp: Computation) -> float:
-  if root.opcode == "tuple":
-    by_name = {i.name: i for i in comp.instrs}
-    return sum(_written_bytes(by_name[o], comp) if o in by_name else nbytes(comp.shapes.get(o, ""))
-               for o in root.operands)
-  if root.opcode == "dynamic-update-slice":
-    return nbytes(comp.shapes.get(root.operands[1], ""))
-  if root.opcode == "scatter":
-    return nbytes(comp.shapes.get(root.operands[-1], ""))
-  if root.opcode == "bitcast":
-    inner = next((i for i in comp.instrs if i.name == root.operands[0]), None)
-    return _written_bytes(inner, comp) if inner is not None else nbytes(root.type_text)
-  return nbytes(root.type_text)
-
-
-def _op_bytes(instr: Instr, comp: Computation) -> float:
-  """Bytes an unfused op reads and writes (slices read what they return, in-place updates their update)."""
-  out = nbytes(instr.type_text)
-  operands = [nbytes(comp.shapes.get(o, "")) for o in instr.operands]
-  if instr.opcode in _SLICING:
-    return 2 * out + sum(operands[1:])
-  if instr.opcode in _IN_PLACE:
-    return 2 * operands[-1] + sum(operands[1:-1])
-  return out + sum(operands)
-
-
-def _gemm_flops_of(instr: Instr, comp: Computation) -> tuple[float, bool]:
-  """(FLOPs, is our grouped GEMM) of one unfused instruction; (0, False) for anything but a GEMM."""
-  if instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
-    return hlo_inventory._dot_flops(instr, comp), False  # pylint: disable=protected-access
-  if instr.opcode == "convolution":
-    return convolution_flops(instr, comp), False
-  if instr.opcode == "custom-call" and 'custom_call_target="mosaic_gpu' in instr.attrs:
-    flops = grouped_gemm_flops([arrays(comp.shapes.get(o, "")) for o in instr.operands], arrays(instr.type_text))
-    return flops, flops > 0
-  return 0.0, False
-
-
-def convolution_flops(instr: Instr, comp: Computation) -> float:
-  """2 x output elements x (kernel elements / output features)."""
-  labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-  out, kernel = arrays(instr.type_text), arrays(comp.shapes.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
-  if not out or not kernel or not labels or "o" not in labels[1]:
-    return 0.0
-  return 2.0 * math.prod(out[0][1]) * math.prod(kernel[0][1]) / kernel[0][1][labels[1].index("o")]
-
-
-def grouped_gemm_flops(operands: list[list[tuple[str, tuple[int, ...]]]], outputs: list[tuple[str, tuple[int, ...]]]) -> float:
-  """FLOPs of a Mosaic GPU kernel if its shapes are one of our grouped GEMMs' (MaxText/moe/gmm/mgpu/), else 0
-  (a quantization kernel: memory-bound). Data operands are bf16 or e4m3 (f32 ones are FP8 scales):
-    gmm         x [M, K] and w [G, K, N] (or [G, N, K]) -> [M, N]
-    tgmm (dW)   x [M, K] and dy [M, N] -> [G, K, N]; in FP8 as P blocks of r rows, [P, K, r] and [P, N, r]
-  all 2 M K N: every row meets one group's weights (M = P r)."""
-  data = [s for arr in operands for d, s in arr if len(s) in (2, 3) and d.startswith(("bf16", "f16", "f8"))]
-  if not outputs:
-    return 0.0
-  out = outputs[0][1]
-  if len(out) == 2:
-    m, n = out
-    for x in (s for s in data if len(s) == 2 and s[0] == m):
-      if any(len(w) == 3 and x[1] in w[1:] and n in w[1:] and x[1] * n == w[1] * w[2] for w in data):
-        return 2.0 * m * x[1] * n
-  if len(out) == 3:
-    _, a, b = out
-    for x in data:
-      for dy in data:
-        if x is not dy and len(x) == len(dy) and x[0] == dy[0] and (x[1], dy[1]) == (a, b) and x[2:] == dy[2:]:
-          return 2.0 * (math.prod(x) // a) * a * b  # M = x[0] (2-D) or P r (blocks)
-  return 0.0
-
-
-def attention_flops(instr: Instr, comp: Computation) -> float:
-  """cuDNN flash attention: 2 B H Sq Sk (Dqk + Dv) forward; the backward recomputes QK^T and forms dV, dP,
-  dQ, dK: 2 B H Sq Sk (3 Dqk + 2 Dv). A causal mask halves both."""
-  scores = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', instr.attrs)
-  q = arrays(comp.shapes.get(instr.operands[0], "")) if instr.operands else []
-  v = arrays(comp.shapes.get(instr.operands[2], "")) if len(instr.operands) > 2 else []
-  if not scores or not q or not v:
-    return 0.0
-  b, h, sq, sk = (int(x.strip().strip('"')) for x in scores[1].split(","))
-  d_qk, d_v = math.prod(q[0][1]) // (b * h * sq), math.prod(v[0][1]) // (b * h * sk)  # Q [B, Sq, H, Dqk], V [B, Sk, H, Dv]
-  per_dim = 2.0 * b * h * sq * sk * (0.5 if '"mask_type": "CAUSAL"' in instr.attrs.replace('":"', '": "') else 1.0)
-  backward = "Backward" in instr.attrs.split("custom_call_target=")[1][:40]
-  return per_dim * ((3 * d_qk + 2 * d_v) if backward else (d_qk + d_v))
+      read += min(full, op_cost.read_bytes(params[index], fused, uses)) if index in params else full
+    return read + op_cost.written_bytes(self.roots[fused.name], fused)
 
 
 # --- the estimate --------------------------------------------------------------------------------
