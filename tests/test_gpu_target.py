@@ -105,13 +105,15 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
   e = r["estimate"]
   assert all(e[k] >= 0 for k in ("gemm_s", "fp8_gemm_s", "attention_s", "hidden_flops_s", "memory_s", "collectives_s",
-                                 "exposed_collectives_s", "overlapped_collectives_s", "bubble_s"))
+                                 "exposed_collectives_s", "overlapped_collectives_s", "offload_s", "bubble_s"))
   assert e["gemm_s"] > 0 and e["memory_s"] > 0 and e["memory_bytes"] > 0 and e["kernels"] > 100
   assert e["compute_s"] == pytest.approx(e["gemm_s"] + e["fp8_gemm_s"] + e["attention_s"] + e["hidden_flops_s"])
   assert e["collectives_s"] == pytest.approx(e["exposed_collectives_s"] + e["overlapped_collectives_s"])
   assert e["overlapped_collectives_s"] > 0 and e["exposed_collectives_s"] > 0  # some hidden behind work, some not
-  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["exposed_collectives_s"])  # no bubble
-  assert e["step_s"] < e["serial_step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["collectives_s"])
+  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["exposed_collectives_s"]
+                                      + e["offload_exposed_s"])  # no bubble
+  assert e["step_s"] < e["serial_step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["collectives_s"]
+                                                           + e["offload_s"])
   assert sum(c["seconds"] for c in r["collectives"]) == pytest.approx(e["collectives_s"])
   assert sum(c["exposed_s"] for c in r["collectives"]) == pytest.approx(e["exposed_collectives_s"])
   assert all(0 <= c["exposed_s"] <= c["seconds"] * (1 + 1e-9) for c in r["collectives"])

@@ -330,3 +330,40 @@ def test_the_honesty_check_reads_the_plan_and_bench_train_and_judges_at_the_tole
   assert "memory 82.00 GiB (compiler) / 82.10 GiB (peak)" in line
   passed, line = check.verdict({**plan, "estimate": {"step_s": 0.68}}, bench, 0.10)
   assert not passed and line.startswith("FAIL") and "= 0.879" in line  # the estimate before this module: 0.88
+
+
+def test_padded_grouped_gemm_buffers_are_scaled_to_the_routed_rows_and_host_copies_go_over_pcie():
+  """a2a_padded's receive buffer holds the worst case: our kernels multiply only the rows the group sizes hold,
+  so the grouped GEMMs come down to the routed experts' count. An async fusion writing into host memory (S(5),
+  the layer scan's offloaded activations) is a PCIe copy beside the stream, hidden by the GEMM after it."""
+  text = """\
+      HloModule m, is_scheduled=true
+
+      %offload (buf: f32[8,1024], row: f32[1,1024], k: s32[]) -> f32[8,1024] {
+        %buf = f32[8,1024]{1,0:S(5)} parameter(0)
+        %row = f32[1,1024]{1,0} parameter(1)
+        %k = s32[] parameter(2)
+        %zero = s32[] constant(0)
+        ROOT %dus = f32[8,1024]{1,0:S(5)} dynamic-update-slice(%buf, %row, %k, %zero)
+      }
+
+      ENTRY %main (x: bf16[1024,256], w: bf16[8,256,128], s: s32[8], buf: f32[8,1024], row: f32[1,1024], k: s32[]) -> f32[8,1024] {
+        %x = bf16[1024,256]{1,0} parameter(0)
+        %w = bf16[8,256,128]{2,1,0} parameter(1)
+        %s = s32[8]{0} parameter(2)
+        %buf = f32[8,1024]{1,0:S(5)} parameter(3)
+        %row = f32[1,1024]{1,0} parameter(4)
+        %k = s32[] parameter(5)
+        %put = ((f32[8,1024]{1,0:S(5)}, f32[1,1024]{1,0}, s32[]), f32[8,1024]{1,0:S(5)}, u32[]) fusion-start(%buf, %row, %k), kind=kLoop, calls=%offload
+        %g = bf16[1024,128]{1,0} custom-call(%s, %x, %w), custom_call_target="mosaic_gpu_v2"
+        ROOT %done = f32[8,1024]{1,0:S(5)} fusion-done(%put)
+      }
+      """
+  flops = 2 * 1024 * 256 * 128
+  t = _estimate(text, routed_flops=flops / 2)
+  assert t.counts["grouped_flops"] == flops / 2 and t.gemm_s == pytest.approx(flops / 2 / 1e10)
+  assert "1.5x" not in t.notes[0] and "2x the routed rows" in t.notes[0]
+  assert (t.offload_s, t.offload_exposed_s, t.memory_s) == (pytest.approx(4096 / 0.25e9), 0.0, 0.0)
+  assert t.rows[("host-offload", (), False)][2] == 1 and t.collectives_s == 0
+  assert t.step_s == pytest.approx(flops / 2 / 1e10)
+  assert _estimate(text, routed_flops=2 * flops).counts["grouped_flops"] == flops  # never scaled up

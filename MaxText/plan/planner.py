@@ -182,7 +182,8 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
   model_flops, recompute = child["model_tflops_per_device"] * 1e12, child.get("recompute_flops", 0.0)
   bubble_fraction = 0.0  # a pipeline's (stages - 1) / (repeats x microbatches + stages - 1)
   terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
-                            counted_flops=model_flops + recompute, bubble_fraction=bubble_fraction)
+                            counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
+                            bubble_fraction=bubble_fraction)
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None

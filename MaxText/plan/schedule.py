@@ -48,16 +48,18 @@ class Terms:
   """Seconds and counts per step, summed over the walk.
 
   Attributes:
-    seconds: gemm_s, fp8_gemm_s, attention_s, memory_s, collectives_s (every transfer's time),
-      exposed_s (what the stream waited for them), hidden_flops_s (FLOPs the HLO hides, see estimate).
-    counts: gemm_flops, fp8_flops, attention_flops, memory_bytes, kernels (ops with a cost).
-    rows: per collective row key: [seconds, exposed seconds, count].
+    seconds: gemm_s, fp8_gemm_s, attention_s, memory_s, collectives_s (every collective's transfer time),
+      exposed_s (what the stream waited for them), offload_s and offload_exposed_s (host offload's copies).
+    counts: gemm_flops, fp8_flops (of them, grouped_flops: our grouped GEMMs'), attention_flops,
+      memory_bytes, kernels (ops with a cost).
+    rows: per collective row key (and ("host-offload", (), False)): [seconds, exposed seconds, count].
   """
 
   seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
-      ("gemm_s", "fp8_gemm_s", "attention_s", "memory_s", "collectives_s", "exposed_s", "hidden_flops_s"), 0.0))
+      ("gemm_s", "fp8_gemm_s", "attention_s", "memory_s", "collectives_s", "exposed_s", "offload_s",
+       "offload_exposed_s"), 0.0))
   counts: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
-      ("gemm_flops", "fp8_flops", "attention_flops", "memory_bytes", "kernels"), 0.0))
+      ("gemm_flops", "fp8_flops", "grouped_flops", "attention_flops", "memory_bytes", "kernels"), 0.0))
   rows: dict[RowKey, list[float]] = dataclasses.field(default_factory=dict)
 
   def add_scaled(self, later: Terms, earlier: Terms, times: int) -> None:
@@ -98,9 +100,11 @@ class _State:
 class _Walk:
   """One module's walk (see the module docstring); `run` returns the entry's terms and critical path."""
 
-  def __init__(self, text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool):
+  def __init__(self, text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool,
+               grouped_scale: float = 1.0):
     self.comps, self.entry = hlo_inventory.parse_module(text)
     self.gpu, self.mesh_shape, self.nodes, self.fp8 = gpu, mesh_shape, nodes, fp8_experts
+    self.grouped_scale = grouped_scale  # our grouped GEMMs' rows that hold tokens, of their buffers' (see estimate)
     # What hlo_inventory's parse leaves out, per computation: integer scalar constants, parameter numbers, roots.
     self.constants: dict[tuple[str, str], int] = {}
     self.param_index: dict[tuple[str, str], int] = {}
@@ -118,7 +122,7 @@ class _Walk:
           roots[current] = m[2]
     self.roots = {c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
                   for c in self.comps.values()}
-    self.gemm_cache: dict[str, tuple[float, bool]] = {}
+    self.gemm_cache: dict[str, tuple[float, float]] = {}
     self.opaque: set[str] = set()  # custom-call targets whose FLOPs the walk cannot read
     self.started: set[str] = set()  # every collective start seen, those that move nothing included
     self.notes: set[str] = set()
@@ -159,7 +163,7 @@ class _Walk:
         self.walk(re.search(r"to_apply=%?([\w.\-]+)", instr.attrs)[1], state, None)
       elif (inner := self._collective_of(instr)) is not None:
         self._transfer(instr, inner, state)
-      elif op == "copy-start" and "S(5)" in instr.type_text:  # host offload: over PCIe, beside the stream
+      elif op in ("copy-start", "fusion-start") and "S(5)" in instr.type_text:  # host offload: PCIe, beside the stream
         self._host_copy(instr, state)
       elif op == "async-start":
         for called in re.findall(r"calls=%?([\w.\-]+)", instr.attrs):
@@ -170,7 +174,8 @@ class _Walk:
     return state.tuples.get(root.name, {}) if root is not None else {}
 
   def _compute(self, instr: Instr, comp: Computation, state: _State) -> None:
-    kind, amount = self._cost(instr, comp)
+    kind, amount, grouped = self._cost(instr, comp)
+    state.terms.counts["grouped_flops"] += grouped
     rate = {"gemm_s": self.gpu.gemm_flops, "attention_s": self.gpu.attention_flops,
             "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
     seconds = amount / rate
@@ -203,7 +208,14 @@ class _Walk:
     self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
 
   def _host_copy(self, instr: Instr, state: _State) -> None:
-    moved = max((nbytes(t) for t in re.findall(r"[a-z0-9]+\[[\d,]*\]\{[^}]*S\(5\)[^}]*\}", instr.type_text)), default=0.0)
+    """A copy to or from host memory (memory space S(5)): a whole array (copy-start), or the slice an async
+    fusion reads from or writes into a host buffer (the layer scan's offloaded activations)."""
+    self.started.add(instr.name)
+    if instr.opcode == "fusion-start":
+      fused = self.comps[re.search(r"calls=%?([\w.\-]+)", instr.attrs)[1]]
+      moved = op_cost.written_bytes(self.roots[fused.name], fused)
+    else:
+      moved = max((nbytes(t) for t in re.findall(r"[a-z0-9]+\[[\d,]*\]\{[^}]*S\(5\)[^}]*\}", instr.type_text)), default=0.0)
     self._start(instr, state, ("host-offload", (), False), "host", moved / self.gpu.host_bytes.value, asynchronous=True)
 
   def _start(self, instr: Instr, state: _State, key: RowKey, link: str, seconds: float, asynchronous: bool) -> None:
@@ -213,7 +225,7 @@ class _Walk:
     row = state.terms.rows.setdefault(key, [0.0, 0.0, 0.0])
     row[0] += seconds
     row[2] += 1
-    state.terms.seconds["collectives_s"] += seconds
+    state.terms.seconds["offload_s" if link == "host" else "collectives_s"] += seconds
     if asynchronous:
       state.pending[instr.name] = transfer
     else:
@@ -230,7 +242,7 @@ class _Walk:
     state.pending = {k: t for k, t in state.pending.items() if t != transfer}  # every name it went by
     waited = max(0.0, transfer.finish - state.clock)
     state.clock += waited
-    state.terms.seconds["exposed_s"] += waited
+    state.terms.seconds["offload_exposed_s" if transfer.key[0] == "host-offload" else "exposed_s"] += waited
     state.terms.rows[transfer.key][1] += waited
 
   def _loop(self, instr: Instr, state: _State) -> None:
@@ -291,37 +303,45 @@ class _Walk:
 
   # --- one op's cost ----------------------------------------------------------------------
 
-  def _cost(self, instr: Instr, comp: Computation) -> tuple[str, float]:
-    """("gemm_s" | "fp8_gemm_s" | "attention_s" | "memory_s", FLOPs or bytes) of one op on the stream."""
+  def _cost(self, instr: Instr, comp: Computation) -> tuple[str, float, float]:
+    """("gemm_s" | "fp8_gemm_s" | "attention_s" | "memory_s", FLOPs or bytes, of the FLOPs our grouped GEMMs')
+    of one op on the stream."""
     target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
     if instr.opcode == "custom-call" and target and target[1].startswith("__cudnn$fmha"):
-      return "attention_s", op_cost.attention_flops(instr, comp)
+      return "attention_s", op_cost.attention_flops(instr, comp), 0.0
     self._note_opaque(instr)
     called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs) if instr.opcode in ("fusion", "fusion-start") else []
-    flops, grouped = (self._gemm_flops(called[0]) if called else op_cost.gemm_flops_of(instr, comp))
-    if flops:
-      return ("fp8_gemm_s" if grouped and self.fp8 else "gemm_s"), flops
     if called:
-      return "memory_s", self._fusion_bytes(instr, comp, self.comps[called[0]])
-    return "memory_s", op_cost.op_bytes(instr, comp)
+      other, grouped = self._gemm_flops(called[0])
+    else:
+      flops, is_grouped = op_cost.gemm_flops_of(instr, comp)
+      other, grouped = (0.0, flops) if is_grouped else (flops, 0.0)
+    grouped *= self.grouped_scale
+    if other or grouped:
+      return ("fp8_gemm_s" if grouped and self.fp8 else "gemm_s"), other + grouped, grouped
+    if called:
+      return "memory_s", self._fusion_bytes(instr, comp, self.comps[called[0]]), 0.0
+    return "memory_s", op_cost.op_bytes(instr, comp), 0.0
 
   def _note_opaque(self, instr: Instr) -> None:
     target = re.search(r'custom_call_target="([^"]+)"', instr.attrs) if instr.opcode == "custom-call" else None
     if target and not op_cost.READ_TARGETS.search(target[1]):
       self.opaque.add(target[1])
 
-  def _gemm_flops(self, name: str) -> tuple[float, bool]:
-    """FLOPs of the dots and GEMM calls inside a fused computation (and fusions nested in it); and whether
-    one of them is our grouped GEMM."""
+  def _gemm_flops(self, name: str) -> tuple[float, float]:
+    """FLOPs of the dots and GEMM calls inside a fused computation (and fusions nested in it): (others, our
+    grouped GEMMs')."""
     if name not in self.gemm_cache:
-      comp, total, grouped = self.comps[name], 0.0, False
+      comp, other, grouped = self.comps[name], 0.0, 0.0
       for i in comp.instrs:
         self._note_opaque(i)
-        flops, is_grouped = op_cost.gemm_flops_of(i, comp)
         if i.opcode == "fusion":
-          flops, is_grouped = self._gemm_flops(re.search(r"calls=%?([\w.\-]+)", i.attrs)[1])
-        total, grouped = total + flops, grouped or is_grouped
-      self.gemm_cache[name] = (total, grouped)
+          inner = self._gemm_flops(re.search(r"calls=%?([\w.\-]+)", i.attrs)[1])
+          other, grouped = other + inner[0], grouped + inner[1]
+          continue
+        flops, is_grouped = op_cost.gemm_flops_of(i, comp)
+        other, grouped = (other, grouped + flops) if is_grouped else (other + flops, grouped)
+      self.gemm_cache[name] = (other, grouped)
     return self.gemm_cache[name]
 
   def _fusion_bytes(self, instr: Instr, comp: Computation, fused: Computation) -> float:
@@ -344,9 +364,9 @@ class StepTerms:
   """One step by its schedule (seconds unless named otherwise).
 
   compute_s = gemm_s + fp8_gemm_s + attention_s + hidden_flops_s; memory_s: memory-bound ops;
-  collectives_s = exposed_s + overlapped_s; path_s: the critical path; bubble_s = path_s b / (1 - b);
-  step_s = path_s + bubble_s. path_s >= compute_s + memory_s + exposed_s, equal unless a transfer
-  outlived the stream's last op (counted exposed)."""
+  collectives_s = exposed_s + overlapped_s, and host offload's copies apart (offload_s, offload_exposed_s);
+  path_s, the critical path, = compute_s + memory_s + exposed_s + offload_exposed_s (a transfer that
+  outlives the stream's last op is exposed); bubble_s = path_s b / (1 - b); step_s = path_s + bubble_s."""
 
   gemm_s: float
   fp8_gemm_s: float
@@ -355,6 +375,8 @@ class StepTerms:
   memory_s: float
   collectives_s: float
   exposed_s: float
+  offload_s: float
+  offload_exposed_s: float
   path_s: float
   bubble_s: float
   counts: dict[str, float]
@@ -375,7 +397,7 @@ class StepTerms:
 
 
 def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool = False,
-             counted_flops: float = 0.0, bubble_fraction: float = 0.0) -> StepTerms:
+             counted_flops: float = 0.0, routed_flops: float = 0.0, bubble_fraction: float = 0.0) -> StepTerms:
   """The step's terms from its scheduled HLO text (see the module docstring).
 
   counted_flops: what the step multiplies by MaxText's count (plus the remat policy's recompute). Only where
@@ -383,6 +405,10 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
   count has beyond the HLO's GEMMs and attention run at the GEMM rate after the stream (`hidden_flops_s`).
   Otherwise the HLO's count stands: it is what runs (the proxy's is 424 T against MaxText's 441 T, whose
   recompute includes a dense layer's forward that XLA does not run twice).
+  routed_flops: the routed experts' GEMM FLOPs per device by the config (hardware.routed_expert_flops, routing
+  balanced). Our grouped GEMMs multiply only the rows their group sizes hold; where their buffers are padded
+  (a2a_padded's receive buffer holds the worst case), their shapes overcount, and every grouped GEMM is
+  scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways.)
   bubble_fraction: a pipeline's idle share of the step, (stages - 1) / (repeats x microbatches + stages - 1).
   """
   if not 0.0 <= bubble_fraction < 1.0:
@@ -391,6 +417,12 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
     raise ValueError(f"moe_fp8: no FP8 grouped-GEMM rate for the {gpu.name} (its kernel is Hopper's)")
   walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts)
   state, path = walk.run()
+  shapes_flops = state.terms.counts["grouped_flops"]
+  if routed_flops and shapes_flops > routed_flops:
+    walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=routed_flops / shapes_flops)
+    state, path = walk.run()
+    walk.notes.add(f"our grouped GEMMs' buffers hold {shapes_flops / routed_flops:.3g}x the routed rows (padding): "
+                   f"their FLOPs scaled to the routed experts' {routed_flops / 1e12:.4g} T")
   s, c = state.terms.seconds, state.terms.counts
   seen = c["gemm_flops"] + c["fp8_flops"] + c["attention_flops"]
   hidden = max(0.0, counted_flops - seen) / gpu.gemm_flops.value if walk.opaque else 0.0
@@ -399,7 +431,8 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
                    "and MaxText's FLOPs beyond the HLO's at the GEMM rate")
   path += hidden
   return StepTerms(gemm_s=s["gemm_s"], fp8_gemm_s=s["fp8_gemm_s"], attention_s=s["attention_s"], hidden_flops_s=hidden,
-                   memory_s=s["memory_s"], collectives_s=s["collectives_s"], exposed_s=s["exposed_s"], path_s=path,
+                   memory_s=s["memory_s"], collectives_s=s["collectives_s"], exposed_s=s["exposed_s"],
+                   offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
                    bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
                    rows=state.terms.rows, notes=sorted(walk.notes))
 
@@ -410,10 +443,11 @@ def report(t: StepTerms, model_flops: float, recompute_flops: float, bubble_frac
       "step_s": t.step_s, "critical_path_s": t.path_s, "compute_s": t.compute_s, "gemm_s": t.gemm_s,
       "fp8_gemm_s": t.fp8_gemm_s, "attention_s": t.attention_s, "hidden_flops_s": t.hidden_flops_s,
       "memory_s": t.memory_s, "collectives_s": t.collectives_s, "exposed_collectives_s": t.exposed_s,
-      "overlapped_collectives_s": t.overlapped_s, "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
-      "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.bubble_s,
+      "overlapped_collectives_s": t.overlapped_s, "offload_s": t.offload_s, "offload_exposed_s": t.offload_exposed_s,
+      "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
+      "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.offload_s + t.bubble_s,
       "flops_per_device": t.counts["gemm_flops"] + t.counts["fp8_flops"] + t.counts["attention_flops"],
-      "gemm_flops": t.counts["gemm_flops"], "fp8_flops": t.counts["fp8_flops"],
+      "gemm_flops": t.counts["gemm_flops"], "fp8_flops": t.counts["fp8_flops"], "grouped_flops": t.counts["grouped_flops"],
       "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
       "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
       "recompute_flops": recompute_flops, "notes": t.notes,
@@ -436,6 +470,8 @@ def report_lines(e: dict[str, Any]) -> list[str]:
       f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
       f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
       f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
+      *([f"  host offload    {ms(e['offload_s'])}  exposed {e['offload_exposed_s'] * 1e3:.2f} (PCIe, beside the stream)"]
+        if e["offload_s"] else []),
       f"  pipeline bubble {ms(e['bubble_s'])}  (bubble fraction {e['bubble_fraction']:.3g})",
       f"  nothing overlapped {e['serial_step_s'] * 1e3:.2f} ms; FLOPs/device: the HLO's {e['flops_per_device'] / 1e12:.4g} T, "
       f"MaxText's count {e['model_tflops_per_device']:.4g} T + recompute {e['recompute_flops'] / 1e12:.4g} T",
