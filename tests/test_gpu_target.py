@@ -117,7 +117,10 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert sum(c["seconds"] for c in r["collectives"]) == pytest.approx(e["collectives_s"])
   assert sum(c["exposed_s"] for c in r["collectives"]) == pytest.approx(e["exposed_collectives_s"])
   assert all(0 <= c["exposed_s"] <= c["seconds"] * (1 + 1e-9) for c in r["collectives"])
-  assert e["tflops_per_gpu"] == pytest.approx(e["model_tflops_per_device"] / e["step_s"]) and not e["notes"]
+  assert e["tflops_per_gpu"] == pytest.approx(e["model_tflops_per_device"] / e["step_s"])
+  # a2a_padded's receive buffers hold the worst case (1,024 rows for 512 routed ones here) and the kernels' tiles pad
+  # the tiny widths (an expert's 32 to 128): the grouped GEMMs come down to the routed experts' FLOPs.
+  assert [n.split(" (")[0] for n in e["notes"]] == ["our grouped GEMMs' shapes hold 16x the routed experts' FLOPs"]
   assert "critical path through the scheduled step" in out.stdout and "memory-bound" in out.stdout
 
 

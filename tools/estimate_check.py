@@ -4,10 +4,12 @@ tools/bench_train.py, in one invocation on the GPU machine (target: within 10%).
 
   python3 tools/estimate_check.py --out outputs/estimate_check                 # on one H200: plan, then measure
   python3 tools/estimate_check.py --plan-only --target-gpu h200 --out DIR      # anywhere: the plan alone
+  python3 tools/estimate_check.py --config configs/bench/proxy-2xh200-ep2.yml   # on two H200s: the EP=2 proxy
 
-1. `python -m MaxText.plan configs/bench/proxy-1xh200.yml <the variant's overrides> --json DIR/plan.json`: on a GPU
+1. `python -m MaxText.plan <--config> <the variant's overrides> --json DIR/plan.json`: on a GPU
    machine compiled for its own GPU; with --target-gpu for compile-only devices of that GPU (no GPU used).
-2. `python tools/bench_train.py --variants <variant> --steps N --out DIR/bt` (not with --plan-only).
+2. `python tools/bench_train.py --config <--config> --variants <variant> --steps N --out DIR/bt` (not with
+   --plan-only).
 3. Prints the estimate's terms (MaxText/plan/schedule.py), the measured median step and the ratio: PASS within
    --tolerance, else FAIL. Exit 0 on PASS (or a plan alone), 1 on FAIL, 2 when the plan or the run fails.
 """
@@ -24,7 +26,6 @@ from pathlib import Path
 import bench_train  # tools/ is sys.path[0] when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = "configs/bench/proxy-1xh200.yml"
 
 
 def plan_lines(plan: dict) -> list[str]:
@@ -64,6 +65,7 @@ def run(cmd: list[str], log: Path, timeout: int) -> int:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default=bench_train.DEFAULT_CONFIG, help="a run config both plan and measure")
   parser.add_argument("--out", default="outputs/estimate_check")
   parser.add_argument("--variant", default="ours", help=f"a bench_train.py variant: {', '.join(bench_train.VARIANTS)}")
   parser.add_argument("--steps", type=int, default=20)
@@ -79,7 +81,7 @@ def main() -> int:
   out.mkdir(parents=True, exist_ok=True)
   overrides = bench_train.VARIANTS[args.variant][0] + ([f"target_gpu={args.target_gpu}"] if args.target_gpu else [])
   plan_json = out / "plan.json"
-  rc = run([sys.executable, "-m", "MaxText.plan", CONFIG, *overrides, "--json", str(plan_json)], out / "plan.log",
+  rc = run([sys.executable, "-m", "MaxText.plan", args.config, *overrides, "--json", str(plan_json)], out / "plan.log",
            args.plan_timeout)
   if rc != 0 or not plan_json.exists():
     print(f"[estimate_check] plan failed (exit {rc}): {out / 'plan.log'}")
@@ -88,7 +90,7 @@ def main() -> int:
   print("\n".join(plan_lines(plan)), flush=True)
   if args.plan_only:
     return 0
-  rc = run([sys.executable, "tools/bench_train.py", "--config", CONFIG, "--variants", args.variant, "--steps",
+  rc = run([sys.executable, "tools/bench_train.py", "--config", args.config, "--variants", args.variant, "--steps",
             str(args.steps), "--timeout", str(args.bench_timeout), "--out", str(out / "bt")], out / "bench.log",
            args.bench_timeout + 360)
   bench_json = out / "bt" / "bench_train.json"

@@ -408,7 +408,8 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
   routed_flops: the routed experts' GEMM FLOPs per device by the config (hardware.routed_expert_flops, routing
   balanced). Our grouped GEMMs multiply only the rows their group sizes hold; where their buffers are padded
   (a2a_padded's receive buffer holds the worst case), their shapes overcount, and every grouped GEMM is
-  scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways.)
+  scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways. Widths
+  below a tile, as the tiny test model's, are padded and computed: there the scaling reads low.)
   bubble_fraction: a pipeline's idle share of the step, (stages - 1) / (repeats x microbatches + stages - 1).
   """
   if not 0.0 <= bubble_fraction < 1.0:
@@ -421,8 +422,8 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
   if routed_flops and shapes_flops > routed_flops:
     walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=routed_flops / shapes_flops)
     state, path = walk.run()
-    walk.notes.add(f"our grouped GEMMs' buffers hold {shapes_flops / routed_flops:.3g}x the routed rows (padding): "
-                   f"their FLOPs scaled to the routed experts' {routed_flops / 1e12:.4g} T")
+    walk.notes.add(f"our grouped GEMMs' shapes hold {shapes_flops / routed_flops:.3g}x the routed experts' FLOPs "
+                   f"(padded buffers): scaled to their {routed_flops / 1e12:.4g} T")
   s, c = state.terms.seconds, state.terms.counts
   seen = c["gemm_flops"] + c["fp8_flops"] + c["attention_flops"]
   hidden = max(0.0, counted_flops - seen) / gpu.gemm_flops.value if walk.opaque else 0.0
