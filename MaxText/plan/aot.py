@@ -399,6 +399,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   buffers = hlo_inventory.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
   recompute, recompute_note = hardware.recompute_flops(step.config)
+  nodes = device_nodes(step.mesh, topology)
   return dict(
       compile_seconds=step.seconds,
       memory=memory_bytes(step.compiled),
@@ -407,8 +408,8 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       recompute_flops=float(recompute), recompute_note=recompute_note,
       routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
-      largest_buffers=buffers,
-      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology)),
+      largest_buffers=buffers, nodes=nodes,
+      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), nodes),
   )
 
 

@@ -222,10 +222,28 @@ def _dot_flops(instr: Instr, comp: Computation) -> float:
   return 2.0 * math.prod(out[0][1]) * k
 
 
+def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
+               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float] | None:
+  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes per device) of one collective
+  instruction (its -start for an async one); None for a group of one, which moves nothing."""
+  kind = _kind(instr.opcode)
+  num_partitions = len(nodes)
+  groups = replica_groups(instr.attrs, num_partitions)
+  if groups is None:
+    notes.add(f"unreadable replica groups on {instr.opcode}: counted as all devices")
+    groups = [list(range(num_partitions))]
+  n = len(groups[0]) if kind != "collective-permute" else 2
+  if n <= 1 and kind != "collective-permute":
+    return None
+  axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
+  crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
+  buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
+  return (kind, axes, crosses), n, buffer, wire
+
+
 def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[str, Any]:
   """Collectives and dot FLOPs of one execution of the module (see the module docstring)."""
   comps, entry = parse_module(text)
-  num_partitions = len(nodes)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
       lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
@@ -238,16 +256,10 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
     for instr in comp.instrs:
       kind = _kind(instr.opcode)
       if kind:
-        groups = replica_groups(instr.attrs, num_partitions)
-        if groups is None:
-          notes.add(f"unreadable replica groups on {instr.opcode}: counted as all devices")
-          groups = [list(range(num_partitions))]
-        n = len(groups[0]) if kind != "collective-permute" else 2
-        if n <= 1 and kind != "collective-permute":
+        described = collective(instr, mesh_shape, nodes, notes)
+        if described is None:
           continue  # a group of one moves nothing
-        axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
-        crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
-        buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
+        (kind, axes, crosses), n, buffer, wire = described
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult

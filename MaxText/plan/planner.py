@@ -16,7 +16,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import aot, hardware
+from MaxText.plan import aot, hardware, schedule
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -188,7 +188,7 @@ def analytic_cross_check(run: fork_config.RunConfig, num_gpus: int) -> dict[str,
   return {"device_total_bytes": est.device_total, "host_offloaded_bytes": est.host_offloaded, "lines": lines}
 
 
-def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
+def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> dict[str, Any]:
   """The plan as data: what was compiled, memory, verdict, collectives, estimate, constants."""
   from MaxText import train  # pylint: disable=import-outside-toplevel
 
@@ -196,9 +196,11 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   gpu = hardware.GPUS[gpu_key]
   prepared_env = train.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
-  fp8_flops = child.get("routed_expert_flops", 0.0) if run.fork.moe_fp8 != "none" else 0.0
-  est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"],
-                               child.get("recompute_flops", 0.0), child.get("recompute_note", ""), fp8_flops)
+  model_flops, recompute = child["model_tflops_per_device"] * 1e12, child.get("recompute_flops", 0.0)
+  bubble_fraction = 0.0  # a pipeline's (stages - 1) / (repeats x microbatches + stages - 1)
+  terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
+                            counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
+                            bubble_fraction=bubble_fraction)
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -209,6 +211,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   for row in child["collectives"]:
     row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
     row["seconds"] = row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value
+    row["exposed_s"] = terms.rows.get((row["kind"], tuple(row["axes"]), row["crosses_nodes"]), [0.0, 0.0])[1]
   constants = {f"{gpu_key}.{k}": {"value": f.value, "source": f.source} for k, f in gpu.figures().items()}
   constants["mem_fraction"] = {"value": fraction.value, "source": fraction.source}
   return {
@@ -220,13 +223,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
       "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
       "largest_buffers": child.get("largest_buffers", []),
-      "estimate": {
-          "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
-          "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
-          "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
-          "recompute_flops": child.get("recompute_flops", 0.0), "fp8_flops": est.fp8_flops,
-          "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
-      },
+      "estimate": schedule.report(terms, model_flops, recompute, bubble_fraction),
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
   }
 
@@ -292,19 +289,15 @@ def print_report(r: dict[str, Any]) -> None:
     for b in r["largest_buffers"]:
       print(f"    {b['size']:>10} {b['values']:4d} values  {b['shapes'][:150]}")
   print("\ncollectives per step (per device):")
-  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s}")
+  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s} {'exposed':>8s}")
   for c in r["collectives"]:
     print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['count']:7d} "
-          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {c['seconds'] * 1e3:8.3f}")
+          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {c['seconds'] * 1e3:8.3f} {c['exposed_s'] * 1e3:8.3f}")
   for note in r["inventory_notes"]:
     print(f"  note: {note}")
-  e = r["estimate"]
-  print(f"\nestimate: step {e['step_s'] * 1e3:.2f} ms (compute {e['compute_s'] * 1e3:.2f} + collectives "
-        f"{e['collectives_s'] * 1e3:.2f}, none overlapped; fully overlapped {e['overlapped_step_s'] * 1e3:.2f} ms)")
-  print(f"  FLOPs/device {e['flops_per_device'] / 1e12:.4g} T from {e['flops_from']} (model "
-        f"{e['model_tflops_per_device']:.4g} T, recompute {e['recompute_flops'] / 1e12:.4g} T, "
-        f"HLO dots {e['hlo_dot_flops'] / 1e12:.4g} T)")
-  print(f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}")
+  print()
+  for line in schedule.report_lines(r["estimate"]):
+    print(line)
   print("constants:")
   for k, c in r["constants"].items():
     print(f"  {k:28s} {c['value']:.4g}  ({c['source']})")
@@ -344,7 +337,11 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
            "gpu": f"this machine's GPU, mock {topology.mock_spec}" if topology.mock_spec else "this machine's GPU",
            "cpu": "simulated CPU devices"}[topology.platform]
   log(f"compiling for {num_gpus} devices on {where}")
-  child = compile_in_child(child_args, topology, timeout_s, hlo_path, mock_memory_limit(run, topology), heartbeat_s)
+  with tempfile.TemporaryDirectory(prefix="maxtext-plan-hlo-") as kept:  # the estimate reads the scheduled HLO
+    step_hlo = Path(hlo_path or Path(kept, "step.hlo"))
+    child = compile_in_child(child_args, topology, timeout_s, str(step_hlo), mock_memory_limit(run, topology),
+                             heartbeat_s)
+    hlo_text = step_hlo.read_text() if step_hlo.exists() else ""
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
   if "compile_error" in child:
@@ -352,4 +349,4 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
     raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
   if child.get("lowered_only"):
     return lowered_report(run, num_gpus, topology, child, substitutes)
-  return build_report(run, num_gpus, topology, child, substitutes)
+  return build_report(run, num_gpus, topology, child, substitutes, hlo_text)
