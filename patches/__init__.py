@@ -35,6 +35,7 @@ SEAM_MODULES = (
     "patches.moe_metrics",  # train_step: our block's sown routing statistics -> moe/ scalars (no host callback)
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
+    "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback
 )
 
 
