@@ -9,7 +9,7 @@ import math
 import pytest
 
 import text_fixture
-from conftest import run_train
+from conftest import REPO, run_train
 from MaxText import lifecycle
 
 TINY = "configs/deepseek3-tiny.yml"
@@ -121,3 +121,8 @@ def test_the_real_text_corpus_cuts_files_at_line_ends_in_path_order_up_to_its_ca
   out = tmp_path / "c.array_record"
   assert text_corpus.main([str(out), "--source", str(src), "--suffixes", ".py,.txt"]) == 0 and out.stat().st_size
   assert text_corpus.main([str(out), "--source", str(tmp_path / "missing")]) == 2
+
+
+def test_the_readme_corpus_directory_is_git_ignored():
+  """The README's real-data example writes its corpus to data/ at the repository root."""
+  assert "/data/" in (REPO / ".gitignore").read_text().splitlines()
