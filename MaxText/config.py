@@ -54,6 +54,10 @@ class ForkConfig(pydantic.BaseModel):
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
       "MaxText/lifecycle.py).")
+  verbose: bool = pydantic.Field(
+      default=False,
+      description="Also print upstream's import-time notices: the \"[DECOUPLED NO-OP]\" stub lines "
+      "(patches/quiet_notices.py) and transformers' warnings (else only its errors).")
   nonfinite_skip_batches: int = pydantic.Field(
       default=0, ge=0,
       description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "
@@ -108,10 +112,12 @@ class ForkConfig(pydantic.BaseModel):
       default=1, ge=0,
       description="Our block's routing statistics (tokens per expert, load ratio, CV, idle experts, router "
       "entropy, bias, overflow) as moe/ TensorBoard scalars, a histogram and a heatmap every N steps; 0 turns "
-      "them off and compiles nothing extra. Computed in the step, no host callback; cost not yet measured on GPU.")
+      "them off and compiles nothing extra. Computed in the step, no host callback: 0.1% of the step on one H200 "
+      "(BENCHMARKS.md, \"End to end on one H200\").")
   moe_metrics_heatmap_every_n_steps: int = pydantic.Field(
       default=100, ge=0,
-      description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps (0: none); "
+      description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps, its numbers "
+      "on stdout up to 32 experts and 16 MoE layers (0: none); "
       "needs moe_metrics_every_n_steps > 0.")
   moe_profile_every_n_steps: int = pydantic.Field(
       default=0, ge=0,
@@ -419,6 +425,17 @@ def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[st
   return out
 
 
+def recipe_num_slices(fork: ForkConfig, upstream: Mapping[str, Any]) -> int | None:
+  """A GPU recipe's slices: one per node (jax's slice is a node's NVLink domain); None for one node.
+
+  Upstream counts slices from the devices as it validates, so without them (a laptop) it refuses a DCN
+  axis; named as the planner names it (MaxText/plan/planner.py), the recipe validates anywhere as it runs."""
+  if not fork.recipe_num_gpus or not str(upstream.get("hardware", "tpu")).startswith("gpu"):
+    return None
+  nodes = fork.recipe_num_gpus // fork.gpus_per_node
+  return nodes if nodes > 1 else None
+
+
 def resolve_config_path(name: str) -> Path:
   """The config named on the command line: as given (from the working directory),
   else the shipped one (a leading `configs/` dropped), so that
@@ -468,6 +485,8 @@ def load(args: list[str]) -> RunConfig:
     raise ConfigError(f"config keys 'moe_profile_every_n_steps' = {fork.moe_profile_every_n_steps} "
                       f"({origins['moe_profile_every_n_steps']}) and 'profiler' = {theirs['profiler']!r} "
                       f"({origins['profiler']}) contradict each other: one profiler trace at a time; unset one")
+  if "num_slices" not in merged and (slices := recipe_num_slices(fork, theirs)):
+    theirs["num_slices"] = slices  # print-config names its source (MaxText/config_report.py)
   if fork.moe_log_expert_load and fork.moe_block != "ours":
     raise ConfigError(f"config key 'moe_log_expert_load' = True ({origins['moe_log_expert_load']}): "
                       "only our block reports the expert load; set moe_block=ours")

@@ -11,11 +11,14 @@ whose one line names the key and the value.
 from __future__ import annotations
 
 import importlib.util
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from MaxText.config import ConfigError, RunConfig
+import pydantic
+
+from MaxText.config import ConfigError, RunConfig, upstream_fields
 
 # The kernels upstream's attention_op.py (0.2.5) dispatches on; anything else
 # raises ValueError only when the model is traced.
@@ -69,6 +72,40 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")
   check_output_directory(Path(config.base_output_directory))
+
+
+def upstream_error(run: RunConfig, e: Exception) -> ConfigError:
+  """An exception from upstream's validation as one line naming the key.
+
+  A pydantic field error names its key in `loc`. A model validator's (loc empty) names none: the key is
+  a field its message names, else the keys the run sets away from upstream's default whose name shares
+  two words with the message ("DCN parallelism ..." -> dcn_fsdp_parallelism).
+  """
+  if not isinstance(e, pydantic.ValidationError):
+    return ConfigError(f"rejected by upstream MaxText: {' '.join(str(e).split())[:400]}")
+  err = e.errors()[0]
+  message = " ".join(str(err["msg"]).removeprefix("Value error, ").split())[:400]
+  fields = [str(part) for part in err["loc"] if isinstance(part, str)]
+  keys = fields[-1:] or _keys_named_in(run, message)
+  if not keys:
+    return ConfigError(f"rejected by upstream MaxText's validation (it names no key; --print-config shows every "
+                       f"value): {message}")
+  named = ", ".join(f"'{k}' = {run.upstream[k]!r} ({run.origins.get(k, 'maxtext-moe default')})"
+                    if k in run.upstream else f"'{k}'" for k in keys)
+  return ConfigError(f"config key{'s' if len(keys) > 1 else ''} {named}: rejected by upstream MaxText: {message}")
+
+
+def _keys_named_in(run: RunConfig, message: str) -> list[str]:
+  """At most three keys: fields the message spells out (a one-word field only if the run sets it), else
+  the run's non-default keys that share two words with it."""
+  fields = upstream_fields()
+  words = set(re.findall(r"[a-z0-9]+", message.lower()))
+  named = [k for k in fields if ("_" in k or k in run.upstream)
+           and re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}(?![A-Za-z0-9_])", message)]
+  if not named:
+    named = [k for k, v in run.upstream.items() if k in fields and v != fields[k].default
+             and len(set(k.split("_")) & words) >= 2]
+  return named[:3]
 
 
 def _writable(directory: Path) -> bool:

@@ -22,6 +22,7 @@ from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_ma
 
 # Seam modules, in the order they are applied. One line each.
 SEAM_MODULES = (
+    "patches.quiet_notices",  # gcloud_stub's import-time "[DECOUPLED NO-OP]" prints, unless verbose=true
     "patches.config_errors",  # upstream config errors reach our one-line reporter
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.step_metrics",  # keeps the latest train step's scalars (device arrays) for the checkpoint guard
@@ -35,6 +36,7 @@ SEAM_MODULES = (
     "patches.moe_metrics",  # train_step: our block's sown routing statistics -> moe/ scalars (no host callback)
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
+    "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback
 )
 
 

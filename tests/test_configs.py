@@ -152,7 +152,7 @@ def test_nvidia_reference_layout_is_the_128_gpu_recipe():
 
 def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():
   assert fork_config.load(["moe_block=ours"]).fork.moe_gmm_backend == "auto"  # mgpu on Hopper, logged
-  assert fork_config.load([]).fork.moe_gmm_backend == "upstream"  # upstream's block stays untouched
+  assert fork_config.load(["moe_block=upstream"]).fork.moe_gmm_backend == "upstream"  # upstream's block untouched
   # Our block never reaches upstream's sparse_matmul: its grouped-GEMM keys (the recipes' tokamax) don't clash.
   assert fork_config.load(["moe_block=ours", "use_tokamax_gmm=true"]).fork.moe_gmm_backend == "auto"
 
@@ -160,7 +160,7 @@ def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():
 @pytest.mark.parametrize("args,keys", [
     (["moe_block=ours", "moe_gmm_backend=upstream"], ("moe_block", "moe_gmm_backend")),
     (["moe_block=te", "moe_gmm_backend=mgpu"], ("moe_block", "moe_gmm_backend")),
-    (["moe_dispatch_backend=te_ncclep"], ("moe_block", "moe_dispatch_backend")),
+    (["moe_block=upstream", "moe_dispatch_backend=te_ncclep"], ("moe_block", "moe_dispatch_backend")),
     (["moe_block=te", "moe_dispatch_backend=ring"], ("moe_block", "moe_dispatch_backend")),
 ])
 def test_contradicting_moe_keys_are_one_error_naming_both(args, keys):
