@@ -71,6 +71,9 @@ class BlockConfig:
     fp8_dispatch: quantize tokens to 1x128 e4m3 tiles before the dispatch and move them so, and the
       combine's cotangent before the backward's exchange towards the experts (MaxText/moe/fp8_dispatch.py);
       needs an FP8 gmm_backend. Not for `global_view` dispatchers.
+    overlap_chunks: per shard, the tokens in this many equal chunks, each dispatched, computed and combined on
+      its own (`chunked`), so that XLA's scheduler can run one chunk's exchange while another's grouped GEMMs
+      run; 1: one pass. For EP dispatchers (patches/routed_moe.py sets it only under EP).
   """
 
   router: routing_lib.RouterConfig
@@ -79,6 +82,7 @@ class BlockConfig:
   dtype: jnp.dtype = jnp.float32
   gate_dtype: jnp.dtype | None = None
   fp8_dispatch: bool = False
+  overlap_chunks: int = 1
 
 
 def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None, output=None):
@@ -138,8 +142,32 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
   return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
 
 
+def chunked(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
+  """dispatch_ffn_combine on cfg.overlap_chunks equal chunks of the tokens, results in token order.
+
+  The chunks share nothing but the weights, so the compiled step may start chunk i+1's all-to-all before chunk
+  i's grouped GEMMs and run them together (DeepSeek-V3 overlaps two micro-batches' exchanges with each other's
+  compute, section 3.2.1). Each chunk's buffers are sized for its tokens.
+  """
+  n, t = cfg.overlap_chunks, x_TD.shape[0]
+  if n == 1:
+    return dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts, cfg, dispatcher)
+  if t % n:
+    raise ValueError(f"moe_ep_overlap_chunks={n} does not divide the {t} tokens of a shard")
+  split = lambda a: jnp.split(a, n)  # noqa: E731
+  outs = [dispatch_ffn_combine(x, i, w, experts, cfg, dispatcher)
+          for x, i, w in zip(split(x_TD), split(ids_TK), split(weights_TK))]
+  y_TD = jnp.concatenate([o[0] for o in outs])
+  overflow = jnp.any(jnp.stack([o[1] for o in outs]), axis=0)
+  buffers = jnp.stack([o[2] for o in outs])  # [chunks, 1, 2]: the fullest fill, rows past capacity summed
+  return y_TD, overflow, jnp.stack([jnp.max(buffers[..., 0], 0), jnp.sum(buffers[..., 1], 0)], axis=-1)
+
+
 def _buffer_12(meta):
-  """[fill of the fullest per-peer buffer, rows beyond capacity] of a bounded dispatch (a2a_padded's send_P, C)."""
+  """[fill of the fullest per-peer buffer, rows beyond capacity] of a bounded dispatch (a2a_padded's send_P, C;
+  a meta with buffers of its own says it: hierarchical's two stages)."""
+  if hasattr(meta, "buffer_12"):
+    return meta.buffer_12()
   capacity, send_P = getattr(meta, "capacity", None), getattr(meta, "send_P", None)
   if not isinstance(capacity, int) or send_P is None:
     return jnp.zeros((1, 2), jnp.float32)
@@ -208,7 +236,7 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
     y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, r.weights_TK, experts, cfg, dispatcher,
                                                       sharding)
     return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jnp.zeros((2,), jnp.float32)
-  body = lambda x, ids, w, e: dispatch_ffn_combine(x, ids, w, e, cfg, dispatcher)  # noqa: E731
+  body = lambda x, ids, w, e: chunked(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
     exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
