@@ -98,8 +98,9 @@ def max_err(a, b):
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def compare(backend, name, node_limit, tokens_per_device=4, **options):
-  """One backend on a layout vs `local` on one device and vs the dense reference: loss and every gradient."""
+def compare(backend, name, node_limit, tokens_per_device=4, chunks=1, **options):
+  """One backend on a layout vs `local` on one device and vs the dense reference: loss and every gradient.
+  chunks: the block's overlap chunks on the mesh (moe_ep_overlap_chunks)."""
   mesh, nodes, _ = layout(name)
   tokens = tokens_per_device * mesh.size
   cfg = block.BlockConfig(router=router_cfg(nodes, node_limit), dtype=jnp.float32)
@@ -109,8 +110,9 @@ def compare(backend, name, node_limit, tokens_per_device=4, **options):
                                           x, router, ex)
   ref_val, ref_grads, _ = value_and_grads(dense_loss(cfg, probe), x, router, ex)
   disp, sharding, _ = on_mesh(backend, name, **options)
-  val, grads, overflow = value_and_grads(loss_fn(cfg, disp, sharding, probe), x, router, ex)
-  return {"backend": backend, "layout": name, "node_limit": node_limit, "loss_err": abs(val - one_val),
+  val, grads, overflow = value_and_grads(loss_fn(dataclasses.replace(cfg, overlap_chunks=chunks), disp, sharding,
+                                                 probe), x, router, ex)
+  return {"backend": backend, "layout": name, "node_limit": node_limit, "chunks": chunks, "loss_err": abs(val - one_val),
           "grad_err": max_err(grads, one_grads), "dense_loss_err": abs(val - ref_val),
           "dense_grad_err": max_err(grads, ref_grads), "overflow": overflow}
 
@@ -195,6 +197,9 @@ def main(case: str):
         opts = {} if backend == "ring" else {"capacity_factor": float(layout(name)[0].shape["expert"])}
         for node_limit in ((layout(name)[1] // 2,) if quick else (None, layout(name)[1] // 2)):
           print(json.dumps(compare(backend, name, node_limit, **opts)), flush=True)
+    if not quick and case == "match8":  # the tokens in 2 overlap chunks, each dispatched and combined on its own
+      for backend in ("a2a_padded", "hierarchical"):
+        print(json.dumps(compare(backend, "expert2x4", 1, chunks=2, capacity_factor=8.0)), flush=True)
   elif case == "quick":  # the fast tier's share, one JAX start: a match, the plan's nodes, one GPU kernel typing
     print(json.dumps(compare("hierarchical", "expert2x4", 1, capacity_factor=8.0)), flush=True)
     for node_limit in (None, 1):

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import run_train
 from MaxText import config as fork_config
+from MaxText.plan import gpu_target
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,9 +57,12 @@ def test_two_level_dispatch_on_two_nodes_of_four_quick():
 @pytest.mark.parametrize("devices", [8, 16])
 def test_every_cpu_backend_across_nodes_matches_one_device_and_the_dense_reference(devices):
   """ring, a2a_padded and hierarchical; top-8 of 16 experts with and without node-limited routing; on 8 devices
-  expert 2 x 4 and 2 x (fsdp 2, expert 2), on 16 expert 4 x 4 and (fsdp 2, expert 2) x 4."""
+  expert 2 x 4 and 2 x (fsdp 2, expert 2), on 16 expert 4 x 4 and (fsdp 2, expert 2) x 4; on 8, a2a_padded and
+  hierarchical with the tokens in 2 overlap chunks too."""
   rows = _check(devices, f"match{devices}")
-  assert len(rows) == 12 and {r["backend"] for r in rows} == {"ring", "a2a_padded", "hierarchical"}
+  assert len(rows) == (14 if devices == 8 else 12) and {r["backend"] for r in rows} == {"ring", "a2a_padded",
+                                                                                        "hierarchical"}
+  assert {r["chunks"] for r in rows} == ({1, 2} if devices == 8 else {1})
   assert {r["node_limit"] for r in rows} == ({None, 1} if devices == 8 else {None, 1, 2})
   _assert_matches(rows)
 
@@ -177,7 +181,7 @@ def test_a_checkpoint_of_two_nodes_of_four_resumes_on_one_node_of_eight(tmp_path
   first_losses = first.losses()
   second = run_train(tmp_path, *COMMON, *ONE_NODE_OF_8, "steps=6", run_name="split", env=EIGHT_CPUS)
   assert second.returncode == 0, second.stderr[-3000:]
-  assert "resuming from checkpoint step 3" in second.stdout and "(dispatch a2a_padded, gmm xla, EP 8)" in second.stdout
+  assert "resuming from checkpoint step 2" in second.stdout and "(dispatch a2a_padded, gmm xla, EP 8)" in second.stdout
   assert sorted(first_losses) == [0, 1, 2] and sorted(second.losses()) == [3, 4, 5]
   _close({**first_losses, **second.losses()}, unbroken.losses())
 
@@ -196,3 +200,33 @@ def test_training_on_two_nodes_of_four_matches_one_device(tmp_path, backend):
   assert f"(dispatch {backend}, gmm xla, EP 8" in run.stdout
   assert sorted(run.losses()) == [0, 1, 2]
   _close(run.losses(), one.losses())
+
+
+# --- the exchange beside the grouped GEMMs (compile-only H200s) ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_overlap_chunks_put_the_exchange_beside_the_grouped_gemms_on_the_h200_schedule():
+  """The block (mgpu's Mosaic GEMMs, EP 8 = 2 nodes x 4, the EP recipes' XLA flags) compiled for compile-only H200s;
+  MaxText/plan/overlap.py reads the schedule. In one pass almost nothing runs beside the exchanges: the only
+  independent work is the dispatch's own gathers. In two chunks, one chunk's row exchanges run beside the other's
+  grouped GEMMs: about half the all-to-all bytes. Not every all-to-all: the first chunk's dispatch has no GEMM
+  before it, the last chunk's combine none after it, and XLA's cost model prices a GEMM custom call at almost
+  nothing, so it fills many windows with the gathers instead (BENCHMARKS.md, "Dispatch and expert parallelism")."""
+  if gpu_target.unavailable_reason("h200"):
+    pytest.skip(gpu_target.unavailable_reason("h200"))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  rows = {}
+  for backend in ("hierarchical", "a2a_padded"):
+    proc = subprocess.run([sys.executable, str(HERE / "ep_overlap_check.py"), backend, "1", "2"], cwd=HERE.parent,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in proc.stdout.splitlines():
+      if line.startswith("{"):
+        r = json.loads(line)
+        rows[(r["backend"], r["chunks"])] = r
+  share = {k: r["bytes_beside_gemm"] / r["bytes"] for k, r in rows.items()}
+  assert all(r["mosaic"] > 0 for r in rows.values())  # the grouped GEMMs are our Mosaic kernels
+  assert share[("hierarchical", 1)] < 0.05 and share[("hierarchical", 2)] > 0.4, share
+  assert share[("a2a_padded", 2)] >= 2 * share[("a2a_padded", 1)] > 0, share
+  assert rows[("hierarchical", 2)]["async_beside_gemm"] > rows[("hierarchical", 1)]["async_beside_gemm"], rows

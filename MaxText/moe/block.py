@@ -123,31 +123,57 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
   otherwise. buffer_12: this shard's [largest rows sent to a peer / capacity,
   rows over capacity (dropped)], zeros for dispatchers without such a buffer.
   """
+  moved = _dispatch(x_TD, ids_TK, cfg, dispatcher)
+  y_TD = _output(_up(moved, experts, cfg), moved, ids_TK, weights_TK, experts, cfg, dispatcher)
+  return y_TD, _overflow(moved[2]), _buffer_12(moved[2])
+
+
+def _dispatch(x_TD, ids_TK, cfg: BlockConfig, dispatcher: Dispatcher):
+  """(x_MD, x_tiles or None, meta): the rows at their experts."""
   with jax.named_scope("dispatch"):
     if cfg.fp8_dispatch:
-      x_MD, x_tiles, meta = fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
-    else:
-      (x_MD, meta), x_tiles = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK), None
+      return fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
+    x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
+    return x_MD, None, meta
+
+
+def _up(moved, experts: Experts, cfg: BlockConfig):
+  """The up-projections and the activation: h_MF."""
+  x_MD, x_tiles, meta = moved
+  return expert_ffn(x_MD, meta, experts, cfg, x_tiles, output=lambda h_MF, wo_EFD: h_MF)
+
+
+def _output(h_MF, moved, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
+  """wo's product and the combine: y_TD."""
+  meta = moved[2]
   if cfg.fp8_dispatch:
     # wo's product and the combine in one VJP: the combine's backward moves the cotangent to the experts as
-    # FP8 tiles, which wo's dlhs and dW take as they are.
-    def output(h_MF, wo_EFD):  # its combine's ops in a "combine" scope of their own
-      return fp8_dispatch.expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK,
-                                                backend=cfg.gmm_backend, dtype=cfg.dtype, tag=_tag_mlpwo)
-    y_TD = expert_ffn(x_MD, meta, experts, cfg, x_tiles, output=output)
-  else:
-    y_MD = expert_ffn(x_MD, meta, experts, cfg)
-    with jax.named_scope("combine"):
-      y_TD = dispatcher.combine(y_MD, weights_TK, meta)
-  return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
+    # FP8 tiles, which wo's dlhs and dW take as they are (its combine's ops in a "combine" scope of their own).
+    with jax.named_scope("gmm"):
+      return fp8_dispatch.expert_output_combine(dispatcher, h_MF, experts.wo_EFD.astype(cfg.dtype), meta,
+                                                weights_TK, ids_TK, backend=cfg.gmm_backend, dtype=cfg.dtype,
+                                                tag=_tag_mlpwo)
+  with jax.named_scope("gmm"):
+    y_MD = _tag(gmm(h_MF, experts.wo_EFD.astype(cfg.dtype), meta.group_sizes_G, gathered=(False, True),
+                    backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype),
+                "mlpwo")
+  with jax.named_scope("combine"):
+    return dispatcher.combine(y_MD, weights_TK, meta)
+
+
+def _overflow(meta):
+  return jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,))
 
 
 def chunked(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
   """dispatch_ffn_combine on cfg.overlap_chunks equal chunks of the tokens, results in token order.
 
-  The chunks share nothing but the weights, so the compiled step may start chunk i+1's all-to-all before chunk
-  i's grouped GEMMs and run them together (DeepSeek-V3 overlaps two micro-batches' exchanges with each other's
-  compute, section 3.2.1). Each chunk's buffers are sized for its tokens.
+  The chunks share nothing but the weights, so XLA's latency-hiding scheduler may run one chunk's exchanges
+  while another's grouped GEMMs run (DeepSeek-V3 overlaps two micro-batches' exchanges with each other's
+  compute, section 3.2.1); MaxText/plan/overlap.py reads what it did from the compiled schedule. Pinning the
+  pairs with optimization barriers (chunk i+1's dispatch tied to chunk i's up-projections) put fewer GEMMs
+  beside the exchanges in the compile-only H200 schedule, not more, and was removed. Each chunk's buffers are
+  sized for its tokens.
   """
   n, t = cfg.overlap_chunks, x_TD.shape[0]
   if n == 1:
@@ -157,10 +183,10 @@ def chunked(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispat
   split = lambda a: jnp.split(a, n)  # noqa: E731
   outs = [dispatch_ffn_combine(x, i, w, experts, cfg, dispatcher)
           for x, i, w in zip(split(x_TD), split(ids_TK), split(weights_TK))]
-  y_TD = jnp.concatenate([o[0] for o in outs])
   overflow = jnp.any(jnp.stack([o[1] for o in outs]), axis=0)
   buffers = jnp.stack([o[2] for o in outs])  # [chunks, 1, 2]: the fullest fill, rows past capacity summed
-  return y_TD, overflow, jnp.stack([jnp.max(buffers[..., 0], 0), jnp.sum(buffers[..., 1], 0)], axis=-1)
+  return (jnp.concatenate([o[0] for o in outs]), overflow,
+          jnp.stack([jnp.max(buffers[..., 0], 0), jnp.sum(buffers[..., 1], 0)], axis=-1))
 
 
 def _buffer_12(meta):
