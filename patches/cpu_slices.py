@@ -8,11 +8,14 @@ DCN-major: along `expert`, coordinate c sits on node c // ici_expert_parallelism
 c % ici_expert_parallelism (MaxText/moe/dispatch/hierarchical.py relies on it).
 
 Simulated CPU devices carry no slice_index, so upstream stops ("does not have attribute
-slice_index") on a CPU run with `num_slices` > 1. Here they are grouped instead: consecutive device
-ids fill a node in turn, as on a cluster processes fill nodes, and the granules are laid out exactly
-as jax does. That lets CPU runs and CPU plans keep dcn_* axes (2 "nodes" x 4 devices on 8 simulated
-devices: `hardware=cpu num_slices=2 dcn_expert_parallelism=2 ici_expert_parallelism=4`). Devices that
-carry a slice_index (GPUs, TPUs) go to jax's own function unchanged.
+slice_index") on a CPU run with `num_slices` > 1; compile-only GPU devices (MaxText/plan/gpu_target.py)
+all carry slice_index 0, so it stops there too ("Number of slices 1 must equal ..."). Where the devices
+name no more than one slice and the DCN shape asks for several, they are grouped instead: consecutive
+device ids fill a node in turn, as processes fill nodes on a cluster (one GPU per process: ids follow
+processes), and the granules are laid out exactly as jax does. That lets CPU runs and plans keep dcn_*
+axes (2 "nodes" x 4 devices on 8 simulated devices: `hardware=cpu num_slices=2 dcn_expert_parallelism=2
+ici_expert_parallelism=4`) and compile-only plans span nodes. Devices that name their slices (a GPU
+cluster's, TPUs) go to jax's own function unchanged.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices, allow_split_physical
 
 def _replacement(original):
   def create_hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices=None, **kwargs):
-    if devices is not None and len(devices) and not hasattr(devices[0], "slice_index") and \
-        not kwargs.get("process_is_granule"):
+    slices = {getattr(d, "slice_index", None) for d in devices or ()}
+    if len(slices) == 1 and int(np.prod(dcn_mesh_shape)) > 1 and not kwargs.get("process_is_granule"):
       return hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices, kwargs.get("allow_split_physical_axes", False))
     return original(mesh_shape, dcn_mesh_shape, devices, **kwargs)
 

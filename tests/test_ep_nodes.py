@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_train
+from conftest import run_rejected, run_train
 from MaxText import config as fork_config
 from MaxText.plan import gpu_target
 
@@ -148,6 +148,17 @@ def test_node_limited_routing_ties_the_groups_to_the_ep_nodes():
   with pytest.raises(fork_config.ConfigError, match="'topk_routing_group' = -1 .*the nodes a token's experts"):
     fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
                       "n_routing_groups=-1", "topk_routing_group=-1"])
+
+
+def test_overlap_chunks_that_do_not_divide_the_tokens_stop_with_one_line_and_exit_2(tmp_path):
+  """Checked on upstream's resolved config, before anything compiles (the node-limit mismatch above is refused
+  while our keys load, as the other key clashes are)."""
+  result = run_rejected(tmp_path, "configs/deepseek3-tiny.yml", *TWO_NODES, "moe_ep_overlap_chunks=3", run_name="bad",
+                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  lines = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe: config error:")]
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert ("config key 'moe_ep_overlap_chunks' = 3 (as set): must divide the tokens per device, per_device_batch_size "
+          "x max_target_length = 256") in lines[0]
 
 
 # --- training runs ------------------------------------------------------------------------------------------
