@@ -151,21 +151,27 @@ def inventory(backend, name, node_limit, **options):
           "inter_node_bytes": inv["inter_node_bytes"]}
 
 
-def compare_fp8(name, node_limit):
+def compare_fp8(name, node_limit, chunks=1):
   """moe_fp8=blockwise's CPU form (xla_fp8, tokens and the combine's cotangent quantized before they move) through
   the hierarchical dispatch vs one device: an expert-only mesh brings every group's rows to one shard, so the
-  quantized tiles, and with them loss and every gradient, are the one device's."""
+  quantized tiles, and with them loss and every gradient, are the one device's. In overlap chunks an expert's
+  rows meet in two grouped GEMMs, so dW's 128-row tiles are cut from each chunk's: the expert gradients are another
+  quantization of the same sum (as on an FSDP mesh, tests/test_ep.py), the rest the one device's."""
   mesh, nodes, _ = layout(name)
   cfg = block.BlockConfig(router=router_cfg(nodes, node_limit), gmm_backend="xla_fp8", dtype=jnp.float32,
                           fp8_dispatch=True)
+  mesh_cfg = dataclasses.replace(cfg, overlap_chunks=chunks)
   x, router, ex = params(4 * mesh.size)
   probe = jax.random.normal(jax.random.key(5), x.shape)
   one_val, one_grads, _ = value_and_grads(loss_fn(cfg, dispatch.make("local", num_experts=EXPERTS), None, probe),
                                           x, router, ex)
   disp, sharding, _ = on_mesh("hierarchical", name, capacity_factor=float(mesh.shape["expert"]))
-  val, grads, overflow = value_and_grads(loss_fn(cfg, disp, sharding, probe), x, router, ex)
-  return {"backend": "hierarchical", "gmm": "xla_fp8", "layout": name, "loss_err": abs(val - one_val),
-          "grad_err": max_err(grads, one_grads), "overflow": overflow}
+  val, grads, overflow = value_and_grads(loss_fn(mesh_cfg, disp, sharding, probe), x, router, ex)
+  norm = lambda t: float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in jax.tree.leaves(t))))  # noqa: E731
+  expert_rel = norm(jax.tree.map(lambda a, b: a - b, grads[2], one_grads[2])) / norm(one_grads[2])
+  return {"backend": "hierarchical", "gmm": "xla_fp8", "layout": name, "chunks": chunks, "loss_err": abs(val - one_val),
+          "x_and_router_grad_err": max_err(grads[:2], one_grads[:2]), "expert_grad_rel_err": expert_rel,
+          "overflow": overflow}
 
 
 def trace_with_kernel_typing(gmm_backend, name):
@@ -219,7 +225,8 @@ def main(case: str):
       print(json.dumps(inventory(backend, name, nodes // 2)), flush=True)
   elif case == "fp8":
     for name in [n for n in LAYOUTS if layout_size(n) == jax.device_count() and "fsdp" not in n]:
-      print(json.dumps(compare_fp8(name, layout(name)[1] // 2)), flush=True)
+      for chunks in (1, 2):
+        print(json.dumps(compare_fp8(name, layout(name)[1] // 2, chunks)), flush=True)
   elif case == "kernel_typing":
     for name in [n for n in LAYOUTS if layout_size(n) == jax.device_count()]:
       for gmm_backend in ("mgpu", "mgpu_fp8"):

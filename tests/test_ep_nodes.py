@@ -94,8 +94,12 @@ def test_hierarchical_overflow_is_flagged_or_raises_with_the_counts():
 
 @pytest.mark.slow
 def test_fp8_dispatch_through_the_two_level_exchange_matches_one_device():
-  (row,) = _check(8, "fp8")
-  assert row["layout"] == "expert2x4" and row["loss_err"] < 1e-4 and row["grad_err"] < 1e-5 and not row["overflow"]
+  rows = _check(8, "fp8")
+  assert [(r["layout"], r["chunks"]) for r in rows] == [("expert2x4", 1), ("expert2x4", 2)]  # 2: overlap chunks
+  for row in rows:
+    assert row["loss_err"] < 1e-4 and row["x_and_router_grad_err"] < 1e-4 and not row["overflow"], row
+  assert rows[0]["expert_grad_rel_err"] < 1e-6, rows  # every group's rows in one grouped GEMM: exact
+  assert 0 < rows[1]["expert_grad_rel_err"] < 0.06, rows  # two chunks' tiles: within FP8's error (as test_ep.py)
 
 
 @pytest.mark.slow
@@ -241,3 +245,24 @@ def test_overlap_chunks_put_the_exchange_beside_the_grouped_gemms_on_the_h200_sc
   assert share[("hierarchical", 1)] < 0.05 and share[("hierarchical", 2)] > 0.4, share
   assert share[("a2a_padded", 2)] >= 2 * share[("a2a_padded", 1)] > 0, share
   assert rows[("hierarchical", 2)]["async_beside_gemm"] > rows[("hierarchical", 1)]["async_beside_gemm"], rows
+
+
+@pytest.mark.slow
+def test_overlap_chunks_change_nothing_without_ep(tmp_path):
+  """One device (EP 1): the train step's program with moe_ep_overlap_chunks=2 is the one without, op for op, so the
+  one-H200 proxy cannot change (patches/routed_moe.py applies the chunks only under EP). Under EP 2 the key changes
+  the program: the check is not vacuous."""
+  def lowered(*args, devices=1):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run([sys.executable, str(HERE / "lower_train_step.py"), "configs/deepseek3-tiny.yml", "steps=1",
+                           "enable_checkpointing=false", f"base_output_directory={tmp_path}", "moe_block=ours",
+                           "moe_gmm_backend=xla", "base_num_decoder_layers=4", "max_target_length=64", *args],
+                          cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+  assert lowered("moe_ep_overlap_chunks=2") == lowered("moe_ep_overlap_chunks=1")
+  ep = ("ici_expert_parallelism=2", "ici_fsdp_parallelism=1", "moe_dispatch_backend=a2a_padded",
+        "moe_a2a_padded_on_overflow=flag")  # lowered for CUDA: no host callback
+  assert lowered(*ep, "moe_ep_overlap_chunks=2", devices=2) != lowered(*ep, "moe_ep_overlap_chunks=1", devices=2)
