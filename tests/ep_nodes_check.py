@@ -1,7 +1,9 @@
 """Expert parallelism across "nodes" on simulated CPU devices, against one device and the float32 dense reference.
 
 Run by tests/test_ep_nodes.py in a subprocess (the device count is fixed before JAX starts):
-`python tests/ep_nodes_check.py DEVICES CASE` prints one JSON line per check.
+`python tests/ep_nodes_check.py DEVICES CASE` prints one JSON line per check. On a host with 8 GPUs,
+`python tests/ep_nodes_check.py 8 gpu` runs a2a_padded and hierarchical on them as 2 "nodes" of 4 against one
+device and the dense reference (float32, highest precision) and prints PASS/FAIL per case.
 
 Meshes are laid out as upstream lays a multi-node run out (patches/cpu_slices.py: an ICI mesh per node
 of consecutive devices, tiled over the DCN shape, so each axis is DCN-major), and named by
@@ -232,6 +234,19 @@ def main(case: str):
       for gmm_backend in ("mgpu", "mgpu_fp8"):
         print(json.dumps({"gmm": gmm_backend, "layout": name, "error": trace_with_kernel_typing(gmm_backend, name)}),
               flush=True)
+  elif case == "gpu":  # on an 8-GPU host: its GPUs as 2 "nodes" of 4 (the node exchange over NVLink here)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    print(f"devices: {jax.devices()}", flush=True)
+    for backend in ("a2a_padded", "hierarchical"):
+      for node_limit, chunks in ((None, 1), (1, 1), (1, 2)):
+        try:
+          r = compare(backend, "expert2x4", node_limit, chunks=chunks, capacity_factor=8.0)
+          ok = max(r["loss_err"], r["grad_err"], r["dense_loss_err"], r["dense_grad_err"]) < 1e-3 and not r["overflow"]
+          print(f"{'PASS' if ok else 'FAIL'} {backend} expert2x4 node_limit={node_limit} chunks={chunks} "
+                f"{json.dumps(r)}", flush=True)
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          print(f"FAIL {backend} expert2x4 node_limit={node_limit} chunks={chunks} {type(e).__name__}: "
+                f"{str(e)[:300]}", flush=True)
   elif case == "overflow":  # every token to expert 0's node, bound too small: flagged, then raised
     name = "expert2x4"
     mesh, nodes, _ = layout(name)
