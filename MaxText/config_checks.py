@@ -68,6 +68,11 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   if config.num_experts > 1 and config.num_experts_per_tok > config.num_experts:
     raise ConfigError(f"config key 'num_experts_per_tok' = {config.num_experts_per_tok} is more than "
                       f"num_experts = {config.num_experts}: a token cannot be routed to more experts than exist")
+  chunks, tokens = run.fork.moe_ep_overlap_chunks, config.per_device_batch_size * config.max_target_length
+  if chunks > 1 and (tokens != int(tokens) or int(tokens) % chunks):
+    # A shard's tokens are the device's or a multiple of them (routed_moe splits them over token axes only).
+    raise ConfigError(f"config key 'moe_ep_overlap_chunks' = {chunks} ({_origin(run, 'moe_ep_overlap_chunks')}): "
+                      f"must divide the tokens per device, per_device_batch_size x max_target_length = {tokens:g}")
   if config.enable_checkpointing and config.checkpoint_period <= 0:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")

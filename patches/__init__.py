@@ -34,6 +34,7 @@ SEAM_MODULES = (
     "patches.train_schedule",  # token-count switches: bias-update rate -> 0, MTP loss weight (train_step)
     "patches.moe_profile",  # upstream's profiler step hooks: a one-step trace every N steps -> moe_time/ scalars
     "patches.moe_metrics",  # train_step: our block's sown routing statistics -> moe/ scalars (no host callback)
+    "patches.cpu_slices",  # upstream's multi-node mesh on simulated CPU devices: consecutive ids fill a node
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
     "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback

@@ -119,11 +119,16 @@ def test_parameter_count_matches_upstreams_own_model():
 
 
 def test_ep_proxies_keep_32_experts_per_gpu():
-  for name, gpus in (("proxy-2xh200-ep2.yml", 2), ("proxy-8xh200-ep8.yml", 8)):
+  for name, gpus, nodes in (("proxy-2xh200-ep2.yml", 2, 1), ("proxy-8xh200-ep8.yml", 8, 1),
+                            ("proxy-16xh200-ep16.yml", 16, 2)):
     run = fork_config.load([str(REPO / "configs/bench" / name)])
-    assert run.fork.recipe_num_gpus == gpus == run.upstream["ici_expert_parallelism"]
+    ep = run.upstream["ici_expert_parallelism"] * run.upstream.get("dcn_expert_parallelism", 1)
+    assert run.fork.recipe_num_gpus == gpus == ep
     assert run.upstream["num_experts"] // gpus == 32
-    launch.check_topology(run.upstream, gpus, gpus, 1)
+    launch.check_topology(run.upstream, gpus, gpus, nodes)
+  # Across the two nodes: the groups of V3's routing sit on them (4 of the 8 on each).
+  assert run.fork.moe_dispatch_backend == "hierarchical" and run.fork.moe_node_limited_routing
+  assert run.upstream["n_routing_groups"] == 8 and run.upstream["topk_routing_group"] == 4
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=_id)

@@ -99,6 +99,12 @@ def test_inventory_reads_every_replica_group_spelling_and_multiplies_loops():
   assert (cp["count"], cp["bytes"], cp["wire_bytes"], cp["crosses_nodes"]) == (5, 5 * 64, 5 * 64, True)
   assert inv["hlo_dot_flops"] == 2 * 4 * 3 * 8
   assert inv["inventory_notes"] == []
+  # Inter-node bytes: the share of each member's wire bytes exchanged with other nodes' members.
+  assert ag["inter_node_bytes"] == pytest.approx(ag["wire_bytes"] * 2 / 3)  # {0,2,4,6}: 2 of 3 others off-node
+  assert ar["inter_node_bytes"] == pytest.approx(ar["wire_bytes"] * 4 / 7)
+  assert (rs["inter_node_bytes"], cp["inter_node_bytes"]) == (rs["wire_bytes"], cp["wire_bytes"])  # pairs across
+  assert a2a["inter_node_bytes"] == rss["inter_node_bytes"] == ags["inter_node_bytes"] == 0  # inside a node
+  assert inv["inter_node_bytes"] == pytest.approx(5 * 512 / 2 + 48 + 12 + 5 * 64)
 
 
 def test_inventory_flags_a_loop_without_trip_count():
@@ -280,7 +286,7 @@ def test_every_recipe_lowers_for_its_real_gpu_count_on_cpu(recipe):
 
 @pytest.mark.slow
 def test_tiny_plan_on_4_simulated_devices(tmp_path):
-  """The tiny DeepSeek-V3 on 2 nodes of 2, FSDP in and across nodes (fsdp=4 on one CPU "slice"):
+  """The tiny DeepSeek-V3 on 2 nodes of 2, FSDP in and across nodes (fsdp=4 = dcn 2 x ici 2):
   FSDP all-gathers inside the layer scan, some crossing nodes; the JSON whole."""
   path = tmp_path / "plan" / "tiny.json"
   out = _plan_cli("configs/deepseek3-tiny.yml", "recipe_num_gpus=4", "ici_fsdp_parallelism=2", "dcn_fsdp_parallelism=2",
@@ -294,7 +300,7 @@ def test_tiny_plan_on_4_simulated_devices(tmp_path):
   assert "compiling" in phases and set(phases) <= set(order), phases
   assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases), phases
   assert "GPU memory needs a GPU compile" in out.stdout
-  assert "CPU stand-in: ici_fsdp_parallelism=4" in out.stdout and "dcn_fsdp_parallelism=1" in out.stdout
+  assert "CPU stand-in: num_slices=2" in out.stdout  # dcn_fsdp_parallelism=2 kept: two nodes of consecutive devices
   report = json.loads(path.read_text())
   assert not path.with_name("tiny.json.tmp").exists()
   assert report["mesh"]["fsdp"] == 4 and report["platform"] == "cpu" and report["verdict"] is None
@@ -350,7 +356,7 @@ def test_search_says_which_candidate_of_how_many_with_an_eta(monkeypatch, capsys
     assert re.fullmatch(rf"\[plan\] search: candidate {k} of {total}: .+ \(ETA \w+, \w+ a candidate so far\)", line), line
 
 
-def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():
+def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_keeps_its_nodes():
   from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/recipes/deepseek3-671b-128xh100.yml"])
@@ -358,8 +364,7 @@ def test_a_gpu_recipe_on_cpu_swaps_only_gpu_pieces_and_folds_dcn_into_ici():
   plan.check_layout(run, 128)  # 8 in node x 16 nodes
   assert plan.cpu_substitutes(run) == {
       "hardware": "cpu", "attention": "dot_product",  # moe_gmm_backend auto: xla on CPU by itself
-      "ici_fsdp_parallelism": 16, "dcn_fsdp_parallelism": 1,
-  }
+  }  # dcn_fsdp_parallelism=16 stays: plan() names num_slices=16, patches/cpu_slices.py makes the nodes
 
 
 def test_a_compile_past_its_timeout_names_the_knob():

@@ -326,8 +326,9 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
     gpus_per_process = topology.local_gpus if topology.platform == "gpu" else 1
     processes_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // gpus_per_process)
     return [d.process_index // processes_per_node for d in flat]
-  # Simulated devices carry no node: consecutive flat positions fill a node in turn.
-  return [i // topology.gpus_per_node for i in range(len(flat))]
+  # Simulated devices carry no node: consecutive device ids fill a node in turn (patches/cpu_slices.py lays a
+  # multi-node mesh out so; without dcn_* axes the mesh is in id order).
+  return [d.id // topology.gpus_per_node for d in flat]
 
 
 _INDIVISIBLE = re.compile(r"key path (?P<path>.+?) was given the sharding .*?spec=(?P<spec>P\(.*?\)), memory_kind.*?"

@@ -19,6 +19,12 @@ Buffer bytes per kind, for a collective over n devices with result R bytes:
 Replica groups name partition ids, which are positions in the jit's mesh
 (row-major over mesh_shape): a group's mesh axes are those its members'
 coordinates differ in; it crosses nodes when its members sit on two nodes.
+Inter-node bytes: the share of a device's wire bytes exchanged with members on
+other nodes, wire x (members on other nodes) / (n - 1), averaged over the
+groups' members; exact for an all-to-all (the blocks addressed to other nodes)
+and a permute (its pairs that cross), a flat ring's figure for the others. Two
+all-to-alls over subgroups of one mesh axis (a two-level dispatch: one between
+nodes, one inside them) are two rows of that axis, told apart by crosses_nodes.
 """
 
 from __future__ import annotations
@@ -206,6 +212,15 @@ def _sizes(kind: str, result: float, n: int) -> tuple[float, float]:
   }[kind]
 
 
+def off_node_share(kind: str, groups: list[list[int]], nodes: list[int]) -> float:
+  """The share of a member's wire bytes exchanged with other nodes (see the module docstring)."""
+  node = lambda i: nodes[i] if i < len(nodes) else -1  # noqa: E731
+  if kind == "collective-permute":
+    return sum(node(a) != node(b) for a, b in groups) / len(groups) if groups else 0.0
+  shares = [sum(node(j) != node(i) for j in g) / (len(g) - 1) for g in groups if len(g) > 1 for i in g]
+  return sum(shares) / len(shares) if shares else 0.0
+
+
 def _dot_flops(instr: Instr, comp: Computation) -> float:
   out = arrays(instr.type_text)
   if not out:
@@ -245,7 +260,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
   """Collectives and dot FLOPs of one execution of the module (see the module docstring)."""
   comps, entry = parse_module(text)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
-      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "group_size": 0})
+      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
   flops = [0.0]
 
@@ -264,6 +279,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
         row["count"] += mult
         row["bytes"] += buffer * mult
         row["wire_bytes"] += wire * mult
+        row["inter_node_bytes"] += wire * off_node_share(kind, groups, nodes) * mult
         row["group_size"] = max(row["group_size"], n)
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult
@@ -284,7 +300,8 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
       {"kind": kind, "axes": list(axes), "crosses_nodes": crosses, **{k: v for k, v in row.items()}}
       for (kind, axes, crosses), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))
   ]
-  return {"collectives": collectives, "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
+  return {"collectives": collectives, "inter_node_bytes": sum(r["inter_node_bytes"] for r in collectives),
+          "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
 
 
 def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:

@@ -60,12 +60,9 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
     out["moe_gmm_backend"] = "xla"  # GPU kernels; xla is the CPU stand-in
   if up.get("use_tokamax_gmm"):
     out["use_tokamax_gmm"] = False
-  ici, dcn = launch.mesh_axes(up, "ici_"), launch.mesh_axes(up, "dcn_")
-  for key, value in dcn.items():
-    if value > 1:  # one CPU "slice": node boundaries come from gpus_per_node instead
-      ici_key = "ici_" + key[len("dcn_"):]
-      out[ici_key] = ici[ici_key] * value
-      out[key] = 1
+  # dcn_* axes stay: plan() names num_slices, and patches/cpu_slices.py makes each gpus_per_node consecutive
+  # simulated devices a node, so the mesh is laid out as on the cluster (DCN-major axes, a two-level dispatch's
+  # node groups where they will be).
   return {k: v for k, v in out.items() if up.get(k) != v}
 
 
@@ -221,7 +218,8 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
-      "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
+      "collectives": child["collectives"], "inter_node_bytes": child.get("inter_node_bytes", 0.0),
+      "inventory_notes": child["inventory_notes"],
       "largest_buffers": child.get("largest_buffers", []),
       "estimate": schedule.report(terms, model_flops, recompute, bubble_fraction),
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
@@ -289,10 +287,14 @@ def print_report(r: dict[str, Any]) -> None:
     for b in r["largest_buffers"]:
       print(f"    {b['size']:>10} {b['values']:4d} values  {b['shapes'][:150]}")
   print("\ncollectives per step (per device):")
-  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s} {'exposed':>8s}")
+  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'group':>5s} {'count':>7s} {'bytes':>12s} {'wire':>12s} "
+        f"{'inter-node':>12s} {'est ms':>8s} {'exposed':>8s}")
   for c in r["collectives"]:
-    print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['count']:7d} "
-          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {c['seconds'] * 1e3:8.3f} {c['exposed_s'] * 1e3:8.3f}")
+    print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['group_size']:5d} {c['count']:7d} "
+          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {_gib(c.get('inter_node_bytes', 0.0))} "
+          f"{c['seconds'] * 1e3:8.3f} {c['exposed_s'] * 1e3:8.3f}")
+  print(f"  inter-node bytes per step per device: {_gib(r.get('inter_node_bytes', 0.0)).strip()} (hlo_inventory.py: "
+        "what a device exchanges with other nodes)")
   for note in r["inventory_notes"]:
     print(f"  note: {note}")
   print()
@@ -329,8 +331,9 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
 
     log(f"not compiling for compile-only {run.fork.target_gpu} devices: {gpu_target.unavailable_reason(run.fork.target_gpu)}")
   substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, lambda _: {})(run)
-  if topology.compiles_for_gpu and topology.nodes > 1 and "num_slices" not in run.explicit:
-    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
+  if topology.nodes > 1 and "num_slices" not in run.explicit:
+    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none
+    # (and simulated CPU devices, which have none, are grouped into nodes by patches/cpu_slices.py).
     substitutes["num_slices"] = topology.nodes
   child_args = [*args, f"recipe_num_gpus={num_gpus}", *(f"{k}={json.dumps(v)}" for k, v in substitutes.items())]
   where = {"gpu_target": f"compile-only {topology.target_gpu} devices, no GPU used",
