@@ -35,6 +35,12 @@ def _gate_bias_paths(metadata: Path) -> list[tuple[str, ...]]:
   return [p for p in paths if p[-2:] == ("gate", "bias")]
 
 
+def _is_trained(path: tuple[str, ...]) -> bool:
+  """A bias stored with the parameters; a params-only checkpoint (upstream's save_params_to_path) keeps
+  the variable beside them, in its own collection: params/MoEBiasVar/..."""
+  return path[0] == "params" and path[1:2] != ("MoEBiasVar",)
+
+
 def bias_is_a_variable(run: RunConfig) -> bool:
   """Whether this run's routing bias is V3's non-trained variable (else a trained parameter)."""
   model_name = str(run.upstream.get("model_name", "default"))
@@ -49,7 +55,7 @@ def check_resume(run: RunConfig) -> None:
   if metadata is None:
     return
   paths = _gate_bias_paths(metadata)
-  trained = [p for p in paths if p[0] == "params"]
+  trained = [p for p in paths if _is_trained(p)]
   variable = [p for p in paths if p[0] == "nnx_aux"]
   step = metadata.parent.parent
   if bias_is_a_variable(run) and trained:
@@ -86,7 +92,7 @@ def check_load_parameters(run: RunConfig) -> None:
   if metadata is None:
     return
   paths = _gate_bias_paths(metadata)
-  trained = [p for p in paths if p[0] == "params"]
+  trained = [p for p in paths if _is_trained(p)]
   if bias_is_a_variable(run) and trained:
     raise ConfigError(
         f"config key 'load_parameters_path' = {path!r} holds the MoE routing bias ({'/'.join(trained[0])}) as a "
