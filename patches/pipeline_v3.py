@@ -18,22 +18,21 @@ ici_pipeline_parallelism=2 on CPU, either block):
 Fixed here, one seam each, all acting only inside the pipeline (upstream builds it only when
 ici/dcn_pipeline_parallelism > 1: without it none of these targets runs and the program is
 upstream's):
-  pipeline_utils.is_static_param            the bias rides with the weights: loop-invariant,
-                                            gathered per repeat like them; no gradient (the
-                                            train step differentiates nnx.Param only)
-  NNXDecoder._get_pipeline_stage_module     the pipelined MoE layers see a config view: they report
-                                            raw expert counts (upstream's gradient-accumulation
-                                            behaviour, moe.py ~2507/~4021: the counts are summed
-                                            over microbatches, then one sign), and our block knows
-                                            the stage axis is the vmap's (patches/routed_moe.py)
-  PipelineBase.get_main_vmap_func_for_iterations  (NNXPipeline's) the stage drops the sown template (below) before it runs
-  NNXPipeline.__call__                      circular schedules: a zero template of what one stage
-                                            sows, so the write-back's structure matches; after the
-                                            loop, each sown value is reduced over the microbatches
-                                            its layer really ran (bubble iterations masked by the
-                                            schedule, upstream's get_microbatch_and_repeat_ids) to
-                                            one value per layer, in the layout of the layer's
-                                            variables ([(repeats,) stages, (layers per stage,) ...])
+  pipeline_utils.is_static_param
+      the bias rides with the weights: loop-invariant, gathered per repeat like them; no gradient
+      (the train step differentiates nnx.Param only), no optimizer state, no weight decay;
+  NNXDecoder._get_pipeline_stage_module
+      the pipelined MoE layers see a config view: they report raw expert counts (upstream's
+      gradient-accumulation behaviour, moe.py ~2507/~4021: counts summed over microbatches, then
+      one sign), and our block knows the stage axis is the vmap's (patches/routed_moe.py);
+  PipelineBase.get_main_vmap_func_for_iterations (NNXPipeline's)
+      upstream's stage function, but the stage drops the sown template (below) before it runs;
+  NNXPipeline.__call__
+      circular schedules: a zero template of what one stage sows, so that the write-back's
+      structures match; after the loop, each sown value is reduced over the microbatches its
+      layer really ran (bubble iterations masked by upstream's schedule,
+      get_microbatch_and_repeat_ids) to one value per layer, in the layout of the layer's
+      variables: [(repeats,) stages, (layers per stage,) ...].
 
 Upstream's loss and bias update then read the pipeline as they read a scanned stack of layers:
 the load-balance loss per layer (mean over microbatches: exact for V3's sequence-wise loss), the
@@ -200,7 +199,8 @@ def _reduce_layers_sown(pipeline) -> None:
     name = str(getattr(path[-1], "key", path[-1]))
     return var.replace(value=tuple(reduce_sown(name, x, mask, pipeline.config) for x in var.value))
 
-  nnx.update(pipeline.layers, jax.tree_util.tree_map_with_path(one, sown, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+  is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+  nnx.update(pipeline.layers, jax.tree_util.tree_map_with_path(one, sown, is_leaf=is_var))
 
 
 def _install_template(pipeline, inputs, segment_ids, positions, deterministic, model_mode) -> None:
