@@ -73,8 +73,8 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
 
 
 def check_pipeline(run: RunConfig, config: Any) -> None:
-  """Pipeline layouts patches/pipeline_v3.py cannot give DeepSeek-V3's MoE layers (each a traceback or a wrong
-  model upstream would train without a word)."""
+  """Pipeline settings under which patches/pipeline_v3.py cannot train DeepSeek-V3's MoE layers (each would be a
+  traceback, or a model trained wrong without a word)."""
   if not config.using_pipeline_parallelism or config.num_experts <= 1:
     return
   if config.pipeline_fsdp_ag_per_repeat:
@@ -82,20 +82,11 @@ def check_pipeline(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'pipeline_fsdp_ag_per_repeat' = True ({where}): "
                       "upstream 0.2.5's prefetching circular pipeline drops what the MoE layers sow (load-balance "
                       "loss, routing-bias counts); leave it false (pipeline_fsdp_ag_once gathers the weights once)")
-  if not (config.routed_bias and config.routed_bias_update_rate > 0):
-    return
-  # Upstream's train step moves one routing-bias variable of the decoder (train.py ~650): the pipeline's.
-  moe_layers = config.num_decoder_layers - config.first_num_dense_layers
-  outside = moe_layers - config.pipeline_parallel_layers
-  if config.decoder_block.value == "deepseek" and outside > 0:
-    raise ConfigError(f"config key 'pipeline_parallel_layers' = {config.pipeline_parallel_layers} "
-                      f"({_origin(run, 'pipeline_parallel_layers')}) leaves {outside} "
-                      "MoE layers outside the pipeline, whose routing bias upstream's train step would not move "
-                      f"(it moves the pipeline's); pipeline all {moe_layers} (-1)")
-  if config.num_layers_per_pipeline_stage > 1 and not config.scan_layers_per_stage:
-    raise ConfigError(f"config key 'num_layers_per_pipeline_stage' = {config.num_layers_per_pipeline_stage} with "
-                      "scan_layers_per_stage=false gives each stage one routing-bias variable per layer, and "
-                      "upstream's train step moves only the first; set scan_layers_per_stage=true")
+  if config.routed_bias and config.routed_bias_update_rate > 0 and config.gradient_accumulation_steps > 1:
+    raise ConfigError(f"config key 'gradient_accumulation_steps' = {config.gradient_accumulation_steps} "
+                      f"({_origin(run, 'gradient_accumulation_steps')}) with pipeline parallelism and a moving "
+                      "routing bias: each accumulated microbatch would move the bias (patches/pipeline_v3.py); the "
+                      "pipeline accumulates over its own microbatches: raise num_pipeline_microbatches instead")
 
 
 def _writable(directory: Path) -> bool:

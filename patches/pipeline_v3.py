@@ -32,24 +32,32 @@ upstream's):
       structures match; after the loop, each sown value is reduced over the microbatches its
       layer really ran (bubble iterations masked by upstream's schedule,
       get_microbatch_and_repeat_ids) to one value per layer, in the layout of the layer's
-      variables: [(repeats,) stages, (layers per stage,) ...].
+      variables: [(repeats,) stages, (layers per stage,) ...];
+  train.loss_fn
+      (with a moving bias) each decoder bias moves by its own layers' update, in the training
+      forward, and upstream's train step is handed none: it moves one decoder bias variable (the
+      first it finds, train.py ~650, by the last update it collected), and under the pipeline the
+      decoder may hold several (MoE layers outside the pipeline; unscanned layers of a stage).
 
-Upstream's loss and bias update then read the pipeline as they read a scanned stack of layers:
-the load-balance loss per layer (mean over microbatches: exact for V3's sequence-wise loss), the
-bias update rate * sign(mean load - load) from the whole batch's counts, added by upstream's train
-step to the pipeline's bias variable. The statistics are reduced by what they are (REDUCTIONS).
+Upstream's loss then reads the pipeline as it reads a scanned stack of layers: the load-balance
+loss per layer (mean over microbatches: exact for V3's sequence-wise loss); each bias moves by
+rate * sign(mean load - load) of the whole batch's counts, once per step, after the forward that
+used it, as upstream's train step would move it. The statistics are reduced by what they are
+(REDUCTIONS).
 
 What is not inside the pipeline, and why:
   - the dense layers (first_num_dense_layers): a stage is one vmapped layer class, so upstream
     runs DeepSeek's dense layers before the pipeline (nnx_decoders.py ~1845), every stage on its
     share of the batch (the stage axis acts as data parallelism), weights replicated over stages;
-  - MoE layers beyond pipeline_parallel_layers run there too; with a moving bias they are refused
-    (MaxText/config_checks.py): upstream's train step moves one decoder bias variable;
+  - MoE layers beyond pipeline_parallel_layers run there too (V3's 58 MoE layers split into 8 or 16
+    stages only so: upstream needs stages x repeats x layers per stage = pipelined layers);
   - MTP: after the last stage, on the decoder's output, outside the pipeline (models.py), as a
     scanned decoder has it; its MoE layer's bias moves by upstream's own MTP update.
-Refused as well (config_checks.check_pipeline): pipeline_fsdp_ag_per_repeat (upstream's prefetching
-circular pipeline, NNXCircularPipeline, drops every sown intermediate), several unscanned layers per
-stage with a moving bias, and a resume onto another pipeline layout (MaxText/checkpoint_compat.py).
+Refused (MaxText/config_checks.py check_pipeline): pipeline_fsdp_ag_per_repeat (upstream's
+prefetching circular pipeline, NNXCircularPipeline, drops every sown intermediate), gradient
+accumulation with a moving bias (its per-microbatch loss calls would each move the bias here; the
+pipeline's microbatches accumulate already), and a resume onto another pipeline layout
+(MaxText/checkpoint_compat.py).
 """
 
 from __future__ import annotations
@@ -85,7 +93,13 @@ SEAM_CALL = Seam(
     attr="NNXPipeline.__call__",
     sha256="f26bf745d0fdc64c",
 )
-SEAMS = (SEAM_STATIC_PARAM, SEAM_STAGE, SEAM_VMAP, SEAM_CALL)
+SEAM_LOSS = Seam(
+    name="pipeline_v3 bias update",
+    module="maxtext.trainers.pre_train.train",
+    attr="loss_fn",
+    sha256="7a97c1cc3bd1b19a",
+)
+SEAMS = (SEAM_STATIC_PARAM, SEAM_STAGE, SEAM_VMAP, SEAM_CALL, SEAM_LOSS)
 SEAM = SEAM_CALL  # the one patches.seams() lists
 
 # In the config view of a pipelined layer: the mesh axis its stage vmap maps (read by patches/routed_moe.py).
@@ -291,8 +305,56 @@ def _wrap_static_param(original):
   return is_static_param
 
 
+def _decoder_bias_updates(intermediates: dict, path: tuple = ()):
+  """(path, update) of every routing-bias update the decoder's layers sowed."""
+  for key, value in intermediates.items():
+    if key == "moe_bias_updates" and "decoder" in path:
+      yield path, value[0] if isinstance(value, (tuple, list)) else value
+    elif isinstance(value, dict):
+      yield from _decoder_bias_updates(value, path + (key,))
+
+
+def _without_bias_updates(intermediates: dict, path: tuple = ()) -> dict:
+  return {k: _without_bias_updates(v, path + (k,)) if isinstance(v, dict) else v for k, v in intermediates.items()
+          if not (k == "moe_bias_updates" and "decoder" in path)}
+
+
+def _move_decoder_biases(model, intermediates: dict) -> None:
+  """bias += update for each decoder layer stack that sowed one (shapes as the stack's bias variable)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+  for path, update in _decoder_bias_updates(intermediates):
+    module = model
+    for key in path:
+      module = getattr(module, key)
+    gates = [node for _, node in nnx.iter_graph(module) if isinstance(node, moe.GateLogit) and node.bias is not None]
+    where = "/".join(path)
+    if len(gates) != 1 or gates[0].bias.value.shape != update.shape:
+      raise ValueError(f"pipeline_v3: the routing-bias update sown at {where} {update.shape} has no single bias of "
+                       f"its shape there ({[g.bias.value.shape for g in gates]})")
+    gates[0].bias.value = gates[0].bias.value + update.astype(gates[0].bias.value.dtype)
+
+
+def _wrap_loss(loss_fn):
+  @functools.wraps(loss_fn)
+  def wrapped(model, config, data, dropout_rng, params, *args, **kwargs):
+    loss, aux = loss_fn(model, config, data, dropout_rng, params, *args, **kwargs)
+    if not (config.using_pipeline_parallelism and config.routed_bias and config.routed_bias_update_rate > 0):
+      return loss, aux  # the program upstream's train step builds, untouched
+    is_train = kwargs["is_train"] if "is_train" in kwargs else (args[1] if len(args) > 1 else True)
+    if is_train:
+      _move_decoder_biases(model, aux["intermediate_outputs"])
+    return loss, {**aux, "moe_bias_updates": None,
+                  "intermediate_outputs": _without_bias_updates(aux["intermediate_outputs"])}
+
+  return wrapped
+
+
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
-  """Always: every target runs only when upstream builds a pipeline (ici/dcn_pipeline_parallelism > 1)."""
+  """Always: every target acts only when upstream builds a pipeline (ici/dcn_pipeline_parallelism > 1): the
+  pipeline's own functions run only then, and the loss function hands upstream's result back unchanged
+  otherwise."""
   return True
 
 
@@ -304,6 +366,7 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   SEAM_STAGE.apply(_wrap_stage_module)
   SEAM_VMAP.apply(_stage_function)
   SEAM_CALL.apply(_wrap_call)
+  SEAM_LOSS.apply(_wrap_loss)
 
 
 def undo() -> None:
