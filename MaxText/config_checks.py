@@ -73,8 +73,8 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
 
 
 def check_pipeline(run: RunConfig, config: Any) -> None:
-  """Pipeline settings under which patches/pipeline_v3.py cannot train DeepSeek-V3's MoE layers (each would be a
-  traceback, or a model trained wrong without a word)."""
+  """A pipeline setting under which patches/pipeline_v3.py cannot train MoE layers (upstream would train the model
+  wrong without a word)."""
   if not config.using_pipeline_parallelism or config.num_experts <= 1:
     return
   if config.pipeline_fsdp_ag_per_repeat:
@@ -82,11 +82,6 @@ def check_pipeline(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'pipeline_fsdp_ag_per_repeat' = True ({where}): "
                       "upstream 0.2.5's prefetching circular pipeline drops what the MoE layers sow (load-balance "
                       "loss, routing-bias counts); leave it false (pipeline_fsdp_ag_once gathers the weights once)")
-  if config.routed_bias and config.routed_bias_update_rate > 0 and config.gradient_accumulation_steps > 1:
-    raise ConfigError(f"config key 'gradient_accumulation_steps' = {config.gradient_accumulation_steps} "
-                      f"({_origin(run, 'gradient_accumulation_steps')}) with pipeline parallelism and a moving "
-                      "routing bias: each accumulated microbatch would move the bias (patches/pipeline_v3.py); the "
-                      "pipeline accumulates over its own microbatches: raise num_pipeline_microbatches instead")
 
 
 def _writable(directory: Path) -> bool:

@@ -33,11 +33,14 @@ upstream's):
       layer really ran (bubble iterations masked by upstream's schedule,
       get_microbatch_and_repeat_ids) to one value per layer, in the layout of the layer's
       variables: [(repeats,) stages, (layers per stage,) ...];
-  train.loss_fn
-      (with a moving bias) each decoder bias moves by its own layers' update, in the training
-      forward, and upstream's train step is handed none: it moves one decoder bias variable (the
-      first it finds, train.py ~650, by the last update it collected), and under the pipeline the
-      decoder may hold several (MoE layers outside the pipeline; unscanned layers of a stage).
+  train.loss_fn, train.gradient_accumulation_loss_and_grad
+      (with a moving bias) each decoder bias moves by its own layers' update, and upstream's train
+      step is handed none: it moves one decoder bias variable (the first it finds, train.py ~650,
+      by the last update it collected), and under the pipeline the decoder may hold several (MoE
+      layers outside the pipeline, unscanned layers of a stage). Without gradient accumulation the
+      training loss moves them, after the forward that used them; with it, the loss hands each
+      stack's counts on (accumulation sums them over its microbatches) and the bias moves once,
+      by the sign of the sums, when the accumulation returns.
 
 Upstream's loss then reads the pipeline as it reads a scanned stack of layers: the load-balance
 loss per layer (mean over microbatches: exact for V3's sequence-wise loss); each bias moves by
@@ -53,11 +56,9 @@ What is not inside the pipeline, and why:
     stages only so: upstream needs stages x repeats x layers per stage = pipelined layers);
   - MTP: after the last stage, on the decoder's output, outside the pipeline (models.py), as a
     scanned decoder has it; its MoE layer's bias moves by upstream's own MTP update.
-Refused (MaxText/config_checks.py check_pipeline): pipeline_fsdp_ag_per_repeat (upstream's
-prefetching circular pipeline, NNXCircularPipeline, drops every sown intermediate), gradient
-accumulation with a moving bias (its per-microbatch loss calls would each move the bias here; the
-pipeline's microbatches accumulate already), and a resume onto another pipeline layout
-(MaxText/checkpoint_compat.py).
+Refused: pipeline_fsdp_ag_per_repeat with MoE layers (upstream's prefetching circular pipeline,
+NNXCircularPipeline, drops every sown intermediate; MaxText/config_checks.py check_pipeline), and a
+resume onto another pipeline layout (MaxText/checkpoint_compat.py).
 """
 
 from __future__ import annotations
@@ -99,11 +100,19 @@ SEAM_LOSS = Seam(
     attr="loss_fn",
     sha256="7a97c1cc3bd1b19a",
 )
-SEAMS = (SEAM_STATIC_PARAM, SEAM_STAGE, SEAM_VMAP, SEAM_CALL, SEAM_LOSS)
+SEAM_ACCUMULATION = Seam(
+    name="pipeline_v3 bias update under gradient accumulation",
+    module="maxtext.trainers.pre_train.train",
+    attr="gradient_accumulation_loss_and_grad",
+    sha256="7807d0b23ab33c3c",
+)
+SEAMS = (SEAM_STATIC_PARAM, SEAM_STAGE, SEAM_VMAP, SEAM_CALL, SEAM_LOSS, SEAM_ACCUMULATION)
 SEAM = SEAM_CALL  # the one patches.seams() lists
 
 # In the config view of a pipelined layer: the mesh axis its stage vmap maps (read by patches/routed_moe.py).
 STAGE_AXIS_KEY = "maxtext_moe_pipeline_stage_axis"
+# In the loss's aux under gradient accumulation: {"decoder/...": expert counts} of each decoder layer stack.
+COUNTS_KEY = "maxtext_moe_decoder_bias_counts"
 
 # How a value each layer sows per call becomes one per layer: over the microbatches it ran.
 # "counts": routing-bias counts, summed, then upstream's sign rule (raw counts under gradient
@@ -319,12 +328,12 @@ def _without_bias_updates(intermediates: dict, path: tuple = ()) -> dict:
           if not (k == "moe_bias_updates" and "decoder" in path)}
 
 
-def _move_decoder_biases(model, intermediates: dict) -> None:
-  """bias += update for each decoder layer stack that sowed one (shapes as the stack's bias variable)."""
+def _move_decoder_biases(model, updates) -> None:
+  """bias += update for each (path, update) a decoder layer stack sowed (shapes as its bias variable)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
 
-  for path, update in _decoder_bias_updates(intermediates):
+  for path, update in updates:
     module = model
     for key in path:
       module = getattr(module, key)
@@ -343,12 +352,31 @@ def _wrap_loss(loss_fn):
     if not (config.using_pipeline_parallelism and config.routed_bias and config.routed_bias_update_rate > 0):
       return loss, aux  # the program upstream's train step builds, untouched
     is_train = kwargs["is_train"] if "is_train" in kwargs else (args[1] if len(args) > 1 else True)
-    if is_train:
-      _move_decoder_biases(model, aux["intermediate_outputs"])
-    return loss, {**aux, "moe_bias_updates": None,
-                  "intermediate_outputs": _without_bias_updates(aux["intermediate_outputs"])}
+    updates = list(_decoder_bias_updates(aux["intermediate_outputs"]))
+    aux = {**aux, "moe_bias_updates": None, "intermediate_outputs": _without_bias_updates(aux["intermediate_outputs"])}
+    if is_train and config.gradient_accumulation_steps > 1:  # raw counts (moe.py ~2507): summed, then one sign
+      aux[COUNTS_KEY] = {"/".join(path): counts for path, counts in updates}
+    elif is_train:
+      _move_decoder_biases(model, updates)
+    return loss, aux
 
   return wrapped
+
+
+def _wrap_accumulation(accumulate):
+  @functools.wraps(accumulate)
+  def gradient_accumulation_loss_and_grad(_loss_fn, config, model, *args, **kwargs):
+    loss, aux, raw_grads = accumulate(_loss_fn, config, model, *args, **kwargs)
+    counts = aux.pop(COUNTS_KEY, None) if isinstance(aux, dict) else None
+    if counts:  # summed over the accumulated microbatches: the step's whole batch
+      from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+      rate = config.routed_bias_update_rate
+      _move_decoder_biases(model, [(tuple(path.split("/")), moe.load_balance_updates_from_counts(c, c.shape[-1], rate))
+                                   for path, c in counts.items()])
+    return loss, aux, raw_grads
+
+  return gradient_accumulation_loss_and_grad
 
 
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
@@ -367,6 +395,7 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   SEAM_VMAP.apply(_stage_function)
   SEAM_CALL.apply(_wrap_call)
   SEAM_LOSS.apply(_wrap_loss)
+  SEAM_ACCUMULATION.apply(_wrap_accumulation)
 
 
 def undo() -> None:
