@@ -135,7 +135,9 @@ def check_pipeline_resume(run: RunConfig, config) -> None:
   if metadata is None:
     return
   before, now = json.loads(record.read_text()), pipeline_layout(config)
-  changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+  order = ["stages", "num_pipeline_repeats", "num_layers_per_pipeline_stage", "scan_layers_per_stage",
+           "pipeline_parallel_layers"]
+  changed = [k for k in order + sorted(set(before) | set(now) - set(order)) if before.get(k) != now.get(k)]
   if changed:
     name = {"stages": "stages (ici_pipeline_parallelism x dcn_pipeline_parallelism)"}
     what = ", ".join(f"{name.get(k, k)} {before.get(k, '(no pipeline)')} -> {now.get(k, '(no pipeline)')}"

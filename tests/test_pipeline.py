@@ -13,7 +13,8 @@ step 0). Each pipelined run is then held to the one-device run of the same block
     an entry by exactly +-rate or 0, so this is "every sign decision of every step the same"
     (measured: identical).
 The layouts: PP2 x EP2 x FSDP2 with 2 scanned layers per stage; PP4 x EP2 under 2 accumulated
-microbatches (gradient_accumulation_steps); the circular schedule PP2 x EP2 x FSDP2, 2 repeats of 1
+microbatches (gradient_accumulation_steps; upstream then feeds 2 batches a step, so its one-device run
+accumulates too); the circular schedule PP2 x EP2 x FSDP2, 2 repeats of 1
 layer, 4 microbatches (more than the stages: the last stage's outputs wait in upstream's circular
 storage); PP2 x EP2 x FSDP2 pipelining 2 of the 4 MoE layers (the other 2 run before it, as V3's 58
 MoE layers must for 8 or 16 stages). Upstream's block runs its ring-of-experts EP
@@ -38,6 +39,8 @@ RATE = 0.001  # routed_bias_update_rate of configs/models/deepseek3-tiny.yml
 # Upstream's block: our grouped GEMM (xla), which honours the ring's group offset (upstream's ragged_dot does not).
 BLOCKS = {"ours": ("moe_block=ours",), "upstream": ("moe_block=upstream", "moe_gmm_backend=xla")}
 EP = {"ours": (), "upstream": ("use_ring_of_experts=true",)}  # with expert parallelism (upstream: EP > 1 only)
+# Upstream's accumulation feeds each step its steps x the batch: the one-device run accumulates as well.
+ACCUMULATE = "gradient_accumulation_steps=2"
 PP2_EP2_FSDP2 = ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2")
 # name: (mesh and pipeline keys, (stages, repeats, layers per stage, MoE layers before the pipeline)); every one
 # on 8 devices, 2 sequences each. A pipeline microbatch splits over a stage's devices: 4 sequences at least
@@ -46,7 +49,7 @@ LAYOUTS = {
     "pp2_ep2_fsdp2": (PP2_EP2_FSDP2 + ("num_pipeline_microbatches=2", "num_layers_per_pipeline_stage=2",
                                        "scan_layers_per_stage=true"), (2, 1, 2, 0)),
     "pp4_ep2_accumulated": (("ici_pipeline_parallelism=4", "ici_expert_parallelism=2", "num_pipeline_microbatches=4",
-                             "gradient_accumulation_steps=2"), (4, 1, 1, 0)),
+                             ACCUMULATE), (4, 1, 1, 0)),
     "circular": (PP2_EP2_FSDP2 + ("num_pipeline_microbatches=4",), (2, 2, 1, 0)),
     "pp2_two_moe_outside": (PP2_EP2_FSDP2 + ("num_pipeline_microbatches=2", "pipeline_parallel_layers=2"),
                             (2, 1, 1, 2)),
@@ -151,16 +154,17 @@ def weights(seed, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device(weights, tmp_path_factory):
-  """The reference run of a block: (losses, routing biases after the last step)."""
-  done: dict[str, tuple] = {}
+  """The reference run of a block (with gradient accumulation or not): (losses, routing biases after the last step)."""
+  done: dict[tuple, tuple] = {}
 
-  def get(block: str):
-    if block not in done:
+  def get(block: str, accumulate: bool = False):
+    if (block, accumulate) not in done:
       run = run_train(tmp_path_factory.mktemp("one"), *MODEL, *BLOCKS[block], "steps=4", "per_device_batch_size=16",
-                      "checkpoint_period=3", f"load_parameters_path={weights()}", run_name=f"one-{block}")
+                      *([ACCUMULATE] if accumulate else []), "checkpoint_period=3",
+                      f"load_parameters_path={weights()}", run_name=f"one-{block}")
       assert run.returncode == 0, run.stderr[-3000:]
-      done[block] = (run.losses(), routing_biases(run.run_dir / "checkpoints" / "3"))
-    return done[block]
+      done[(block, accumulate)] = (run.losses(), routing_biases(run.run_dir / "checkpoints" / "3"))
+    return done[(block, accumulate)]
 
   return get
 
@@ -190,7 +194,7 @@ def test_pipelined_v3_matches_one_device(tmp_path, weights, one_device, seed, la
   assert run.returncode == 0, run.stderr[-3000:]
   if block == "ours":
     assert "(dispatch ring, gmm xla, EP 2)" in run.stdout  # our block ran in the stages, with EP
-  _assert_matches(run, one_device(block))
+  _assert_matches(run, one_device(block, ACCUMULATE in keys))
   # The biases moved every step: the seed's bias is not the final one anywhere it could have moved.
   start = routing_biases(seed)
   assert (routing_biases(run.run_dir / "checkpoints" / "3")["decoder"] != start["decoder"]).mean() > 0.5
@@ -351,3 +355,23 @@ def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():
   assert bubble.report(sched, loops, 1000.0, 2.0, True, 0.5)["bubble_s"] == pytest.approx(2.0 * 140 / 1000)
   odd = bubble.report(sched, [{"trip_count": 38, "count": 1, "dot_flops": 0.0}], 1000.0, 2.0, False, 0.5)
   assert not odd["agrees"] and "38" in odd["note"] and odd["pipelined_share"] == 0.5  # no dots seen: the fallback
+
+
+def test_a_resume_onto_another_pipeline_layout_names_the_keys(tmp_path):
+  """The record written at a run's start against the config of the resume; no checkpoint or no record: no check."""
+  from MaxText import checkpoint_compat, config as fork_config  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/deepseek3-tiny.yml", f"base_output_directory={tmp_path}", "run_name=r"])
+  layout = lambda stages, repeats, per_stage=1: types.SimpleNamespace(  # noqa: E731
+      ici_pipeline_parallelism=stages, dcn_pipeline_parallelism=1, num_pipeline_repeats=repeats,
+      num_layers_per_pipeline_stage=per_stage, scan_layers_per_stage=per_stage > 1, pipeline_parallel_layers=4)
+  checkpoint_compat.record_pipeline_layout(run, layout(2, 2))
+  checkpoint_compat.check_pipeline_resume(run, layout(4, 1))  # nothing saved yet: nothing to refuse
+  (run.run_dir / "checkpoints" / "3" / "items").mkdir(parents=True)
+  (run.run_dir / "checkpoints" / "3" / "items" / "_METADATA").write_text("{}")
+  checkpoint_compat.check_pipeline_resume(run, layout(2, 2))
+  with pytest.raises(fork_config.ConfigError, match=r"repeats 2 -> 1, num_layers_per_pipeline_stage 1 -> 2"):
+    checkpoint_compat.check_pipeline_resume(run, layout(2, 1, 2))  # the same shapes, the layers in another order
+  with pytest.raises(fork_config.ConfigError, match=r"stages \(ici_pipeline_parallelism x dcn_pipeline_parallelism\) "
+                     r"2 -> 1, num_pipeline_repeats 2 -> \(no pipeline\)"):
+    checkpoint_compat.check_pipeline_resume(run, layout(1, 1))
