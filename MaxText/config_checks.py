@@ -73,8 +73,7 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
 
 
 def check_pipeline(run: RunConfig, config: Any) -> None:
-  """A pipeline setting under which patches/pipeline_v3.py cannot train MoE layers (upstream would train the model
-  wrong without a word)."""
+  """Pipeline settings under which MoE layers would train wrong without a word (patches/pipeline_v3.py)."""
   if not config.using_pipeline_parallelism or config.num_experts <= 1:
     return
   if config.pipeline_fsdp_ag_per_repeat:
@@ -82,6 +81,14 @@ def check_pipeline(run: RunConfig, config: Any) -> None:
     raise ConfigError(f"config key 'pipeline_fsdp_ag_per_repeat' = True ({where}): "
                       "upstream 0.2.5's prefetching circular pipeline drops what the MoE layers sow (load-balance "
                       "loss, routing-bias counts); leave it false (pipeline_fsdp_ag_once gathers the weights once)")
+  outside = config.num_decoder_layers - config.first_num_dense_layers - config.pipeline_parallel_layers
+  if (config.decoder_block.value == "deepseek" and outside > 0 and run.fork.moe_block != "ours"
+      and config.routed_bias and config.routed_bias_update_rate > 0):
+    # Measured on 8 CPU devices: those layers' biases differ from one device's after the first step.
+    raise ConfigError(f"config key 'pipeline_parallel_layers' = {config.pipeline_parallel_layers} "
+                      f"({_origin(run, 'pipeline_parallel_layers')}) leaves {outside} MoE layers before the pipeline, "
+                      "where upstream's block counts only a stage's share of the batch for the routing-bias update "
+                      "(its batch axes leave out 'stage', moe.py ~491); use moe_block=ours or pipeline every MoE layer")
 
 
 def _writable(directory: Path) -> bool:

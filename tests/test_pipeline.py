@@ -112,17 +112,32 @@ def test_sown_values_reduce_over_real_iterations_only():
                         want_RSE)
 
 
-def test_the_prefetching_circular_pipeline_is_one_config_error_for_moe(tmp_path):
-  """It drops what the MoE layers sow: measured, moe_lb_loss 0.000000 at every step, and no bias update."""
+@pytest.mark.parametrize("args, match", [
+    # Upstream's prefetching circular pipeline drops what the MoE layers sow: measured, moe_lb_loss 0.000000 at every
+    # step, and no bias update.
+    (("moe_block=ours", "pipeline_fsdp_ag_per_repeat=true"),
+     r"^config key 'pipeline_fsdp_ag_per_repeat' = True .*drops what the MoE layers sow"),
+    # Upstream's block before the pipeline counts one stage's share of the batch: measured, those 2 layers' biases
+    # differ from one device's in 4 of 16 entries after the first step (the pipelined layers' and MTP's: equal).
+    (("moe_block=upstream", "pipeline_parallel_layers=2"),
+     r"^config key 'pipeline_parallel_layers' = 2 .*leaves 2 MoE layers before the pipeline.*moe_block=ours"),
+])
+def test_pipelines_moe_layers_would_train_wrong_under_are_one_config_error(tmp_path, args, match):
   from MaxText import config as fork_config, train  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/deepseek3-tiny.yml", *MODEL[:2], "ici_pipeline_parallelism=2",
-                          "num_pipeline_microbatches=2", f"base_output_directory={tmp_path}",
-                          "pipeline_fsdp_ag_per_repeat=true"])
-  with pytest.raises(fork_config.ConfigError, match=r"^config key 'pipeline_fsdp_ag_per_repeat' = True .*drops what "
-                     r"the MoE layers sow") as e:
+                          "num_pipeline_microbatches=2", f"base_output_directory={tmp_path}", *args])
+  with pytest.raises(fork_config.ConfigError, match=match) as e:
     train.validate_with_upstream(run)
   assert "\n" not in str(e.value)
+
+
+def test_our_block_before_the_pipeline_validates(tmp_path):
+  from MaxText import config as fork_config, train  # pylint: disable=import-outside-toplevel
+
+  train.validate_with_upstream(fork_config.load(["configs/deepseek3-tiny.yml", *MODEL[:2], "ici_pipeline_parallelism=2",
+                                                 "num_pipeline_microbatches=2", f"base_output_directory={tmp_path}",
+                                                 "moe_block=ours", "pipeline_parallel_layers=2"]))
 
 
 # --- slow: real runs against one device -----------------------------------------------------------
@@ -183,7 +198,7 @@ def _assert_matches(run, reference, steps=range(4)) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, block", [("pp2_ep2_fsdp2", "ours"), ("pp4_ep2_accumulated", "ours"),
                                            ("circular", "ours"), ("circular", "upstream"),
-                                           ("pp2_two_moe_outside", "upstream")])
+                                           ("pp2_two_moe_outside", "ours")])
 def test_pipelined_v3_matches_one_device(tmp_path, weights, one_device, seed, layout, block):
   """Loss and routing biases of the pipelined run are the one-device run's (module docstring: tolerances).
   On upstream's pipeline without patches/pipeline_v3.py every one of these stops at its assertion
