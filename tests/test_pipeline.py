@@ -362,13 +362,12 @@ def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():
   assert bubble.schedule(types.SimpleNamespace(ici_pipeline_parallelism=1, dcn_pipeline_parallelism=1)) is None
   # Loops of 39 iterations executing 780 dot FLOPs (a bubble of 140), 220 outside: useful 860, 640 pipelined.
   loops = [{"trip_count": 39, "count": 1, "dot_flops": 780.0}]
-  r = bubble.report(sched, loops, 1000.0, compute_s=2.0, flops_from_hlo=False, fallback_share=0.5)
+  r = bubble.report(sched, loops, 1000.0, path_s=2.0, fallback_share=0.5)
   assert r["agrees"] and r["compiled_bubble_fraction"] == pytest.approx(7 / 39)
   assert r["pipelined_share"] == pytest.approx(640 / 860)
-  assert r["bubble_s"] == pytest.approx(2.0 * (640 / 860) * (7 / 32))  # useful time x share x bubble / (1 - bubble)
-  # From HLO dots the compute already runs the bubble: its part of the 1,000 executed FLOPs is 140.
-  assert bubble.report(sched, loops, 1000.0, 2.0, True, 0.5)["bubble_s"] == pytest.approx(2.0 * 140 / 1000)
-  odd = bubble.report(sched, [{"trip_count": 38, "count": 1, "dot_flops": 0.0}], 1000.0, 2.0, False, 0.5)
+  # The path runs every iteration: the bubble's part of it is its part of the 1,000 executed FLOPs, 140.
+  assert r["bubble_s"] == pytest.approx(2.0 * 140 / 1000)
+  odd = bubble.report(sched, [{"trip_count": 38, "count": 1, "dot_flops": 0.0}], 1000.0, 2.0, 0.5)
   assert not odd["agrees"] and "38" in odd["note"] and odd["pipelined_share"] == 0.5  # no dots seen: the fallback
 
 

@@ -280,7 +280,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
         for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
           before = flops[0]
           visit(body, mult * (trips or 1), depth + 1)
-          if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, num_partitions):
+          if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
             pipeline_loops.append({"trip_count": trips, "count": mult, "dot_flops": flops[0] - before})
         continue
       if instr.opcode == "conditional":
