@@ -344,7 +344,11 @@ def test_inventory_finds_the_pipeline_loop_by_its_stage_permutes():
   from MaxText.plan import hlo_inventory  # pylint: disable=import-outside-toplevel
 
   inv = hlo_inventory.inventory(PIPELINE_HLO, {"stage": 2, "expert": 2}, nodes=[0, 0, 1, 1])
-  assert inv["pipeline_loops"] == [{"trip_count": 5, "count": 1, "dot_flops": 5 * 3 * 2 * 4 * 8 * 8}]
+  assert inv["pipeline_loops"] == [{"trip_count": 5, "step": 1, "count": 1, "dot_flops": 5 * 3 * 2 * 4 * 8 * 8}]
+  # XLA's while-loop double buffering (the GPU presets): two iterations a trip, the induction variable steps by 2.
+  unrolled = PIPELINE_HLO.replace('{"known_trip_count":{"n":"5"}}',
+                                  '{"known_trip_count":{"n":"2"},"known_init_step":{"init":"0","step":"2"}}')
+  assert hlo_inventory.inventory(unrolled, {"stage": 2, "expert": 2}, [0, 0, 1, 1])["pipeline_loops"][0]["step"] == 2
   rows = {(r["kind"], tuple(r["axes"])): r for r in inv["collectives"]}
   stage = rows[("collective-permute", ("stage",))]
   assert (stage["count"], stage["crosses_nodes"], stage["wire_bytes"]) == (5, True, 5 * 4 * 8 * 4)
@@ -365,10 +369,14 @@ def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():
   # Loops of 39 iterations executing 780 dot FLOPs (a bubble of 140), 220 outside: useful 860, 640 pipelined.
   loops = [{"trip_count": 39, "count": 1, "dot_flops": 780.0}]
   r = bubble.report(sched, loops, 1000.0, path_s=2.0, fallback_share=0.5)
-  assert r["agrees"] and r["compiled_bubble_fraction"] == pytest.approx(7 / 39)
+  assert r["agrees"] and r["compiled_iterations"] == [39] and not r["note"]
   assert r["pipelined_share"] == pytest.approx(640 / 860)
   # The path runs every iteration: the bubble's part of it is its part of the 1,000 executed FLOPs, 140.
   assert r["bubble_s"] == pytest.approx(2.0 * 140 / 1000)
+  # Double buffered: 19 trips of 2 iterations in the loop, the 39th outside it; its FLOPs scaled to all 39.
+  unrolled = bubble.report(sched, [{"trip_count": 19, "step": 2, "count": 1, "dot_flops": 760.0}], 1000.0, 2.0, 0.5)
+  assert unrolled["agrees"] and "38 iterations inside, 1 outside" in unrolled["note"]
+  assert unrolled["pipelined_share"] == pytest.approx(640 / 860)
   odd = bubble.report(sched, [{"trip_count": 38, "count": 1, "dot_flops": 0.0}], 1000.0, 2.0, 0.5)
   assert not odd["agrees"] and "38" in odd["note"] and odd["pipelined_share"] == 0.5  # no dots seen: the fallback
 

@@ -38,24 +38,36 @@ def schedule(config: Any) -> dict[str, Any] | None:
           "bubble_fraction": delay * (stages - 1) / iterations}
 
 
+def _iterations(loop: dict[str, Any]) -> int | None:
+  """Pipeline iterations one run of a compiled loop covers: trips x the induction variable's step (XLA's while-loop
+  double buffering unrolls the body twice, step 2, and runs an odd count's last iteration outside)."""
+  return None if loop["trip_count"] is None else loop["trip_count"] * loop.get("step", 1)
+
+
 def cross_check(sched: dict[str, Any], loops: list[dict[str, Any]]) -> dict[str, Any]:
-  """The compiled pipeline loops' trip counts against the schedule's iterations."""
-  trips = sorted({loop["trip_count"] for loop in loops if loop["trip_count"] is not None})
-  agrees = bool(trips) and trips == [sched["iterations"]]
+  """The compiled pipeline loops' iterations against the schedule's."""
+  want = sched["iterations"]
+  covered = sorted({n for n in map(_iterations, loops) if n is not None})
+  # A loop agrees when it runs the schedule's iterations, less the remainder double buffering peels off (< step).
+  agrees = bool(loops) and all(_iterations(l) is not None and 0 <= want - _iterations(l) < l.get("step", 1)
+                               for l in loops)
   if not loops:
     note = "no loop of the compiled program permutes over the stage axis"
   elif not agrees:
-    note = f"compiled pipeline loops run {trips} iterations, the schedule {sched['iterations']}"
+    note = f"compiled pipeline loops cover {covered} iterations, the schedule {want}"
+  elif covered != [want]:
+    note = (f"XLA unrolled the loops (step {max(l.get('step', 1) for l in loops)}): {covered[0]} iterations inside, "
+            f"{want - covered[0]} outside")
   else:
     note = ""
-  return {"compiled_loops": loops, "compiled_trip_counts": trips, "agrees": agrees, "note": note,
-          "compiled_bubble_fraction": (trips[0] - sched["repeats"] * sched["microbatches"]) / trips[0]
-          if len(trips) == 1 else None}
+  return {"compiled_loops": loops, "compiled_trip_counts": sorted({l["trip_count"] for l in loops}),
+          "compiled_iterations": covered, "agrees": agrees, "note": note}
 
 
 def pipelined_share(sched: dict[str, Any], loops: list[dict[str, Any]], hlo_dot_flops: float) -> float | None:
-  """Of the step's useful dot FLOPs, the share inside the pipeline (the loops' FLOPs less their bubble)."""
-  inside = sum(loop["dot_flops"] for loop in loops)
+  """Of the step's useful dot FLOPs, the share inside the pipeline (the loops' FLOPs, with any iteration XLA ran
+  outside them, less their bubble)."""
+  inside = sum(l["dot_flops"] * sched["iterations"] / _iterations(l) for l in loops if _iterations(l))
   if not inside or not hlo_dot_flops:
     return None
   bubble = inside * sched["bubble_fraction"]

@@ -13,8 +13,9 @@ Walks the computations from ENTRY, multiplying by each while loop's
                 are not in it
   pipeline_loops the while loops of upstream's pipeline: those whose body
                 (not a loop nested in it) permutes over the `stage` mesh axis;
-                each with its known trip count, executions per step and the
-                dot FLOPs inside (MaxText/plan/bubble.py reads the bubble off them)
+                each with its known trip count, its induction step (2 when XLA
+                double-buffered it), executions per step and the dot FLOPs
+                inside (MaxText/plan/bubble.py reads the bubble off them)
 Buffer bytes per kind, for a collective over n devices with result R bytes:
   all-gather R (gathered) wire R(n-1)/n;  reduce-scatter R*n, wire R(n-1);
   all-reduce R, wire 2R(n-1)/n;  all-to-all R, wire R(n-1)/n;
@@ -118,6 +119,12 @@ def _called(instr: Instr) -> list[str]:
   if instr.opcode == "call":
     names += re.findall(r"to_apply=%?([\w.\-]+)", instr.attrs)
   return names
+
+
+def induction_step(instr: Instr) -> int:
+  """How far a while loop's induction variable moves a trip: 2 after XLA's double buffering unrolled it."""
+  match = re.search(r'"known_init_step":\{"init":"-?\d+","step":"(\d+)"', instr.attrs)
+  return int(match.group(1)) if match else 1
 
 
 def trip_count(instr: Instr) -> int | None:
@@ -281,7 +288,8 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
           before = flops[0]
           visit(body, mult * (trips or 1), depth + 1)
           if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
-            pipeline_loops.append({"trip_count": trips, "count": mult, "dot_flops": flops[0] - before})
+            pipeline_loops.append({"trip_count": trips, "step": induction_step(instr), "count": mult,
+                                   "dot_flops": flops[0] - before})
         continue
       if instr.opcode == "conditional":
         notes.add("a conditional: every branch counted (an upper bound)")
