@@ -76,6 +76,7 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   if config.enable_checkpointing and config.checkpoint_period <= 0:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")
+  check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
 
 
@@ -111,6 +112,34 @@ def _keys_named_in(run: RunConfig, message: str) -> list[str]:
     named = [k for k, v in run.upstream.items() if k in fields and v != fields[k].default
              and len(set(k.split("_")) & words) >= 2]
   return named[:3]
+
+
+def check_pipeline(run: RunConfig, config: Any) -> None:
+  """Pipeline settings that would fail deep in jax, or train MoE layers wrong without a word (patches/pipeline_v3.py)."""
+  if not config.using_pipeline_parallelism:
+    return
+  qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+  if config.attention == "cudnn_flash_jax" and config.attention_type == "mla" and qk_dim != config.v_head_dim:
+    # Seen compiling the 2-node proxy for compile-only H200s: "cannot reshape array of shape (2, 16, 4096, 128, 128)".
+    raise ConfigError(f"config key 'attention' = 'cudnn_flash_jax' ({_origin(run, 'attention')}) cannot run in "
+                      "pipeline stages: jax 0.11.2's batching rule for cuDNN attention reshapes the values with the "
+                      f"keys' head size (fused_attention_stablehlo.py ~844), and MLA's differ ({qk_dim} against "
+                      f"{config.v_head_dim}); use attention=dot_product, or cudnn_flash_te with Transformer Engine")
+  if config.num_experts <= 1:
+    return
+  if config.pipeline_fsdp_ag_per_repeat:
+    where = _origin(run, "pipeline_fsdp_ag_per_repeat")
+    raise ConfigError(f"config key 'pipeline_fsdp_ag_per_repeat' = True ({where}): "
+                      "upstream 0.2.5's prefetching circular pipeline drops what the MoE layers sow (load-balance "
+                      "loss, routing-bias counts); leave it false (pipeline_fsdp_ag_once gathers the weights once)")
+  outside = config.num_decoder_layers - config.first_num_dense_layers - config.pipeline_parallel_layers
+  if (config.decoder_block.value == "deepseek" and outside > 0 and run.fork.moe_block != "ours"
+      and config.routed_bias and config.routed_bias_update_rate > 0):
+    # Measured on 8 CPU devices: those layers' biases differ from one device's after the first step.
+    raise ConfigError(f"config key 'pipeline_parallel_layers' = {config.pipeline_parallel_layers} "
+                      f"({_origin(run, 'pipeline_parallel_layers')}) leaves {outside} MoE layers before the pipeline, "
+                      "where upstream's block counts only a stage's share of the batch for the routing-bias update "
+                      "(its batch axes leave out 'stage', moe.py ~491); use moe_block=ours or pipeline every MoE layer")
 
 
 def _writable(directory: Path) -> bool:

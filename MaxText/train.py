@@ -262,6 +262,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   if elsewhere is None:
     config_checks.check_devices(run, config)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
+  checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
   checkpoint_compat.check_load_parameters(run)
   if dry_run:
     for line in dry_run_report(run, process, elsewhere):
@@ -289,6 +290,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     previous = _previous_overrides(run)
     if lead:
       write_run_files(run, env, applied, xla_presets.report(composed))
+      checkpoint_compat.record_pipeline_layout(run, config)
       if resumed_from is None or warnings:  # a new run, or a schedule change the user allowed
         lifecycle.record_schedule(run.run_dir, config)
     log(f"run directory {run.run_dir}")

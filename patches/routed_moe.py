@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from patches import pipeline_v3
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -104,19 +105,22 @@ def _sharding(layer, num_tokens: int, ep_size: int):
   mesh = layer.mesh
   if mesh is None or math.prod(mesh.shape.values()) == 1:
     return None
+  # Inside a pipeline stage (patches/pipeline_v3.py marks its layers' config) the stage axis is the vmap's.
+  vmapped = getattr(layer.config, pipeline_v3.STAGE_AXIS_KEY, None)
   # pylint: disable-next=protected-access
   spec = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))
   axes, size = [], 1
   for dim in spec[:2]:
     for axis in (dim,) if isinstance(dim, str) else (dim or ()):
-      if num_tokens % (size * mesh.shape[axis]) == 0:
+      if axis != vmapped and num_tokens % (size * mesh.shape[axis]) == 0:
         axes.append(axis)
         size *= mesh.shape[axis]
   expert_axis = layer._expert_parallelism_name  # pylint: disable=protected-access
   if ep_size > 1 and expert_axis not in axes:
     raise ValueError(f"moe_block=ours with expert parallelism {ep_size} needs the tokens ({num_tokens}) split over "
                      f"the '{expert_axis}' mesh axis; make the batch divisible by it")
-  return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None)
+  return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None,
+                        vmapped_axis=vmapped)
 
 
 def _aux_outputs(layer, r, batch: int):

@@ -210,11 +210,19 @@ class Sharding:
     mesh: the device mesh.
     token_axes: mesh axes the token dimension is split over (batch axes).
     expert_axis: mesh axis splitting the experts (EP), or None.
+    vmapped_axis: mesh axis that a surrounding `jax.vmap(spmd_axis_name=...)` maps (upstream's pipeline
+      stages, patches/pipeline_v3.py), or None. The vmap owns that axis, so the shard_map's specs leave it
+      out, and the shard_map runs unchecked (check_vma=False): JAX 0.11.2 cannot batch a lax loop inside a
+      vma-checked shard_map under such a vmap (its scan batching re-binds a pvary over the vmapped axis on a
+      value that already varies over it; jnp.searchsorted is such a loop). Unchecked, the shard_map's
+      transpose sums the cotangents of inputs replicated over an axis (the experts' weights over the token
+      axes) at its boundary, where the checked one does it inside gmm's VJP (MaxText/moe/vma.py): the same sum.
   """
 
   mesh: jax.sharding.Mesh
   token_axes: Sequence[str]
   expert_axis: str | None = None
+  vmapped_axis: str | None = None
 
 
 def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig,
@@ -266,9 +274,10 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
     exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
-    every_shard = P(tuple(sharding.mesh.axis_names))  # one overflow flag per device
+    # One overflow flag per device (per stage: the pipeline's vmap adds its own axis).
+    every_shard = P(tuple(a for a in sharding.mesh.axis_names if a != sharding.vmapped_axis))
     body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp),
-                         out_specs=(tok, every_shard, every_shard))
+                         out_specs=(tok, every_shard, every_shard), check_vma=sharding.vmapped_axis is None)
   y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, r.weights_TK, experts)
   buffer_2 = jnp.stack([jnp.max(buffer_S2[:, 0]), jnp.sum(buffer_S2[:, 1])])
   return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jax.lax.stop_gradient(buffer_2)

@@ -391,7 +391,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   """Memory, collectives and FLOPs of a compiled step (and its HLO text, kept at hlo_path)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText.plan import hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import bubble, hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:
@@ -410,6 +410,8 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
       largest_buffers=buffers, nodes=nodes,
+      pipeline_schedule=bubble.schedule(step.config),
+      pipelined_layers_share=float(step.config.pipeline_parallel_layers) / float(step.config.num_decoder_layers),
       **hlo_inventory.inventory(hlo, dict(step.mesh.shape), nodes),
   )
 

@@ -11,6 +11,11 @@ Walks the computations from ENTRY, multiplying by each while loop's
   hlo_dot_flops FLOPs of the dots and cuBLAS GEMM calls the HLO shows, per
                 device; kernels opaque to XLA (Mosaic GPU, cuDNN attention)
                 are not in it
+  pipeline_loops the while loops of upstream's pipeline: those whose body
+                (not a loop nested in it) permutes over the `stage` mesh axis;
+                each with its known trip count, its induction step (2 when XLA
+                double-buffered it), executions per step and the dot FLOPs
+                inside (MaxText/plan/bubble.py reads the bubble off them)
 Buffer bytes per kind, for a collective over n devices with result R bytes:
   all-gather R (gathered) wire R(n-1)/n;  reduce-scatter R*n, wire R(n-1);
   all-reduce R, wire 2R(n-1)/n;  all-to-all R, wire R(n-1)/n;
@@ -120,6 +125,12 @@ def _called(instr: Instr) -> list[str]:
   if instr.opcode == "call":
     names += re.findall(r"to_apply=%?([\w.\-]+)", instr.attrs)
   return names
+
+
+def induction_step(instr: Instr) -> int:
+  """How far a while loop's induction variable moves a trip: 2 after XLA's double buffering unrolled it."""
+  match = re.search(r'"known_init_step":\{"init":"-?\d+","step":"(\d+)"', instr.attrs)
+  return int(match.group(1)) if match else 1
 
 
 def trip_count(instr: Instr) -> int | None:
@@ -263,6 +274,8 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
       lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
   flops = [0.0]
+  pipeline_loops: list[dict[str, Any]] = []
+  stage_axis = STAGE_AXIS if mesh_shape.get(STAGE_AXIS, 1) > 1 else None
 
   def visit(name: str, mult: int, depth: int = 0) -> None:
     comp = comps.get(name)
@@ -288,7 +301,11 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
         if trips is None:
           notes.add("a while loop without a known trip count: its body counted once")
         for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
+          before = flops[0]
           visit(body, mult * (trips or 1), depth + 1)
+          if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
+            pipeline_loops.append({"trip_count": trips, "step": induction_step(instr), "count": mult,
+                                   "dot_flops": flops[0] - before})
         continue
       if instr.opcode == "conditional":
         notes.add("a conditional: every branch counted (an upper bound)")
@@ -301,7 +318,28 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
       for (kind, axes, crosses), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))
   ]
   return {"collectives": collectives, "inter_node_bytes": sum(r["inter_node_bytes"] for r in collectives),
-          "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
+          "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes), "pipeline_loops": pipeline_loops}
+
+
+# The mesh axis of upstream's pipeline stages (maxtext 0.2.5 configs/types.py: ici/dcn_pipeline_parallelism).
+STAGE_AXIS = "stage"
+
+
+def _permutes_over(comps: dict[str, Computation], name: str, axis: str, mesh_shape: dict[str, int],
+                   num_partitions: int, depth: int = 0) -> bool:
+  """Whether computation `name`, or one it calls other than a loop body, has a collective-permute over `axis`."""
+  comp = comps.get(name)
+  if comp is None or depth > 64:
+    return False
+  for instr in comp.instrs:
+    if _kind(instr.opcode) == "collective-permute":
+      groups = replica_groups(instr.attrs, num_partitions)
+      if groups and axis in group_axes(groups, mesh_shape):
+        return True
+    if instr.opcode != "while" and any(_permutes_over(comps, c, axis, mesh_shape, num_partitions, depth + 1)
+                                       for c in _called(instr)):
+      return True
+  return False
 
 
 def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:

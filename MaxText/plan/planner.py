@@ -3,6 +3,7 @@ estimated step time off the compiled program (`python -m MaxText.plan`, MaxText/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import aot, hardware, schedule
+from MaxText.plan import aot, bubble, hardware, schedule
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -194,10 +195,15 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
   prepared_env = train.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
   model_flops, recompute = child["model_tflops_per_device"] * 1e12, child.get("recompute_flops", 0.0)
-  bubble_fraction = 0.0  # a pipeline's (stages - 1) / (repeats x microbatches + stages - 1)
+  # The walk runs upstream's pipeline loop by its trip count, the bubble's iterations included (every stage computes
+  # at every iteration): the bubble is inside the path, and the term the schedule would add on top stays 0.
+  # MaxText/plan/bubble.py reports it, checked against the compiled loop.
+  bubble_fraction = 0.0
   terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
                             counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
                             bubble_fraction=bubble_fraction)
+  pipeline = bubble.report(child.get("pipeline_schedule"), child.get("pipeline_loops", []),
+                           child.get("hlo_dot_flops", 0.0), terms.path_s, child.get("pipelined_layers_share", 1.0))
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -221,6 +227,7 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       "collectives": child["collectives"], "inter_node_bytes": child.get("inter_node_bytes", 0.0),
       "inventory_notes": child["inventory_notes"],
       "largest_buffers": child.get("largest_buffers", []),
+      "pipeline": pipeline,
       "estimate": schedule.report(terms, model_flops, recompute, bubble_fraction),
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
   }
@@ -297,6 +304,14 @@ def print_report(r: dict[str, Any]) -> None:
         "what a device exchanges with other nodes)")
   for note in r["inventory_notes"]:
     print(f"  note: {note}")
+  p = r.get("pipeline")
+  if p:
+    print(f"\npipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} microbatches: "
+          f"{p['iterations']} iterations, bubble {p['bubble_fraction']:.1%} (delay x (stages - 1) / iterations)")
+    print(f"  compiled pipeline loops ({len(p['compiled_loops'])}): {'agree' if p['agrees'] else 'DISAGREE'}"
+          f"{' (' + p['note'] + ')' if p['note'] else ''}; pipelined share of the compute "
+          f"{p['pipelined_share']:.1%} ({p['pipelined_share_from']}); bubble {p['bubble_s'] * 1e3:.3f} ms of the step "
+          "(in the path: the loop runs its iterations)")
   print()
   for line in schedule.report_lines(r["estimate"]):
     print(line)
