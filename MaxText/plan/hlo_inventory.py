@@ -249,9 +249,10 @@ def _dot_flops(instr: Instr, comp: Computation) -> float:
 
 
 def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
-               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float] | None:
-  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes per device) of one collective
-  instruction (its -start for an async one); None for a group of one, which moves nothing."""
+               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float] | None:
+  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes, wire bytes exchanged with other
+  nodes, per device) of one collective instruction (its -start for an async one); None for a group of one, which
+  moves nothing."""
   kind = _kind(instr.opcode)
   num_partitions = len(nodes)
   groups = replica_groups(instr.attrs, num_partitions)
@@ -264,7 +265,7 @@ def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
   axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
   crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
   buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
-  return (kind, axes, crosses), n, buffer, wire
+  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes)
 
 
 def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[str, Any]:
@@ -287,12 +288,12 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
         described = collective(instr, mesh_shape, nodes, notes)
         if described is None:
           continue  # a group of one moves nothing
-        (kind, axes, crosses), n, buffer, wire = described
+        (kind, axes, crosses), n, buffer, wire, inter_node = described
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult
         row["wire_bytes"] += wire * mult
-        row["inter_node_bytes"] += wire * off_node_share(kind, groups, nodes) * mult
+        row["inter_node_bytes"] += inter_node * mult
         row["group_size"] = max(row["group_size"], n)
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult

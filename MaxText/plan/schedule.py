@@ -202,7 +202,7 @@ class _Walk:
     described = hlo_inventory.collective(inner, self.mesh_shape, self.nodes, self.notes)
     if described is None:
       return
-    key, _, _, wire = described
+    key, _, _, wire, _ = described
     link = "ib" if key[2] else "nvlink"
     seconds = wire / hardware.link_bytes(self.gpu, key[0], key[2]).value
     self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
