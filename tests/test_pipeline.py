@@ -268,11 +268,21 @@ def test_without_pipeline_the_seam_changes_nothing(tmp_path):
   assert len(texts["with"]) > 10_000 and texts["with"] == texts["without"]
 
 
+# Stages over nodes (DCN) with EP inside the node, and with EP across nodes as well: nodes of 2 simulated devices.
+PLAN_LAYOUTS = {
+    "ep_inside": ("recipe_num_gpus=4", "gpus_per_node=2", "dcn_pipeline_parallelism=2", "ici_expert_parallelism=2"),
+    "ep_across_nodes": ("recipe_num_gpus=8", "gpus_per_node=2", "dcn_pipeline_parallelism=2",
+                        "dcn_expert_parallelism=2", "ici_expert_parallelism=2"),
+}
+
+
 @pytest.mark.slow
-def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path):
-  """`python -m MaxText.plan` on a PP layout: 2 nodes of 2 simulated devices, the stages over the nodes (DCN) and EP
-  inside; the compiled pipeline loop runs upstream's iteration count, and its point-to-point transfers are
-  collective-permutes over the stage axis, crossing nodes."""
+@pytest.mark.parametrize("layout", sorted(PLAN_LAYOUTS))
+def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path, layout):
+  """`python -m MaxText.plan` on a PP layout without a GPU: the stages over the nodes (DCN), EP inside the node or
+  across nodes too; the compiled pipeline loop runs upstream's iteration count, its point-to-point transfers are
+  collective-permutes over the stage axis, crossing nodes, and with EP across nodes the experts' all-to-all crosses
+  nodes as well."""
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
@@ -281,8 +291,7 @@ def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
   proc = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", *MODEL[:2],
-                         "recipe_num_gpus=4", "gpus_per_node=2", "dcn_pipeline_parallelism=2",
-                         "ici_expert_parallelism=2", "num_pipeline_microbatches=2", "per_device_batch_size=1",
+                         *PLAN_LAYOUTS[layout], "num_pipeline_microbatches=2", "per_device_batch_size=1",
                          "max_target_length=32", "moe_block=ours", "--cpu", "--json", str(path)],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -294,6 +303,8 @@ def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path):
   permutes = [r for r in report["collectives"] if r["kind"] == "collective-permute"]
   assert permutes and all(r["axes"] == ["stage"] and r["crosses_nodes"] for r in permutes), permutes
   assert "pipeline: 2 stages x 2 repeats, 2 microbatches: 5 iterations, bubble 20.0%" in proc.stdout
+  exchanges = [r for r in report["collectives"] if r["kind"] == "all-to-all" and "expert" in r["axes"]]
+  assert exchanges and all(r["crosses_nodes"] == (layout == "ep_across_nodes") for r in exchanges), exchanges
 
 
 # --- fast: the planner's reading of a pipeline ---------------------------------------------------
