@@ -32,6 +32,8 @@ trainer writes the run's records then, so a resume refused here leaves them as t
 from __future__ import annotations
 
 import inspect
+import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,6 +125,40 @@ def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
   return name
 
 
+class _DropUnretrievedTasks(logging.Filter):
+  """orbax reads a checkpoint's arrays in parallel asyncio tasks; when one fails for the checkpoint's damage, the
+  others' errors are never retrieved, and asyncio logs each with a traceback when the task is collected, at any
+  time later. The damage is already said in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+def _closed_loop(exc: BaseException | None) -> bool:
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _quiet_failed_reads() -> None:
+  """After a read that failed for the checkpoint's damage: orbax closes its event loop while tensorstore still
+  completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
+  printed with a traceback (PyErr_Print, through sys.excepthook; or as unraisable). Those, and asyncio's
+  unretrieved tasks, are dropped; every other error prints as before."""
+  if any(isinstance(f, _DropUnretrievedTasks) for f in logging.getLogger("asyncio").filters):
+    return
+  logging.getLogger("asyncio").addFilter(_DropUnretrievedTasks())
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def quiet_excepthook(kind, value, tb):
+    if not _closed_loop(value):
+      excepthook(kind, value, tb)
+
+  def quiet_unraisablehook(unraisable):
+    if not _closed_loop(unraisable.exc_value):
+      unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
 def _iterator_states(data_iterator) -> list[Any] | None:
   """Each grain iterator's position before a restore moves it (None when it has none to give)."""
   iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -166,6 +202,7 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
       if why is None:
         raise
       why = f"it does not load: {why}"
+      _quiet_failed_reads()
     else:
       items = restored[0]["items"] if restored[0] is not None else None
       named = checkpoint_guard._leaves_with_paths(items) if items is not None else []  # pylint: disable=protected-access
