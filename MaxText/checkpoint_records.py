@@ -11,9 +11,10 @@ deleted `items/`, a save killed before its commit) is never resumed from; a run 
 The digest is two 32-bit sums over an array's bits, each element weighted by its row-major position
 (uint32 arithmetic, so modulo 2^32): exact whatever the sharding or the order XLA reduces in, and one
 flipped bit anywhere changes the first sum (it moves by 2^k times an odd weight, never 0 mod 2^32).
-It is computed in the same jitted pass as the finite check the guard already makes before each save,
-and again on the restored arrays (patches/checkpoint_restore.py). Its cost is measured by
-tools/bench_checkpoint_digest.py (BENCHMARKS.md "Reliability").
+It is computed in the same pass as the finite check the guard already made before each save (one
+variadic reduction per array, which reads it once), and again on the restored arrays
+(patches/checkpoint_restore.py). That pass is faster than the finite check alone was
+(tools/bench_checkpoint_digest.py, BENCHMARKS.md "Reliability").
 """
 
 from __future__ import annotations
@@ -112,25 +113,30 @@ def _position_u32(shape: tuple[int, ...]):
   return index
 
 
-def _digest_2(x):
-  """uint32[2]: sum(bits * (2i + 1)) and sum(bits ^ (i * golden)), both mod 2^32."""
+def _digest_and_nonfinite(x):
+  """uint32[3]: sum(bits * (2i + 1)) and sum(bits ^ (i * golden)), both mod 2^32, and the count of non-finite
+  elements, in one variadic reduction: one read of the array (three separate sums read it three times, 30x
+  slower on CPU: tools/bench_checkpoint_digest.py)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
   bits_X = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8-byte types gain a trailing dim of 2
   i_X = _position_u32(bits_X.shape)
-  weighted = jnp.sum(bits_X * (i_X * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-  mixed = jnp.sum(bits_X ^ (i_X * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
-  return jnp.stack([weighted, mixed])
+  nonfinite_X = jnp.logical_not(jnp.isfinite(x)).astype(jnp.uint32)
+  if bits_X.ndim > x.ndim:
+    nonfinite_X = jnp.broadcast_to(nonfinite_X[..., None], bits_X.shape) & (i_X & 1)  # counted once per element
+  zero = jnp.uint32(0)
+  sums = jax.lax.reduce((bits_X * (i_X * jnp.uint32(2) + jnp.uint32(1)), bits_X ^ (i_X * jnp.uint32(0x9E3779B1)),
+                         nonfinite_X), (zero, zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+                        tuple(range(bits_X.ndim)))
+  return jnp.stack(sums)
 
 
 def _scan(arrays):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  finite_N = jnp.stack([jnp.isfinite(x).all() for x in arrays])
-  digests_N2 = jnp.stack([_digest_2(x) for x in arrays])
-  return finite_N, digests_N2
+  return jnp.stack([_digest_and_nonfinite(x) for x in arrays])
 
 
 _scan_jit = None
@@ -148,9 +154,8 @@ def scan(arrays: Sequence[Any]) -> tuple[list[bool], list[str]]:
     _scan_jit = jax.jit(_scan)
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  finite_N, digests_N2 = _scan_jit(list(arrays))
-  finite_N, digests_N2 = np.asarray(finite_N), np.asarray(digests_N2)
-  return [bool(f) for f in finite_N], [f"{int(a):08x}{int(b):08x}" for a, b in digests_N2]
+  sums_N3 = np.asarray(_scan_jit(list(arrays)))
+  return [int(n) == 0 for n in sums_N3[:, 2]], [f"{int(a):08x}{int(b):08x}" for a, b in sums_N3[:, :2]]
 
 
 def write_record(run_dir: Path, step: int, named: Sequence[tuple[str, Any]], digests: Sequence[str]) -> Path:

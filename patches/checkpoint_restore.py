@@ -134,29 +134,46 @@ class _DropUnretrievedTasks(logging.Filter):
     return not record.getMessage().startswith("Task exception was never retrieved")
 
 
-def _closed_loop(exc: BaseException | None) -> bool:
-  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+def _of_the_failed_read(exc: BaseException | None) -> bool:
+  """A closed event loop's error, or the damage itself, raised again by a read orbax abandoned."""
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+  return exc is not None and (closed or checkpoint_records.damage(exc) is not None)
 
 
 def _quiet_failed_reads() -> None:
   """After a read that failed for the checkpoint's damage: orbax closes its event loop while tensorstore still
   completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
-  printed with a traceback (PyErr_Print, through sys.excepthook; or as unraisable). Those, and asyncio's
-  unretrieved tasks, are dropped; every other error prints as before."""
-  if any(isinstance(f, _DropUnretrievedTasks) for f in logging.getLogger("asyncio").filters):
+  printed with a traceback (PyErr_Print, through sys.excepthook), and the abandoned reads' coroutines are
+  collected with the damage still in them (an unraisable exception). Those, and asyncio's unretrieved tasks,
+  are dropped; every other error prints as before."""
+  if _quieted:
     return
-  logging.getLogger("asyncio").addFilter(_DropUnretrievedTasks())
+  _quieted.append(_DropUnretrievedTasks())
+  logging.getLogger("asyncio").addFilter(_quieted[0])
   excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+  _quieted.append((excepthook, unraisablehook))
 
   def quiet_excepthook(kind, value, tb):
-    if not _closed_loop(value):
+    if not _of_the_failed_read(value):
       excepthook(kind, value, tb)
 
   def quiet_unraisablehook(unraisable):
-    if not _closed_loop(unraisable.exc_value):
+    if not _of_the_failed_read(unraisable.exc_value):
       unraisablehook(unraisable)
 
   sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
+_quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a damaged read was quieted
+
+
+def _unquiet() -> None:
+  if _quieted:
+    logging.getLogger("asyncio").removeFilter(_quieted[0])
+    sys.excepthook, sys.unraisablehook = _quieted[1]
+    _quieted.clear()
 
 
 def _iterator_states(data_iterator) -> list[Any] | None:
@@ -261,6 +278,7 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
 
 def undo() -> None:
   global _skip_at_least, _on_restored
+  _unquiet()
   _skip_at_least = 0
   _on_restored = lambda step: None  # noqa: E731
   SEAM.undo()
