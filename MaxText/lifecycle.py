@@ -432,9 +432,22 @@ def record_nonfinite(run_dir: Path, step: int, skipped_since: tuple[int, int] | 
   return record
 
 
+def nonfinite_stop(run_dir: Path) -> dict[str, Any] | None:
+  """The record of the last non-finite stop, if there is one that can be read."""
+  return _read_json(run_dir / RUN_FILES / NONFINITE_RECORD)
+
+
 def batches_to_skip(run_dir: Path, restored: int, skip_at_least: int) -> tuple[int, dict[str, Any]] | None:
-  """(batches, record) to skip after restoring checkpoint `restored`; None when no record applies."""
-  record = _read_json(run_dir / RUN_FILES / NONFINITE_RECORD)
-  if skip_at_least <= 0 or not record or record.get("checkpoint") != restored:
+  """(batches, record) to skip after restoring checkpoint `restored`; None when no record applies. A record
+  that exists but cannot be read is a ConfigError when a skip was asked for: replaying would be silent."""
+  path = run_dir / RUN_FILES / NONFINITE_RECORD
+  record = _read_json(path)
+  if skip_at_least <= 0 or not path.exists():
+    return None
+  if not isinstance(record, dict) or not isinstance(record.get("batches_past_checkpoint", 0), int):
+    raise ConfigError(f"config key 'nonfinite_skip_batches' = {skip_at_least}: the record of the last non-finite "
+                      f"stop, {path}, cannot be read, so the batches to skip are unknown; delete it to replay them, "
+                      "or set nonfinite_skip_batches=0")
+  if record.get("checkpoint") != restored:
     return None
   return max(skip_at_least, int(record["batches_past_checkpoint"])), record

@@ -244,9 +244,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
   checkpoint_compat.check_load_parameters(run)
   data_checks.check(run, config)  # the data files and the tokenizer, before the run directory exists
-  preview = _resume_preview(run, config)  # read-only: a refused resume stops here (checked again under the lock)
   if dry_run:
-    for line in preview:
+    for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
       log(line)
     log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
         f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")
@@ -288,7 +287,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
       log(line)
     if resumed_from is not None:
       log(f"resuming from checkpoint step {resumed_from}")
-      if not run.fork.nonfinite_skip_batches and lifecycle.batches_to_skip(run.run_dir, resumed_from, 1):
+      stop_record = lifecycle.nonfinite_stop(run.run_dir) or {}
+      if not run.fork.nonfinite_skip_batches and stop_record.get("checkpoint") == resumed_from:
         log("this run last stopped at a non-finite step after this checkpoint and replays its batches; "
             "nonfinite_skip_batches=K skips them")
     for line in warnings:
@@ -374,6 +374,7 @@ def _resume_preview(run: fork_config.RunConfig, config: Any) -> list[str]:
   resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
                                                   run.fork.allow_data_change)
   if resumed_from is not None:
+    lifecycle.batches_to_skip(run.run_dir, resumed_from, run.fork.nonfinite_skip_batches)  # a garbled record
     lines.append(f"the run would resume from checkpoint step {resumed_from}")
   return lines + warnings
 

@@ -205,6 +205,7 @@ def test_a_changed_model_is_a_config_error_and_sets_nothing_aside(tmp_path, rest
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["0", "1", "2"] and seen == []
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's abandoned reads, unquieted here
 def test_orbax_load_errors_that_are_damage_and_those_that_are_not(tmp_path):
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
 

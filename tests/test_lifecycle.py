@@ -325,6 +325,15 @@ def test_the_skip_covers_the_non_finite_batch_and_follows_the_data_across_resume
   assert not list((tmp_path / lifecycle.RUN_FILES).glob("*.tmp*"))  # written atomically (temp file, then rename)
 
 
+def test_a_garbled_non_finite_record_is_refused_when_a_skip_is_asked_for(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4)
+  (tmp_path / lifecycle.RUN_FILES / lifecycle.NONFINITE_RECORD).write_text('{"step": 7, "checkp')
+  assert lifecycle.batches_to_skip(tmp_path, 4, 0) is None  # no skip asked for: nothing depends on it
+  with pytest.raises(fork_config.ConfigError, match=r"'nonfinite_skip_batches' = 3: the record of the last non-finite "
+                                                    r"stop, .*nonfinite.json, cannot be read"):
+    lifecycle.batches_to_skip(tmp_path, 4, 3)
+
+
 def test_shape_difference_names_the_first_array():
   recorded = {"params/emb": [[1024, 64], "float32"], "params/out": [[64, 1024], "float32"]}
   assert checkpoint_restore.first_difference(recorded, recorded) is None
