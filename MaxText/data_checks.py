@@ -172,6 +172,8 @@ def tokenizer_size(model: Any) -> int:
 def _check_tokenizer(run: RunConfig, config: Any) -> None:
   path = str(config.tokenizer_path or "")
   kind = str(getattr(config.tokenizer_type, "value", config.tokenizer_type))
+  if _kind(config) == "hf":
+    kind = "huggingface"  # upstream's hf pipeline loads every tokenizer through transformers (base.yml)
   where = f"config key 'tokenizer_path' = {path!r} ({_origin(run, 'tokenizer_path')})"
   if not path:
     raise ConfigError(f"{where}: dataset_type={_kind(config)} tokenizes its text and needs a tokenizer")

@@ -144,6 +144,8 @@ def test_good_data_and_a_larger_vocabulary_pass(data):  # pylint: disable=redefi
   data_checks.check(run, _grain(data))
   data_checks.check(run, _grain(data, vocab_size=32768, grain_train_mixture_config_path=str(data / "mixture.json")))
   data_checks.check(run, types.SimpleNamespace(dataset_type="synthetic"))  # synthetic data: nothing to check
+  hub = _grain(data, dataset_type=types.SimpleNamespace(value="hf"), tokenizer_path="meta-llama/Llama-2-7b-hf")
+  data_checks.check(run, hub)  # an hf dataset's tokenizer from the Hub: the run downloads it
 
 
 # --- TensorBoard on a full disk -------------------------------------------------------------------
