@@ -244,7 +244,19 @@ def unusable_steps(run_dir: Path) -> list[tuple[int, str]]:
 def set_aside_unusable(run_dir: Path, dry_run: bool = False) -> list[str]:
   """Moves each step directory that is not a checkpoint out of orbax's sight (its files kept): orbax counts
   any directory named by a number, so an empty checkpoints/99/ would be its latest step, and it saves no
-  step below its latest. Returns one line for each."""
+  step below its latest. Returns one line for each.
+
+  A run whose committed steps all predate our records (no maxtext-moe/checkpoints/ at all) is refused
+  instead: setting its checkpoints aside would start it over, and they cannot be verified.
+  """
+  committed = [step for step, path in checkpoint_records.step_dirs(run_dir)
+               if (path / checkpoint_records.COMMIT_MARKER).is_file() and (path / "items" / "_METADATA").is_file()]
+  if committed and not (run_dir / RUN_FILES / checkpoint_records.RECORDS).is_dir():
+    raise ConfigError(
+        f"run {run_dir} holds checkpoints ({', '.join(map(str, committed))}) but no records of them "
+        f"({run_dir / RUN_FILES / checkpoint_records.RECORDS}/): written before maxtext-moe kept them, or the "
+        "folder was deleted, so they cannot be verified; resume with the maxtext-moe that wrote them, or pick "
+        "another run_name (nothing was moved)")
   lines = []
   for step, why in unusable_steps(run_dir):
     where = run_dir / "checkpoints" / str(step)

@@ -295,6 +295,17 @@ def test_only_committed_and_recorded_step_directories_count_and_the_rest_are_set
   assert (root / "4.unusable" / "items").is_dir()  # kept, only moved out of orbax's sight
 
 
+def test_a_run_whose_checkpoints_predate_our_records_is_refused_with_nothing_moved(tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  _with_checkpoints(tmp_path, 0, 4)
+  shutil.rmtree(tmp_path / lifecycle.RUN_FILES / "checkpoints")
+  with pytest.raises(fork_config.ConfigError, match=r"holds checkpoints \(0, 4\) but no records of them .*cannot be "
+                                                    r"verified.*nothing was moved"):
+    lifecycle.set_aside_unusable(tmp_path)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "4", "5.orbax-checkpoint-tmp-123"]
+
+
 def test_rerunning_a_finished_run_says_so(tmp_path):
   _with_checkpoints(tmp_path, 0, 9)
   with pytest.raises(lifecycle.FinishedRun, match="already finished: its last checkpoint is step 9 and steps=10"):
