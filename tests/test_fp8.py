@@ -397,7 +397,7 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
   assert routed_moe.settings_from(run.fork)["gmm"] == "xla_fp8"  # CPU: emulated; mgpu_fp8 on a GPU
   assert routed_moe.settings_from(fork_config.load([tiny, "moe_block=ours"]).fork)["gmm"] == "auto"
   with pytest.raises(fork_config.ConfigError, match="'moe_fp8' = 'blockwise' .* and 'moe_block' = 'upstream'"):
-    fork_config.load([tiny, "moe_fp8=blockwise"])
+    fork_config.load([tiny, "moe_block=upstream", "moe_fp8=blockwise"])
   with pytest.raises(fork_config.ConfigError, match="'moe_fp8' = 'blockwise' .* and 'moe_gmm_backend' = 'mgpu'"):
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=blockwise", "moe_gmm_backend=mgpu"])
   with pytest.raises(fork_config.ConfigError, match="moe_fp8"):

@@ -81,7 +81,9 @@ def test_host_callbacks_are_compiled_in_their_device_form():
 @pytest.mark.slow
 def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   """The compiler's argument bytes are the state's: bf16 parameters + AdamW's two moments + the step counter
-  split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM."""
+  split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM. The
+  step estimate read off the scheduled HLO (MaxText/plan/schedule.py) is consistent: no term negative, the
+  critical path the stream's work plus the waits, every transfer the inventory counted walked once per trip."""
   if gpu_target.unavailable_reason("h100"):
     pytest.skip(gpu_target.unavailable_reason("h100"))
   path = tmp_path / "plan.json"
@@ -101,6 +103,25 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert any(k == "all-to-all" and "expert" in axes for k, axes in kinds)  # a2a_padded's exchange
   assert any(c["crosses_nodes"] for c in r["collectives"] if c["kind"] == "all-gather")  # dcn fsdp
   assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
+  e = r["estimate"]
+  assert all(e[k] >= 0 for k in ("gemm_s", "fp8_gemm_s", "attention_s", "hidden_flops_s", "memory_s", "collectives_s",
+                                 "exposed_collectives_s", "overlapped_collectives_s", "offload_s", "bubble_s"))
+  assert e["gemm_s"] > 0 and e["memory_s"] > 0 and e["memory_bytes"] > 0 and e["kernels"] > 100
+  assert e["compute_s"] == pytest.approx(e["gemm_s"] + e["fp8_gemm_s"] + e["attention_s"] + e["hidden_flops_s"])
+  assert e["collectives_s"] == pytest.approx(e["exposed_collectives_s"] + e["overlapped_collectives_s"])
+  assert e["overlapped_collectives_s"] > 0 and e["exposed_collectives_s"] > 0  # some hidden behind work, some not
+  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["exposed_collectives_s"]
+                                      + e["offload_exposed_s"])  # no bubble
+  assert e["step_s"] < e["serial_step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["collectives_s"]
+                                                           + e["offload_s"])
+  assert sum(c["seconds"] for c in r["collectives"]) == pytest.approx(e["collectives_s"])
+  assert sum(c["exposed_s"] for c in r["collectives"]) == pytest.approx(e["exposed_collectives_s"])
+  assert all(0 <= c["exposed_s"] <= c["seconds"] * (1 + 1e-9) for c in r["collectives"])
+  assert e["tflops_per_gpu"] == pytest.approx(e["model_tflops_per_device"] / e["step_s"])
+  # a2a_padded's receive buffers hold the worst case (1,024 rows for 512 routed ones here) and the kernels' tiles pad
+  # the tiny widths (an expert's 32 to 128): the grouped GEMMs come down to the routed experts' FLOPs.
+  assert [n.split(" (")[0] for n in e["notes"]] == ["our grouped GEMMs' shapes hold 16x the routed experts' FLOPs"]
+  assert "critical path through the scheduled step" in out.stdout and "memory-bound" in out.stdout
 
 
 _FP8_ROUND_TRIP = """
