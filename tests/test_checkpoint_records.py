@@ -44,6 +44,7 @@ def test_the_digest_matches_a_numpy_reference_and_flags_non_finite_arrays():
   assert checkpoint_records.scan([bad, arrays[1]])[0] == [False, True]
 
 
+@pytest.mark.slow  # a digest per bit of several arrays
 def test_every_single_flipped_bit_changes_the_digest():
   x = _arrays()[1]  # bf16: 16 bits an element
   base = checkpoint_records.scan([x])[1][0]
@@ -72,6 +73,7 @@ print(json.dumps([checkpoint_records.scan(host)[1], checkpoint_records.scan(plac
 """
 
 
+@pytest.mark.slow  # simulated devices in a subprocess
 def test_the_digest_is_the_same_whatever_the_sharding():
   """Four simulated devices: arrays split over a 2x2 mesh give the digests of the same arrays on one device."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -159,6 +161,7 @@ def restore(tmp_path):
     checkpoint_restore.undo()
 
 
+@pytest.mark.slow  # real orbax saves and restores
 def test_restore_skips_damaged_checkpoints_down_to_the_last_good_one(tmp_path, restore, capsys):
   call, seen = restore
   run_dir = tmp_path / "run"
@@ -179,6 +182,7 @@ def test_restore_skips_damaged_checkpoints_down_to_the_last_good_one(tmp_path, r
   assert [c.step for c in manager.checkpoints] == [0]  # orbax's own list agrees: its next save is not refused
 
 
+@pytest.mark.slow
 def test_with_every_checkpoint_damaged_the_run_starts_from_scratch_and_says_so(tmp_path, restore, capsys):
   call, seen = restore
   run_dir = tmp_path / "run"
@@ -190,6 +194,7 @@ def test_with_every_checkpoint_damaged_the_run_starts_from_scratch_and_says_so(t
   assert f"WARNING: none of the 2 checkpoint(s) of {run_dir} could be restored: training starts at step 0" in out
 
 
+@pytest.mark.slow
 def test_a_changed_model_is_a_config_error_and_sets_nothing_aside(tmp_path, restore):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -205,6 +210,7 @@ def test_a_changed_model_is_a_config_error_and_sets_nothing_aside(tmp_path, rest
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["0", "1", "2"] and seen == []
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's abandoned reads, unquieted here
 def test_orbax_load_errors_that_are_damage_and_those_that_are_not(tmp_path):
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel

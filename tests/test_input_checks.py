@@ -44,7 +44,13 @@ BAD_VALUES = {
 }
 
 
-@pytest.mark.parametrize("override", sorted(BAD_VALUES))
+# Three in the fast tier (a config load each); the rest, and every one through the command line
+# (tests/reliability_bad_inputs.py), in the slow tier.
+FAST_BAD_VALUES = ("log_period=0", "remat_policy=nosuch", "run_name=../escape")
+
+
+@pytest.mark.parametrize("override", [o if o in FAST_BAD_VALUES else pytest.param(o, marks=pytest.mark.slow)
+                                      for o in sorted(BAD_VALUES)])
 def test_values_upstream_accepts_and_then_crashes_on_are_refused(override, upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
   run = fork_config.load([TINY, f"base_output_directory={tmp_path}", override])
   with pytest.raises(fork_config.ConfigError, match=BAD_VALUES[override].replace("(", r"\(").replace(")", r"\)")
@@ -52,6 +58,7 @@ def test_values_upstream_accepts_and_then_crashes_on_are_refused(override, upstr
     train.validate_with_upstream(run)
 
 
+@pytest.mark.slow  # four config loads
 def test_the_tiny_config_passes_the_new_checks(upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
   for policy in ("full", "minimal", "custom", "none"):
     train.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}", f"remat_policy={policy}"]))
