@@ -142,6 +142,12 @@ def _of_the_failed_read(exc: BaseException | None) -> bool:
   return exc is not None and (closed or checkpoint_records.damage(exc) is not None)
 
 
+def _an_abandoned_orbax_read(obj: Any) -> bool:
+  """A coroutine of orbax's own collected with its error still in it (the error alone, without the cause that
+  named the damage, does not say so: "Encountered error while reading array index")."""
+  return "/orbax/checkpoint/" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
+
+
 def _quiet_failed_reads() -> None:
   """After a read that failed for the checkpoint's damage: orbax closes its event loop while tensorstore still
   completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
@@ -160,7 +166,7 @@ def _quiet_failed_reads() -> None:
       excepthook(kind, value, tb)
 
   def quiet_unraisablehook(unraisable):
-    if not _of_the_failed_read(unraisable.exc_value):
+    if not (_of_the_failed_read(unraisable.exc_value) or _an_abandoned_orbax_read(unraisable.object)):
       unraisablehook(unraisable)
 
   sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
@@ -206,12 +212,15 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
   data_iterator = bound.arguments["data_iterator"]
   before = _iterator_states(data_iterator)
   steps = checkpoint_records.complete_steps(run_dir)
+  failed_reads = False
   for i, step in enumerate(reversed(steps)):
     record = checkpoint_records.read_record(run_dir, step)
     diff = first_difference(checkpoint_records.shapes_of(record), current)
     if diff:
       raise ShapeMismatch(f"resuming {run_dir} from checkpoint step {step}: the model's shape changed: {diff}")
     bound.arguments["step"] = step
+    # Quieted before the read: the other reads' callbacks may fire while the failed one is still propagating.
+    _quiet_failed_reads()
     try:
       restored = original(*bound.args, **bound.kwargs)
     except Exception as e:  # pylint: disable=broad-exception-caught
@@ -219,8 +228,10 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
       if why is None:
         raise
       why = f"it does not load: {why}"
-      _quiet_failed_reads()
+      failed_reads = True
     else:
+      if not failed_reads:
+        _unquiet()  # a read that went well leaves nothing behind to quiet
       items = restored[0]["items"] if restored[0] is not None else None
       named = checkpoint_guard._leaves_with_paths(items) if items is not None else []  # pylint: disable=protected-access
       finite, digests = checkpoint_records.scan([x for _, x in named])
