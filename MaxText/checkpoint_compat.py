@@ -23,17 +23,14 @@ import ast
 import json
 from pathlib import Path
 
+from MaxText import checkpoint_records
 from MaxText.config import UPSTREAM_V3_ROUTER_MODEL_PREFIXES, ConfigError, RunConfig
 
 
 def _latest_step_metadata(checkpoints: Path) -> Path | None:
-  """`items/_METADATA` of the highest committed step: what upstream restores."""
-  steps = sorted((int(p.name), p) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
-  for _, step in reversed(steps):
-    meta = step / "items" / "_METADATA"
-    if meta.is_file():
-      return meta
-  return None
+  """`items/_METADATA` of the newest checkpoint a resume restores (MaxText/checkpoint_records.py)."""
+  steps = checkpoint_records.complete_steps(checkpoints.parent)
+  return checkpoints / str(steps[-1]) / "items" / "_METADATA" if steps else None
 
 
 def _gate_bias_paths(metadata: Path) -> list[tuple[str, ...]]:

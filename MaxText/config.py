@@ -63,6 +63,10 @@ class ForkConfig(pydantic.BaseModel):
       description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "
       "skips this many batches after C, and never fewer than the N-C through the one that went non-finite "
       "(0: replay them; MaxText/lifecycle.py).")
+  allow_data_change: bool = pydantic.Field(
+      default=False,
+      description="Resume even when the data (dataset_type, its files, the tokenizer, vocab_size) differs from "
+      "what the run recorded (else refused; MaxText/lifecycle.py).")
 
   # --- MoE (MaxText/moe) ---
   moe_gmm_backend: Literal["upstream", "auto", "xla", "tokamax", "mgpu", "te"] = pydantic.Field(
@@ -271,7 +275,10 @@ def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = (), origins: dict[str,
     raise ConfigError(f"{path} must hold a mapping of key: value, not a {type(cfg).__name__}")
   merged = omegaconf.OmegaConf.create({})
   bases = cfg.pop(BASE_CONFIG_KEY, None)
-  for base in [bases] if isinstance(bases, str) else list(bases or []):
+  bases = [bases] if isinstance(bases, str) else bases
+  if bases is not None and not (isinstance(bases, (list, omegaconf.ListConfig)) and all(isinstance(b, str) for b in bases)):
+    raise ConfigError(f"{path}: base_config must be a path or a list of paths, not {_yaml_value(bases)}")
+  for base in bases or []:
     base_path = _resolve_base(str(base), path)
     if base_path is None:
       raise ConfigError(f"{path}: base_config '{base}' not found next to it, in {REPO_CONFIGS} or upstream's configs")
@@ -280,14 +287,36 @@ def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = (), origins: dict[str,
     merged = omegaconf.OmegaConf.merge(merged, load_yaml_chain(base_path, (*_seen, path), origins))
   if origins is not None:
     origins.update((str(k), str(path)) for k in cfg.keys())
-  return omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.merge(merged, cfg), resolve=True)
+  return _resolved(omegaconf.OmegaConf.merge(merged, cfg), str(path))
+
+
+def _yaml_value(value: Any) -> str:
+  if isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)):
+    value = omegaconf.OmegaConf.to_container(value)
+  return repr(value)
+
+
+def _resolved(cfg: omegaconf.DictConfig, origin: str) -> dict[str, Any]:
+  """Plain values, with ${...} interpolations resolved; one that does not resolve names its key."""
+  try:
+    return omegaconf.OmegaConf.to_container(cfg, resolve=True)
+  except omegaconf.errors.OmegaConfBaseException as e:
+    key = getattr(e, "full_key", None) or "?"
+    raw = omegaconf.OmegaConf.to_container(cfg, resolve=False)
+    value = raw.get(key, "?") if isinstance(raw, dict) else "?"
+    reason = " ".join(str(e).splitlines()[0].split())
+    raise ConfigError(f"config key '{key}' = {value!r} ({origin}): {reason}") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
   for arg in args:
     if "=" not in arg or arg.startswith("="):
       raise ConfigError(f"override '{arg}' is not of the form key=value")
-  return omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.from_cli(list(args)), resolve=True)
+  try:
+    cli = omegaconf.OmegaConf.from_cli(list(args))
+  except omegaconf.errors.OmegaConfBaseException as e:
+    raise ConfigError(f"overrides {' '.join(args)}: {' '.join(str(e).splitlines()[0].split())}") from None
+  return _resolved(cli, "command line")
 
 
 def _unknown_key_error(key: str, origin: str, known: list[str]) -> ConfigError:

@@ -25,9 +25,22 @@ from MaxText.config import ConfigError, RunConfig, upstream_fields
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "paged",
                      "vllm_rpa", "vllm_batched_rpa")
 
-# Keys that must be > 0 (upstream types them as plain ints / numbers).
+# Keys that must be > 0 (upstream types them as plain ints / numbers). log_period: its metric logger takes
+# the step modulo it (a ZeroDivisionError after the first checkpoint).
 POSITIVE = ("per_device_batch_size", "vocab_size", "max_target_length", "base_emb_dim", "base_num_decoder_layers",
-            "base_num_query_heads", "base_num_kv_heads")
+            "base_num_query_heads", "base_num_kv_heads", "log_period")
+
+# Step counts the optimizer's int32 step counter must hold (optax's count, the schedules' step).
+INT32_STEPS = ("steps", "learning_rate_schedule_steps", "checkpoint_period", "log_period")
+INT32_MAX = 2**31 - 1
+
+# Upstream 0.2.5 types these as plain strings and dispatches on them only when the model is traced or the
+# input pipeline is built, after the run directory exists (an AssertionError for remat_policy=nosuch).
+# remat_policy: layers/nnx_decoders.py get_remat_policy.
+REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "minimal_flash", "minimal_with_quantization",
+                  "minimal_with_context_and_quantization", "save_dot_with_context_except_mlp",
+                  "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "qkv_proj_offloaded",
+                  "minimal_offloaded", "custom", "save_out_proj")
 
 
 def _origin(run: RunConfig, key: str) -> str:
@@ -76,6 +89,12 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   if config.enable_checkpointing and config.checkpoint_period <= 0:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")
+  for key in INT32_STEPS:
+    if getattr(config, key, 0) > INT32_MAX:
+      raise ConfigError(f"config key '{key}' = {getattr(config, key)} ({_origin(run, key)}): more than "
+                        f"{INT32_MAX}, the most the optimizer's int32 step counter holds")
+  _check_choices(run, config)
+  check_run_name(str(config.run_name), Path(config.base_output_directory))
   check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
 
@@ -200,3 +219,72 @@ def check_devices(run: RunConfig, config: Any) -> None:
                       f"with one GPU each; this run has {jax.process_count()} process(es) with "
                       f"{jax.local_device_count()} device(s) each: launch one process per GPU "
                       "(scripts/launch_local.sh -n N), or use moe_block=ours")
+
+
+def _check_choices(run: RunConfig, config: Any) -> None:
+  """Upstream's string keys that name one of a few choices."""
+  policy = config.remat_policy
+  if policy and policy not in REMAT_POLICIES:
+    raise ConfigError(f"config key 'remat_policy' = {policy!r} ({_origin(run, 'remat_policy')}): not a remat "
+                      f"policy upstream MaxText knows; one of {', '.join(REMAT_POLICIES)}")
+  import jax  # pylint: disable=import-outside-toplevel
+
+  # Activation names upstream turns into functions (layers/linears.py _convert_to_activation_function).
+  named = [("routed_score_func", config.routed_score_func)] + [("mlp_activations", a) for a in config.mlp_activations]
+  for key, name in named:
+    if name and name not in ("linear", "sqrtsoftplus") and not callable(getattr(jax.nn, str(name), None)):
+      raise ConfigError(f"config key '{key}' names {name!r} ({_origin(run, key)}): not an activation upstream "
+                        "MaxText knows: linear, sqrtsoftplus, or a jax.nn function (sigmoid, softmax, silu, ...)")
+
+
+def check_run_name(run_name: str, base: Path) -> None:
+  """run_name: one directory name inside base_output_directory, one the filesystem takes."""
+  if run_name in ("", ".", "..") or "/" in run_name or "\\" in run_name or "\0" in run_name:
+    raise ConfigError(f"config key 'run_name' = {run_name!r}: must be one directory name inside "
+                      f"base_output_directory ({base}), without '/' and not '.' or '..'")
+  import os  # pylint: disable=import-outside-toplevel
+
+  probe = base if base.is_dir() else base.parent
+  try:
+    longest = os.pathconf(probe, "PC_NAME_MAX")
+  except (OSError, ValueError):
+    longest = 255
+  if len(run_name.encode()) > longest:
+    raise ConfigError(f"config key 'run_name' = '{run_name[:24]}...' is {len(run_name.encode())} bytes long; the "
+                      f"filesystem of base_output_directory ({base}) takes names of at most {longest} bytes")
+
+
+def check_backends(run: RunConfig) -> None:
+  """Our MoE backends named in the config against this machine (after the jax backend started): else the
+  first trace of the block fails with BackendUnavailable."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe import dispatch, gmm  # pylint: disable=import-outside-toplevel
+
+  platform = jax.default_backend()
+  name = run.fork.moe_gmm_backend
+  if name not in ("upstream", "auto") and (why := gmm.unavailable_reason(name)):
+    raise ConfigError(f"config key 'moe_gmm_backend' = {name!r} ({_origin(run, 'moe_gmm_backend')}) cannot run "
+                      f"on this {platform.upper()} machine: {why}")
+  name = run.fork.moe_dispatch_backend
+  if run.fork.moe_block == "ours" and name != "auto" and (why := dispatch.unavailable_reason(name)):
+    raise ConfigError(f"config key 'moe_dispatch_backend' = {name!r} ({_origin(run, 'moe_dispatch_backend')}) "
+                      f"cannot run on this {platform.upper()} machine: {why}")
+
+
+def backend_failure(e: BaseException) -> ConfigError | None:
+  """jax failing to start its backend (JAX_PLATFORMS=cuda without a GPU is an AssertionError with no
+  message inside xla_bridge) as one line naming the environment; None for any other error."""
+  import os  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
+
+  frames = traceback.extract_tb(e.__traceback__)
+  if not any(f.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")) for f in frames):
+    return None
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  said = " ".join(str(e).split())[:200] or "no backend came up"
+  if platforms:
+    return ConfigError(f"environment JAX_PLATFORMS={platforms!r}: jax cannot start that platform here ({said}); "
+                       "unset JAX_PLATFORMS, or run where it exists (a GPU needs jax[cuda13])")
+  return ConfigError(f"jax could not start a backend here: {said}")
+

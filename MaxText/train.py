@@ -22,6 +22,8 @@ from MaxText import checkpoint_compat
 from MaxText import config as fork_config
 from MaxText import config_checks
 from MaxText import config_report
+from MaxText import data_checks
+from MaxText import disk_full
 from MaxText.plan import hardware
 from MaxText import launch
 from MaxText import lifecycle
@@ -164,9 +166,10 @@ class _StepHook:
 
 def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
   try:
-    return json.loads((run.run_dir / lifecycle.RUN_FILES / "effective_config.json").read_text())["upstream_overrides"]
-  except (FileNotFoundError, KeyError, json.JSONDecodeError):
-    return {}
+    previous = json.loads((run.run_dir / lifecycle.RUN_FILES / "effective_config.json").read_text())
+    return dict(previous["upstream_overrides"])
+  except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    return {}  # only the refusal's hint uses it: without it, the hint names no keys
 
 
 def _changed_keys(before: dict[str, Any], now: dict[str, Any]) -> str:
@@ -254,17 +257,23 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   elsewhere = launch.devices_elsewhere(run) if dry_run else None
   if dry_run and elsewhere is None:
     launch.check_devices_fit(run)
+  config_checks.check_backends(run)  # our MoE backends against this platform, before the patches resolve them
   tracker: list[_StepHook] = []
+  on_restored: list[Any] = []
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
                         on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
-                        stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars)
+                        stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars,
+                        on_restored=lambda step: on_restored[0](step))
   applied, config = apply_patches_and_validate(run, hooks)
   if elsewhere is None:
     config_checks.check_devices(run, config)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
   checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
   checkpoint_compat.check_load_parameters(run)
+  data_checks.check(run, config)  # the data files and the tokenizer, before the run directory exists
   if dry_run:
+    for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
+      log(line)
     for line in dry_run_report(run, process, elsewhere):
       log(line)
     return {}
@@ -286,17 +295,28 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     lock.acquire()
     stop.on_abort(lock.release)
   try:
-    resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change)
+    set_aside = lifecycle.set_aside_unusable(run.run_dir) if lead else []  # before orbax lists the steps
+    resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
+                                                    run.fork.allow_data_change)
     previous = _previous_overrides(run)
-    if lead:
-      write_run_files(run, env, applied, xla_presets.report(composed))
-      checkpoint_compat.record_pipeline_layout(run, config)
-      if resumed_from is None or warnings:  # a new run, or a schedule change the user allowed
-        lifecycle.record_schedule(run.run_dir, config)
+
+    def record_run(restored: int | None) -> None:
+      """Once upstream's restore settled where the run starts; a resume refused there writes nothing."""
+      if lead:
+        write_run_files(run, env, applied, xla_presets.report(composed))
+        checkpoint_compat.record_pipeline_layout(run, config)
+        if restored is None or warnings:  # a new run (or one whose checkpoints all failed), or an allowed change
+          lifecycle.record_schedule(run.run_dir, config)
+          lifecycle.record_data(run.run_dir, config)
+
+    on_restored.append(record_run)
     log(f"run directory {run.run_dir}")
+    for line in set_aside:
+      log(line)
     if resumed_from is not None:
       log(f"resuming from checkpoint step {resumed_from}")
-      if not run.fork.nonfinite_skip_batches and lifecycle.batches_to_skip(run.run_dir, resumed_from, 1):
+      stop_record = lifecycle.nonfinite_stop(run.run_dir) or {}
+      if not run.fork.nonfinite_skip_batches and stop_record.get("checkpoint") == resumed_from:
         log("this run last stopped at a non-finite step after this checkpoint and replays its batches; "
             "nonfinite_skip_batches=K skips them")
     for line in warnings:
@@ -327,32 +347,64 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
       if resumed_from is not None and _changed_keys(previous, run.upstream):
         raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
       raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if not disk_full.is_storage_failure(e):  # a full disk, whoever wrote first: TensorBoard, metrics, a checkpoint
+        raise
+      written = disk_full.try_write(lambda: close_summary(run, progress, compiles, process, lead))
+      raise disk_full.StorageFailure(disk_full.line(e, run.run_dir, written)) from e
     finally:
       compiles.stop()
   finally:
     if lock:
       lock.release()
+  summary = close_summary(run, progress, compiles, process, lead)
+  if lead:
+    metrics.print_summary(summary)
+  if summary["stopped"]:
+    s = summary["stopped"]
+    if s["saved"] is not None:
+      said = f"checkpoint of step {s['saved']} saved; run again with the same run_name to resume"
+    else:
+      said = (f"checkpointing is off (enable_checkpointing=false), so the {s['step'] + 1} steps trained are lost; "
+              "a rerun starts at step 0")
+    print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {said} (exit {lifecycle.EXIT_PREEMPTED})",
+          file=sys.stderr, flush=True)
+  return summary
+
+
+def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
+                  compiles: progress_lines.CompileWatch, process: launch.ProcessInfo, lead: bool) -> dict[str, Any]:
+  """The closing summary, written to summary.json (process 0) and summary.rank<k>.json (several processes)."""
+  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
+
+  run_dir = run.run_dir
   stopped = dict(checkpoint_guard.stopped)
   if stopped and (not progress.records or progress.records[-1].step < stopped["step"]):
     # The stop ended the loop before upstream's metric logger saw the saved step (it runs a step behind).
     progress.on_train_step(stopped["step"], step_metrics.latest_scalars())
-  summary = progress.summary(run.run_dir, run.upstream)
+  summary = progress.summary(run_dir, run.upstream)
   peak = metrics.device_memory_peak_bytes()
   summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
   summary["stopped"] = stopped or None
   summary["compile_s"] = sum(compiles.compiles) if compiles.compiles else None
   summary["checkpoint_saves"] = list(checkpoint_guard.finish_save_reports())
   if process.num_processes > 1:
-    metrics.write_summary(summary, run.run_dir / lifecycle.RUN_FILES, f"summary.rank{process.process_id}.json")
+    metrics.write_summary(summary, run_dir / lifecycle.RUN_FILES, f"summary.rank{process.process_id}.json")
   if lead:
-    metrics.write_summary(summary, run.run_dir)
-    metrics.print_summary(summary)
-  if summary["stopped"]:
-    s = summary["stopped"]
-    saved = f"checkpoint of step {s['saved']} saved" if s["saved"] is not None else "checkpointing is off"
-    print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {saved}; run again with the same "
-          f"run_name to resume (exit {lifecycle.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+    metrics.write_summary(summary, run_dir)
   return summary
+
+
+def _resume_preview(run: fork_config.RunConfig, config: Any) -> list[str]:
+  """What this run would do to an existing run directory (nothing written): the step directories it would set
+  aside and the checkpoint it would resume; FinishedRun or a refused resume raise as they would under the lock."""
+  lines = lifecycle.set_aside_unusable(run.run_dir, dry_run=True)
+  resumed_from, warnings = lifecycle.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
+                                                  run.fork.allow_data_change)
+  if resumed_from is not None:
+    lifecycle.batches_to_skip(run.run_dir, resumed_from, run.fork.nonfinite_skip_batches)  # a garbled record
+    lines.append(f"the run would resume from checkpoint step {resumed_from}")
+  return lines + warnings
 
 
 def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
@@ -397,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
     return code
 
+  run = None
   try:
     quiet_notices.hold()  # loading the config imports upstream modules that print; held until `verbose` is known
     stop.install(multi_process=launch.discover(os.environ).multi_process)
@@ -416,10 +469,17 @@ def main(argv: list[str] | None = None) -> int:
     return fail(lifecycle.EXIT_LOCKED, f"run directory locked: {e}")
   except checkpoint_guard.NonFiniteState as e:
     return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
-  except checkpoint_guard.SaveFailed as e:
-    _exit_now(lifecycle.EXIT_SAVE_FAILED, f"checkpoint not saved: {e}")
+  except disk_full.StorageFailure as e:
+    _exit_now(lifecycle.EXIT_SAVE_FAILED, str(e))
   except KeyboardInterrupt:
     _exit_now(lifecycle.EXIT_ABORTED, _ABORTED)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if (backend := config_checks.backend_failure(e)) is not None:  # before anything was written
+      return fail(lifecycle.EXIT_CONFIG, f"config error: {backend}")
+    if run is None or not disk_full.is_storage_failure(e):
+      raise
+    # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
+    _exit_now(lifecycle.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
 
 

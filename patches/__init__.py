@@ -53,6 +53,9 @@ class Hooks:
   stop_signal: Callable[[], str | None] = lambda: None
   # The latest train step's scalars on the host (patches/step_metrics.py), for error messages.
   step_scalars: Callable[[], dict[str, Any]] = dict
+  # Once the run's starting point is settled (patches/checkpoint_restore.py): the checkpoint step restored, or
+  # None for a start from scratch; the trainer writes the run's records then, never for a refused resume.
+  on_restored: Callable[[int | None], None] = lambda step: None
 
 
 def _modules():

@@ -8,7 +8,7 @@ its metric logger, which runs a step behind the saves, so a diverged state was
 saved before the abort (and restored by every restart). Here, on every step
 that would save:
 
-  1. the state is checked for non-finite values first; a non-finite state is
+  1. the state is checked for non-finite values first (and its digests taken); a non-finite state is
      never saved (NonFiniteState names the step, which arrays, and the step's
      loss and gradient norm), so the last checkpoint is always finite and a
      resume picks it by itself;
@@ -26,14 +26,15 @@ for the step) until orbax renames its step directory to the step number, on proc
 only (MaxText/progress.watch_save); then one line gives the step directory's size and the
 time (`checkpoint 40 saved: 1.23 GiB in 3.4 s`), and `saves` keeps it for the summary.
 
-Also the shapes of the saved state go to <run>/maxtext-moe/state_shapes.json,
-which patches/checkpoint_restore.py compares on resume.
+Before each save starts, our record of the step goes to <run>/maxtext-moe/checkpoints/<step>.json: each
+float array's shape, dtype and content digest, from the same pass as the finite check
+(MaxText/checkpoint_records.py). A step directory without it is never resumed from;
+patches/checkpoint_restore.py compares the restored arrays with it.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import shutil
 import sys
 import threading
@@ -88,40 +89,20 @@ def _leaves_with_paths(state) -> list[tuple[str, Any]]:
           if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _all_finite(arrays):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  return jnp.stack([jnp.isfinite(x).all() for x in arrays])
-
-
-_finite_flags_jit = None
-
-
-def _finite_flags(arrays):
-  """One bool per array; jitted once (jit's cache then keys on the state's shapes and shardings)."""
-  global _finite_flags_jit
-  if _finite_flags_jit is None:
-    import jax  # pylint: disable=import-outside-toplevel
-
-    _finite_flags_jit = jax.jit(_all_finite)
-  return _finite_flags_jit(arrays)
-
-
 def _scalar(scalars: dict[str, Any], name: str) -> str:
   value = scalars.get(name)
   return "n/a" if value is None else f"{float(value):.6g}"
 
 
-def check_finite(state, step: int, last_saved: int | None) -> None:
-  """Raises NonFiniteState naming the step, the arrays and the step's loss and gradient norms."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+def check_finite(state, step: int, last_saved: int | None) -> tuple[list[tuple[str, Any]], list[str]]:
+  """Raises NonFiniteState naming the step, the arrays and the step's loss and gradient norms; else returns
+  the state's float arrays (name, array) and their content digests (the same pass: MaxText/checkpoint_records)."""
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
 
   leaves = _leaves_with_paths(state)
-  if not leaves:
-    return
-  flags = np.asarray(_finite_flags([x for _, x in leaves]))
-  if flags.all():
-    return
+  flags, digests = checkpoint_records.scan([x for _, x in leaves])
+  if all(flags):
+    return leaves, digests
   bad = [name for (name, _), ok in zip(leaves, flags) if not ok]
   params = [n for n in bad if "opt_state" not in n]
   opt = [n for n in bad if "opt_state" in n]
@@ -220,15 +201,24 @@ def finish_save_reports(timeout_s: float = 10.0) -> list[dict[str, Any]]:
   return saves
 
 
-def _record_shapes(state, run_dir: Path) -> None:
+def _record(run_dir: Path, step: int, leaves, digests) -> None:
+  """Our record of the step (MaxText/checkpoint_records.py), before orbax starts: a step directory counts as
+  a checkpoint only with it, so one whose save dies has none that could vouch for it."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  path = run_dir / "maxtext-moe" / "state_shapes.json"
-  if path.exists() or jax.process_index() != 0:
-    return
-  path.parent.mkdir(parents=True, exist_ok=True)
-  shapes = {name: [list(x.shape), str(x.dtype)] for name, x in _leaves_with_paths(state)}
-  path.write_text(json.dumps(shapes, indent=1))
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  if jax.process_index() == 0:
+    checkpoint_records.write_record(run_dir, step, leaves, digests)
+
+
+def _drop_stale_records(run_dir: Path) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  if jax.process_index() == 0:
+    checkpoint_records.drop_stale_records(run_dir)
 
 
 def _wrap(original):
@@ -257,8 +247,9 @@ def _wrap(original):
     root = Path(config.checkpoint_dir.rstrip("/"))
     last = max(done) if done else None
     if actual not in done:
-      check_finite(state, actual, last)  # waits for the step: the save's time starts after it
+      leaves, digests = check_finite(state, actual, last)  # waits for the step: the save's time starts after it
       check_space(state, root, actual, last)
+      _record(root.parent, actual, leaves, digests)
     began = time.monotonic()
     try:
       if stop:
@@ -275,7 +266,7 @@ def _wrap(original):
       raise
     if actual not in done:
       _watch_save(root, actual, began)
-    _record_shapes(state, root.parent)
+      _drop_stale_records(root.parent)
     if stop:
       stopped.update(step=actual, signal=signal_name or "SIGTERM", saved=actual)
       raise exceptions.StopTraining(f"{signal_name or 'preemption notice'}: checkpoint of step {actual} saved")

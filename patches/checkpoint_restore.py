@@ -1,28 +1,41 @@
 """Seam: maxtext.common.checkpointing.load_state_if_possible (maxtext 0.2.5).
 
-On resume upstream restores the run's latest checkpoint into the state this
-config builds (`abstract_unboxed_pre_state`). After a change of model shape
-orbax fails deep in the restore (57 tracebacks on the tiny config, the cause
-at line 154). Before that, we compare the abstract state with the shapes the
-checkpoint guard recorded at the run's first save (<run>/maxtext-moe/
-state_shapes.json) and raise ShapeMismatch, one line naming the first array
-that differs. Runs without the record restore as upstream does.
+On resume upstream restores the latest step orbax lists, trusting it: an empty `checkpoints/99/` is
+"the latest", a truncated or deleted file ends in an orbax traceback without the step before being
+tried, and flipped bytes that still decompress restore silently (measured: a few flipped bits in the
+tiny model's largest data file load as other numbers). Here:
 
-After the restore, a run that last stopped at a non-finite step (exit 4) and
-sets nonfinite_skip_batches=K > 0 advances the restored data iterator past the
-batches that led there (MaxText/lifecycle.py's record says how many), as
-Megatron users skip a loss spike's batches: next() on upstream's iterator,
-exactly as the training loop would read them, and one log line saying which.
-Only grain's iterator position is in a checkpoint (upstream restores it in
-place right here); synthetic data is one fixed batch, so skipping would change
-nothing, and tfds/hf iterators restart from the data's start, so neither is
-skipped (the log line says so).
+  1. the candidates are the run's checkpoints (MaxText/checkpoint_records.py: orbax's commit marker
+     and our record), newest first; the trainer has set every other step directory aside before
+     upstream started, and orbax's step list is reloaded so that every process sees the same;
+  2. a candidate whose record's shapes differ from the state this config builds is a config change,
+     not damage: ShapeMismatch (a ConfigError) names the first array, as before orbax would fail;
+  3. each candidate is restored by upstream (`step=` given), then checked: the restored float arrays
+     finite and equal to the digests taken at save. A candidate that fails to load with the
+     checkpoint's own damage (tensorstore's OUT_OF_RANGE, DATA_LOSS, ...; orbax's layout errors), or
+     fails the check, is reported in one line and set aside (`<step>.unusable`, its files kept), and
+     the one before is tried, down to none: then the run starts at step 0, as one line says. Any other
+     load error (out of memory, ...) is raised: it is not the checkpoint's fault.
+
+After the restore, a run that last stopped at a non-finite step (exit 4) and sets
+nonfinite_skip_batches=K > 0 advances the restored data iterator past the batches that led there
+(MaxText/lifecycle.py's record says how many), as Megatron users skip a loss spike's batches:
+next() on upstream's iterator, exactly as the training loop would read them, and one log line saying
+which. Only grain's iterator position is in a checkpoint (upstream restores it in place right here);
+synthetic data is one fixed batch, so skipping would change nothing, and tfds/hf iterators restart
+from the data's start, so neither is skipped (the log line says so).
+
+`on_restored(step or None)` (patches.Hooks) is called once the run's starting point is settled: the
+trainer writes the run's records then, so a resume refused here leaves them as they were.
 """
 
 from __future__ import annotations
 
-import json
+import inspect
+import logging
+import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from patches._seam import Seam
 
@@ -45,7 +58,12 @@ def _shape_mismatch_error():
 
 ShapeMismatch = None  # bound in apply() (our ConfigError is imported lazily: patches sit below MaxText)
 _skip_at_least = 0  # fork.nonfinite_skip_batches, set by apply()
+_on_restored: Callable[[int | None], None] = lambda step: None  # hooks.on_restored, set by apply()
 skipped: dict[str, int] = {}  # filled when a skip was applied: {"checkpoint", "batches"}
+
+
+def _log(msg: str) -> None:
+  print(f"[maxtext-moe] {msg}", flush=True)
 
 
 def skip_nonfinite_batches(run_dir: Path, restored: int, data_iterator, dataset_type: str | None) -> None:
@@ -62,14 +80,14 @@ def skip_nonfinite_batches(run_dir: Path, restored: int, data_iterator, dataset_
   if dataset_type != "grain" or not data_iterator:
     why = ("synthetic data is one fixed batch, so skipping changes nothing" if dataset_type == "synthetic" else
            f"dataset_type={dataset_type}'s position is not in the checkpoint (only grain's is)")
-    print(f"[maxtext-moe] {what}: no batches skipped: {why}", flush=True)
+    _log(f"{what}: no batches skipped: {why}")
     return
   for iterator in data_iterator if isinstance(data_iterator, list) else [data_iterator]:
     for _ in range(batches):
       next(iterator)
   skipped.update(checkpoint=restored, batches=batches)
-  print(f"[maxtext-moe] {what}: skipped {batches} batches, those an unbroken run reads at steps {first}..{last}; "
-        f"step {first} trains on the batch of step {last + 1}", flush=True)
+  _log(f"{what}: skipped {batches} batches, those an unbroken run reads at steps {first}..{last}; "
+       f"step {first} trains on the batch of step {last + 1}")
 
 
 def first_difference(recorded: dict[str, list], current: dict[str, list]) -> str | None:
@@ -84,29 +102,171 @@ def first_difference(recorded: dict[str, list], current: dict[str, list]) -> str
   return f"'{extra[0]}' is in the state this config builds but not in the checkpoint" if extra else None
 
 
-def _wrap(original):
-  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+def _sync(name: str) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    multihost_utils.sync_global_devices(name)
+
+
+def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
+  """Process 0 renames the step directory; every process then reloads orbax's step list."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  name = f"{step}{checkpoint_records.SET_ASIDE}"
+  if jax.process_index() == 0:
+    name = checkpoint_records.set_aside(run_dir, step).name
+  _sync(f"maxtext-moe-set-aside-{step}")
+  checkpoint_manager.reload()
+  return name
+
+
+class _DropUnretrievedTasks(logging.Filter):
+  """orbax reads a checkpoint's arrays in parallel asyncio tasks; when one fails for the checkpoint's damage, the
+  others' errors are never retrieved, and asyncio logs each with a traceback when the task is collected, at any
+  time later. The damage is already said in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+def _of_the_failed_read(exc: BaseException | None) -> bool:
+  """A closed event loop's error, or the damage itself, raised again by a read orbax abandoned."""
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+  return exc is not None and (closed or checkpoint_records.damage(exc) is not None)
+
+
+def _an_abandoned_orbax_read(obj: Any) -> bool:
+  """A coroutine of orbax's own collected with its error still in it (the error alone, without the cause that
+  named the damage, does not say so: "Encountered error while reading array index")."""
+  return "/orbax/checkpoint/" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
+
+
+def _quiet_failed_reads() -> None:
+  """After a read that failed for the checkpoint's damage: orbax closes its event loop while tensorstore still
+  completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
+  printed with a traceback (PyErr_Print, through sys.excepthook), and the abandoned reads' coroutines are
+  collected with the damage still in them (an unraisable exception). Those, and asyncio's unretrieved tasks,
+  are dropped; every other error prints as before."""
+  if _quieted:
+    return
+  _quieted.append(_DropUnretrievedTasks())
+  logging.getLogger("asyncio").addFilter(_quieted[0])
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+  _quieted.append((excepthook, unraisablehook))
+
+  def quiet_excepthook(kind, value, tb):
+    if not _of_the_failed_read(value):
+      excepthook(kind, value, tb)
+
+  def quiet_unraisablehook(unraisable):
+    if not (_of_the_failed_read(unraisable.exc_value) or _an_abandoned_orbax_read(unraisable.object)):
+      unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
+_quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a damaged read was quieted
+
+
+def _unquiet() -> None:
+  if _quieted:
+    logging.getLogger("asyncio").removeFilter(_quieted[0])
+    sys.excepthook, sys.unraisablehook = _quieted[1]
+    _quieted.clear()
+
+
+def _iterator_states(data_iterator) -> list[Any] | None:
+  """Each grain iterator's position before a restore moves it (None when it has none to give)."""
+  iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+  local = [getattr(it, "local_iterator", None) for it in iterators]
+  if not all(hasattr(it, "get_state") and hasattr(it, "set_state") for it in local):
+    return None
+  return [it.get_state() for it in local]
+
+
+def _restore_iterators(data_iterator, states: list[Any] | None) -> None:
+  if states is not None:
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    for it, state in zip(iterators, states):
+      it.local_iterator.set_state(state)
+
+
+def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
+  """Tries the run's checkpoints newest first; (restored, step) of the first that loads and checks out."""
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
 
   from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
-  def load_state_if_possible(checkpoint_manager, data_iterator, load_parameters_from_path, load_full_state_from_path,
-                             checkpoint_storage_concurrent_gb, abstract_unboxed_pre_state, *args, **kwargs):
-    step = checkpointing.latest_step(checkpoint_manager) if checkpoint_manager is not None else None
-    if step is not None:
-      run_dir = Path(str(checkpoint_manager.directory)).parent
-      record = run_dir / "maxtext-moe" / "state_shapes.json"
-      if record.is_file():
-        current = {name: [list(x.shape), str(x.dtype)]
-                   for name, x in checkpoint_guard._leaves_with_paths(abstract_unboxed_pre_state)}  # pylint: disable=protected-access
-        diff = first_difference(json.loads(record.read_text()), current)
-        if diff:
-          raise ShapeMismatch(f"resuming {run_dir} from checkpoint step {step}: the model's shape changed: {diff}")
-    restored = original(checkpoint_manager, data_iterator, load_parameters_from_path, load_full_state_from_path,
-                        checkpoint_storage_concurrent_gb, abstract_unboxed_pre_state, *args, **kwargs)
-    if step is not None and restored[0] is not None:
-      config = kwargs.get("maxtext_config")
-      skip_nonfinite_batches(Path(str(checkpoint_manager.directory)).parent, int(step), data_iterator,
+  manager = bound.arguments["checkpoint_manager"]
+  _sync("maxtext-moe-checkpoints")  # process 0 set stray step directories aside before upstream started
+  manager.reload()
+  current = {name: [list(x.shape), str(x.dtype)]
+             for name, x in checkpoint_guard._leaves_with_paths(bound.arguments["abstract_unboxed_pre_state"])}  # pylint: disable=protected-access
+  data_iterator = bound.arguments["data_iterator"]
+  before = _iterator_states(data_iterator)
+  steps = checkpoint_records.complete_steps(run_dir)
+  failed_reads = False
+  for i, step in enumerate(reversed(steps)):
+    record = checkpoint_records.read_record(run_dir, step)
+    diff = first_difference(checkpoint_records.shapes_of(record), current)
+    if diff:
+      raise ShapeMismatch(f"resuming {run_dir} from checkpoint step {step}: the model's shape changed: {diff}")
+    bound.arguments["step"] = step
+    # Quieted before the read: the other reads' callbacks may fire while the failed one is still propagating.
+    _quiet_failed_reads()
+    try:
+      restored = original(*bound.args, **bound.kwargs)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      why = checkpoint_records.damage(e)
+      if why is None:
+        raise
+      why = f"it does not load: {why}"
+      failed_reads = True
+    else:
+      if not failed_reads:
+        _unquiet()  # a read that went well leaves nothing behind to quiet
+      items = restored[0]["items"] if restored[0] is not None else None
+      named = checkpoint_guard._leaves_with_paths(items) if items is not None else []  # pylint: disable=protected-access
+      finite, digests = checkpoint_records.scan([x for _, x in named])
+      why = checkpoint_records.mismatch(record, named, finite, digests)
+      if why is None:
+        if i:
+          _log(f"resumed from checkpoint step {step} instead (loaded, finite, digests as at save)")
+        return restored, step
+    name = _set_aside(manager, run_dir, step)
+    nxt = f"trying checkpoint {steps[-2 - i]}" if i + 1 < len(steps) else "no checkpoint is left"
+    _log(f"WARNING: checkpoint {step} of {run_dir} is damaged ({why}); set aside as checkpoints/{name}; {nxt}")
+  if steps:
+    _log(f"WARNING: none of the {len(steps)} checkpoint(s) of {run_dir} could be restored: training starts at step 0")
+    _restore_iterators(data_iterator, before)
+  return None, None
+
+
+def _wrap(original):
+  signature = inspect.signature(original)
+
+  def load_state_if_possible(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    manager = bound.arguments["checkpoint_manager"]
+    restored, step = None, None
+    if manager is not None:
+      run_dir = Path(str(manager.directory)).parent
+      restored, step = _restore_verified(original, bound, run_dir)
+    if restored is None:  # no checkpoint: upstream's own start (load_parameters_path, ... or a fresh state)
+      bound.arguments["checkpoint_manager"] = None
+      restored = original(*bound.args, **bound.kwargs)
+    else:
+      config = bound.arguments.get("maxtext_config")
+      skip_nonfinite_batches(run_dir, int(step), bound.arguments["data_iterator"],
                              getattr(config, "dataset_type", None))
+    _on_restored(step)
     return restored
 
   load_state_if_possible.__wrapped__ = original
@@ -118,15 +278,18 @@ def wanted(fork) -> bool:  # pylint: disable=unused-argument
 
 
 def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  global ShapeMismatch, _skip_at_least
+  global ShapeMismatch, _skip_at_least, _on_restored
   if ShapeMismatch is None:
     ShapeMismatch = _shape_mismatch_error()
   _skip_at_least = int(getattr(fork, "nonfinite_skip_batches", 0))
+  _on_restored = getattr(hooks, "on_restored", None) or (lambda step: None)
   skipped.clear()
   SEAM.apply(_wrap)
 
 
 def undo() -> None:
-  global _skip_at_least
+  global _skip_at_least, _on_restored
+  _unquiet()
   _skip_at_least = 0
+  _on_restored = lambda step: None  # noqa: E731
   SEAM.undo()

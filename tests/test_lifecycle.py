@@ -124,30 +124,186 @@ def test_a_lock_not_refreshed_from_another_host_goes_stale(tmp_path):
   lock.release()
 
 
+@pytest.mark.parametrize("content", ["", '{"host": "h", "pi', '"pid 12"', '[1, 2]', '{"host": "h", "pid": "12"}',
+                                     '{"host": "h", "pid": -1}', '{"pid": 12}'])
+def test_an_empty_or_torn_lock_is_taken_over_at_once(tmp_path, capsys, content):
+  """A lock appears whole (hard link of a written file), so a torn one was never a live job's: no 90 s wait,
+  no 'host None pid None'."""
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  lock.path.parent.mkdir(parents=True)
+  lock.path.write_text(content)
+  started = time.monotonic()
+  lock.acquire()
+  try:
+    assert time.monotonic() - started < 5
+    assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert "taking over a stale lock (lock.json is empty or torn, not a lock record" in capsys.readouterr().out
+  finally:
+    lock.release()
+  assert not lock.path.exists()
+
+
+def test_a_directory_in_place_of_the_lock_is_one_line_naming_it(tmp_path):
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  lock.path.mkdir(parents=True)
+  with pytest.raises(fork_config.ConfigError, match=f"{lock.path} is a directory, not a run lock; remove it"):
+    lock.acquire()
+
+
+def test_a_lock_stamped_in_the_future_says_the_real_wait(tmp_path):
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  lock.path.parent.mkdir(parents=True)
+  lock.path.write_text(json.dumps({"host": "node-ahead", "pid": 7, "started": "then"}))
+  ahead = time.time() + 3600
+  os.utime(lock.path, (ahead, ahead))
+  with pytest.raises(lifecycle.RunLocked, match=r"its time stamp is 3\d\d\d s in the future \(clocks differ\?\).*"
+                                                r"wait 3[67]\d\d s for the lock to go stale"):
+    lock.acquire()
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_lock_behind(tmp_path, monkeypatch):
+  """A full disk at start: the write seam raises ENOSPC (as the tmpfs of tests/test_train_lifecycle.py does)."""
+  import errno  # pylint: disable=import-outside-toplevel
+
+  real = Path.write_text
+
+  def full(self, *args, **kwargs):
+    if self.name.startswith("lock.json"):
+      real(self, "")  # the file is created, then the write fails
+      raise OSError(errno.ENOSPC, "No space left on device", str(self))
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(Path, "write_text", full)
+  lock = lifecycle.RunLock.for_run(tmp_path)
+  with pytest.raises(OSError) as e:
+    lock.acquire()
+  assert e.value.errno == errno.ENOSPC and checkpoint_guard.no_space_reason(e.value).startswith("No space")
+  assert list(lock.path.parent.iterdir()) == []  # neither lock.json nor its temporary file
+
+
 # --- resume ---
 
 
 def _config(**kw):
-  values = {"steps": 10, "learning_rate": 1e-3, "learning_rate_schedule_steps": 10, "warmup_steps_fraction": 0.1}
+  values = {"steps": 10, "learning_rate": 1e-3, "learning_rate_schedule_steps": 10, "warmup_steps_fraction": 0.1,
+            "enable_checkpointing": True, "dataset_type": "synthetic", "vocab_size": 1024}
   return types.SimpleNamespace(**{**values, **kw})
 
 
-def _with_checkpoints(run_dir: Path, *steps: int) -> None:
+def _with_checkpoints(run_dir: Path, *steps: int, config=None) -> None:
+  """Step directories as a save leaves them (orbax's commit marker and tree metadata, our record), the run's
+  schedule and data records (those of `config`), and an unfinished save, which is not a checkpoint."""
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
   for step in steps:
-    (run_dir / "checkpoints" / str(step)).mkdir(parents=True)
-  (run_dir / "checkpoints" / f"{max(steps) + 1}.orbax-checkpoint-tmp-123").mkdir()  # unfinished: not a checkpoint
+    (run_dir / "checkpoints" / str(step) / "items").mkdir(parents=True)
+    (run_dir / "checkpoints" / str(step) / "items" / "_METADATA").write_text("{}")
+    (run_dir / "checkpoints" / str(step) / checkpoint_records.COMMIT_MARKER).write_text("committed")
+    checkpoint_records.write_record(run_dir, step, [], [])
+  (run_dir / "checkpoints" / f"{max(steps) + 1}.orbax-checkpoint-tmp-123").mkdir()
+  lifecycle.record_schedule(run_dir, config or _config())
+  lifecycle.record_data(run_dir, config or _config())
 
 
 def test_resume_refuses_a_changed_schedule_and_names_the_pin(tmp_path):
-  lifecycle.record_schedule(tmp_path, _config())
   _with_checkpoints(tmp_path, 0, 4)
   assert lifecycle.check_resume(tmp_path, _config(), False) == (4, [])
   with pytest.raises(fork_config.ConfigError, match=r"learning_rate_schedule_steps 10 -> 20\).*pin "
-                                                    r"learning_rate_schedule_steps=10"):
+                                                    r"learning_rate_schedule_steps=10 to continue"):
     lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), False)
   step, warnings = lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), True)
   assert step == 4 and "WARNING" in warnings[0]
   lifecycle.check_resume(tmp_path, _config(steps=20), False)  # more steps on the pinned schedule: fine
+  # The hint names the key that changed, with its recorded value.
+  with pytest.raises(fork_config.ConfigError, match=r"\(learning_rate 0.001 -> 0.002\).*pin learning_rate=0.001 "):
+    lifecycle.check_resume(tmp_path, _config(learning_rate=2e-3), False)
+
+
+def test_after_a_non_finite_stop_the_advised_lower_learning_rate_resumes_with_a_warning(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4)
+  lifecycle.record_nonfinite(tmp_path, 6, None)  # exit 4 at step 6, its advice: lower learning_rate
+  step, warnings = lifecycle.check_resume(tmp_path, _config(learning_rate=5e-4), False)
+  assert step == 4 and warnings == ["WARNING: learning_rate 0.001 -> 0.0005 after the non-finite stop at step 6: "
+                                    "steps up to 4 followed the old rate, steps from 5 the new one"]
+  with pytest.raises(fork_config.ConfigError, match="pin learning_rate=0.001"):  # higher: not the remedy
+    lifecycle.check_resume(tmp_path, _config(learning_rate=2e-3), False)
+  with pytest.raises(fork_config.ConfigError, match="pin learning_rate=0.001 warmup_steps_fraction=0.1"):
+    lifecycle.check_resume(tmp_path, _config(learning_rate=5e-4, warmup_steps_fraction=0.2), False)
+
+
+@pytest.mark.parametrize("record", ["schedule.json", "data.json"])
+@pytest.mark.parametrize("damage", ["missing", "garbled", "a list"])
+def test_a_missing_or_garbled_resume_record_is_refused_unless_allowed(tmp_path, record, damage):
+  _with_checkpoints(tmp_path, 0, 4)
+  path = tmp_path / lifecycle.RUN_FILES / record
+  if damage == "missing":
+    path.unlink()
+  else:
+    path.write_text('{"learning_rate": 0.0' if damage == "garbled" else "[1, 2]")
+  key = "allow_schedule_change" if record == "schedule.json" else "allow_data_change"
+  why = {"missing": "is missing", "garbled": "cannot be read", "a list": "is not a JSON object"}[damage]
+  with pytest.raises(fork_config.ConfigError, match=f"record {path} {why}.*set {key}=true"):
+    lifecycle.check_resume(tmp_path, _config(), False, False)
+  step, warnings = lifecycle.check_resume(tmp_path, _config(), True, True)
+  assert step == 4 and len(warnings) == 1 and f"{key}=true: this run's" in warnings[0]
+
+
+def test_a_resume_on_other_data_is_refused_naming_what_changed(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4)  # a synthetic-data run
+  grain = _config(dataset_type=types.SimpleNamespace(value="grain"), grain_train_files="/data/*.arrayrecord",
+                  grain_file_type="arrayrecord", grain_train_mixture_config_path="", train_data_columns=["text"],
+                  tokenizer_type="sentencepiece", tokenizer_path="/tok/llama2", vocab_size=32000)
+  with pytest.raises(fork_config.ConfigError, match=r"would train on other data \(dataset_type 'synthetic' -> "
+                                                    r"'grain', vocab_size 1024 -> 32000, grain_train_files"):
+    lifecycle.check_resume(tmp_path, grain, False, False)
+  step, warnings = lifecycle.check_resume(tmp_path, grain, False, True)
+  assert step == 4 and warnings[0].startswith("WARNING: the data changes on resume (dataset_type 'synthetic'")
+  lifecycle.record_data(tmp_path, grain)
+  assert lifecycle.check_resume(tmp_path, _config(**{**vars(grain), "steps": 10}), False) == (4, [])
+
+
+def test_checkpointing_off_on_a_run_with_checkpoints_is_refused(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4)
+  with pytest.raises(fork_config.ConfigError, match=r"'enable_checkpointing' = False: run .* holds checkpoints up to "
+                                                    r"step 4, which this run would neither resume nor extend"):
+    lifecycle.check_resume(tmp_path, _config(enable_checkpointing=False), False)
+  assert lifecycle.check_resume(tmp_path / "other", _config(enable_checkpointing=False), False) == (None, [])
+
+
+def test_only_committed_and_recorded_step_directories_count_and_the_rest_are_set_aside(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4, 8)
+  root = tmp_path / "checkpoints"
+  (root / "99").mkdir()  # a stray directory
+  (root / "8" / "commit_success.txt").unlink()  # a save that never committed
+  (root / "4" / "items" / "_METADATA").unlink()
+  (root / "12" / "items").mkdir(parents=True)
+  (root / "12" / "items" / "_METADATA").write_text("{}")
+  (root / "12" / "commit_success.txt").write_text("committed")  # no record of ours
+  assert lifecycle.checkpoint_steps(tmp_path) == [0]
+  assert lifecycle.check_resume(tmp_path, _config(steps=100), False) == (0, [])  # not "already finished" at 99
+  dry = lifecycle.set_aside_unusable(tmp_path, dry_run=True)
+  assert [p.name for p in sorted(root.iterdir())] == ["0", "12", "4", "8", "9.orbax-checkpoint-tmp-123", "99"]
+  lines = lifecycle.set_aside_unusable(tmp_path)
+  assert [line.split(" is not a checkpoint ")[0] for line in lines] == [
+      f"WARNING: {root / str(s)}" for s in (4, 8, 12, 99)]
+  assert "(its items/_METADATA is missing): set aside as 4.unusable" in lines[0]
+  assert "(no orbax commit marker (commit_success.txt): the save never completed)" in lines[1]
+  assert f"(no record of ours ({tmp_path}/maxtext-moe/checkpoints/12.json))" in lines[2]
+  assert all("the run would set it aside" in line for line in dry)
+  assert sorted(p.name for p in root.iterdir()) == ["0", "12.unusable", "4.unusable", "8.unusable",
+                                                    "9.orbax-checkpoint-tmp-123", "99.unusable"]
+  assert (root / "4.unusable" / "items").is_dir()  # kept, only moved out of orbax's sight
+
+
+def test_a_run_whose_checkpoints_predate_our_records_is_refused_with_nothing_moved(tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  _with_checkpoints(tmp_path, 0, 4)
+  shutil.rmtree(tmp_path / lifecycle.RUN_FILES / "checkpoints")
+  with pytest.raises(fork_config.ConfigError, match=r"holds checkpoints \(0, 4\) but no records of them .*cannot be "
+                                                    r"verified.*nothing was moved"):
+    lifecycle.set_aside_unusable(tmp_path)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "4", "5.orbax-checkpoint-tmp-123"]
 
 
 def test_rerunning_a_finished_run_says_so(tmp_path):
@@ -178,6 +334,15 @@ def test_the_skip_covers_the_non_finite_batch_and_follows_the_data_across_resume
   assert lifecycle.record_nonfinite(tmp_path, 9, (4, 10)) == {"step": 9, "checkpoint": 8, "batches_past_checkpoint": 1}
   assert lifecycle.batches_to_skip(tmp_path, 4, 10) is None
   assert not list((tmp_path / lifecycle.RUN_FILES).glob("*.tmp*"))  # written atomically (temp file, then rename)
+
+
+def test_a_garbled_non_finite_record_is_refused_when_a_skip_is_asked_for(tmp_path):
+  _with_checkpoints(tmp_path, 0, 4)
+  (tmp_path / lifecycle.RUN_FILES / lifecycle.NONFINITE_RECORD).write_text('{"step": 7, "checkp')
+  assert lifecycle.batches_to_skip(tmp_path, 4, 0) is None  # no skip asked for: nothing depends on it
+  with pytest.raises(fork_config.ConfigError, match=r"'nonfinite_skip_batches' = 3: the record of the last non-finite "
+                                                    r"stop, .*nonfinite.json, cannot be read"):
+    lifecycle.batches_to_skip(tmp_path, 4, 3)
 
 
 def test_shape_difference_names_the_first_array():

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
@@ -74,6 +76,28 @@ def _seconds(flag: str, value: str) -> float:
   return seconds
 
 
+def _output(flag: str, value: str | None) -> str | None:
+  """An output path, checked before the compile (a directory there failed only after it, leaving PATH.tmp)."""
+  if value is None:
+    return None
+  path = Path(value)
+  if path.is_dir():
+    raise fork_config.ConfigError(f"{flag} {value}: is a directory; give a file path")
+  parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+  if not parent.is_dir() or not _can_create_in(parent):
+    raise fork_config.ConfigError(f"{flag} {value}: cannot be written ({parent} is not a writable directory)")
+  return value
+
+
+def _can_create_in(directory: Path) -> bool:
+  """By trying (os.access says yes to root on a read-only mount); leaves nothing behind."""
+  try:
+    with tempfile.TemporaryFile(dir=directory):
+      return True
+  except OSError:
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
   args = sys.argv[1:] if argv is None else list(argv)
   if not args or args[0] in ("-h", "--help"):
@@ -81,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
   try:
-    json_path = _take(args, "--json")
-    hlo_path = _take(args, "--hlo")
+    json_path = _output("--json", _take(args, "--json"))
+    hlo_path = _output("--hlo", _take(args, "--hlo"))
     timeout = _take(args, "--timeout")
     heartbeat = _take(args, "--heartbeat")
     do_search = _take(args, "--search", has_value=False)
     mock, cpu = (bool(_take(args, flag, has_value=False)) for flag in ("--mock", "--cpu"))
     if mock and cpu:
       raise fork_config.ConfigError("--mock and --cpu exclude each other")
-    timeout_s = float(timeout) if timeout else planner.DEFAULT_TIMEOUT_S
+    timeout_s = planner.DEFAULT_TIMEOUT_S if timeout is None else _seconds("--timeout", timeout)
     heartbeat_s = planner.HEARTBEAT_S if heartbeat is None else _seconds("--heartbeat", heartbeat)
     if do_search:
       return search.main(args, timeout_s, json_path, heartbeat_s)
