@@ -94,3 +94,29 @@ def test_float32_references_per_group_with_empty_groups_and_rows_past_the_groups
   y, pull = jax.vjp(ffn, x, w, w2)
   for got, ref in zip(bench.ffn_reference(x, w, w2, dy, sizes), (y,) + pull(dy)):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-3)
+
+
+@pytest.mark.slow  # compiles a family's GEMMs and FFN on CPU
+def test_family_runs_its_expert_shapes_and_ffn(monkeypatch, tmp_path):
+  """--family: the family's up (D -> F) and down at M = tokens x top-k and its G, balanced and zipf1.2, fwd and
+  bwd, and the FFN at those dims; each against the dense GEMM and within the error bound."""
+  import json
+  import sys
+
+  # The plumbing at CPU size: qwen3-moe's entry shrunk (its real shape is a GPU's: tests/test_moe_families.py checks
+  # FAMILIES against the proxies), M = 32 tokens x top-8 = 256 rows.
+  monkeypatch.setitem(bench.FAMILIES, "qwen3-moe", (128, 48, 16, 8))
+  monkeypatch.setitem(bench.SHAPES, "qwen3-moe_up", (128, 48))
+  monkeypatch.setitem(bench.SHAPES, "qwen3-moe_down", (48, 128))
+  monkeypatch.setattr(bench, "PROXY_TOKENS", 32)
+  monkeypatch.setattr(sys, "argv", ["bench_gmm.py", "--family", "qwen3-moe", "--backends", "xla_vjp",
+                                    "--out", str(tmp_path)])
+  bench.main()
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  cases = {(r["case"], r["backend"], r["pass_"]) for r in rows}
+  for side in ("up", "down"):
+    for dist in ("balanced", "zipf1.2"):
+      for p in ("fwd", "bwd"):
+        assert (f"qwen3-moe_{side} M=256 G=16 {dist}", "xla_vjp", p) in cases
+  assert ("ffn 128->48 M=256 G=16 zipf1.2", "xla_vjp", "ffn") in cases
+  assert all(float(r["err"]) < bench.TOL for r in rows if r["backend"] == "xla_vjp"), rows

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import functools
 import glob
+import re
 from pathlib import Path
 
 import jax
@@ -389,3 +390,86 @@ def test_tiny_family_trains_on_our_block_as_on_upstreams(family, train):
     assert abs(a[step] - b[step]) <= TRAIN_RTOL * abs(b[step]), (family, a, b)
     assert abs(ga[step] - gb[step]) <= TRAIN_RTOL * abs(gb[step]), (family, ga, gb)
   assert b[3] < b[0]  # it trains
+
+
+# --- configs a user starts from, and the benchmark's variants of them ---
+
+
+def _bench_train(monkeypatch):
+  from conftest import load_script  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.syspath_prepend(str(REPO / "tools"))  # bench_train imports its sibling profile_breakdown
+  return load_script("bench_train", "tools/bench_train.py")
+
+
+def test_dense_equivalent_of_the_deepseek_proxy_is_the_measured_one(monkeypatch):
+  bench_train = _bench_train(monkeypatch)
+  got = bench_train.variant_overrides("dense_equivalent", str(REPO / bench_train.DEFAULT_CONFIG))
+  assert got == ["moe_block=upstream", *bench_train.VARIANTS["dense_equivalent"][0]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_proxy_runs_on_our_block_and_its_bench_variants_load(family, monkeypatch):
+  """The proxy's run config shows our path; upstream's best path, ours and the dense equivalent (computed from
+  the family's model: (K + shared) x F wide) are configs we accept."""
+  bench_train = _bench_train(monkeypatch)
+  proxy = str(REPO / f"configs/bench/{family}-proxy-1xh200.yml")
+  run = fork_config.load([proxy])
+  assert run.fork.moe_block == "ours" and run.fork.recipe_num_gpus == 1
+  assert run.upstream["model_name"] == FAMILIES[family]
+  for name in ("upstream_tokamax", "upstream_ragged", "ours", "dense_equivalent"):
+    loaded = fork_config.load([proxy, *bench_train.variant_overrides(name, proxy)])
+    assert loaded.fork.moe_block == ("ours" if name == "ours" else "upstream"), name
+  view = bench_train.model_view(proxy)
+  dense = dict(o.split("=", 1) for o in bench_train.dense_equivalent(view))
+  assert int(dense["base_mlp_dim"]) == (view["num_experts_per_tok"] + view.get("shared_experts", 0)) * view[
+      "base_moe_mlp_dim"]
+
+
+RECIPES = sorted((REPO / "configs/recipes").glob("*-8xh100.yml"))
+
+
+def test_every_family_has_a_one_node_recipe():
+  names = {p.name for p in RECIPES}
+  assert len(RECIPES) == len(FAMILIES)
+  for family, model in FAMILIES.items():
+    assert f"{model}-8xh100.yml" in names or f"{family}-proxy-8xh100.yml" in names or (
+        f"{model}-proxy-8xh100.yml" in names), family
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_one_node_recipe_fits_its_8_gpus_and_its_plan(path):
+  """The mesh fits 8 GPUs and splits the experts; the header records the compiled plan that fits (or says why
+  none ran here)."""
+  from MaxText import launch  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load([str(path)])
+  assert run.fork.recipe_num_gpus == 8 and run.fork.target_gpu == "h100" and run.fork.moe_block == "ours"
+  launch.check_topology(run.upstream, 8, 8, 1)
+  planned = re.search(r"^# FITS: ([\d.]+) GiB per GPU of ([\d.]+) usable", path.read_text(), re.M)
+  assert planned and float(planned[1]) <= float(planned[2]), path.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_equivalent_of_each_tiny_family_trains(family, train, monkeypatch):
+  """bench_train's dense_equivalent overrides build and train the family's model (the tiny one, 2 steps)."""
+  bench_train = _bench_train(monkeypatch)
+  config = f"configs/{family}-tiny.yml"
+  run = train(config, "steps=2", *bench_train.variant_overrides("dense_equivalent", str(REPO / config)))
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "our block" not in run.stdout and len(run.losses()) == 2
+
+
+def test_bench_gmm_families_are_the_proxies_expert_shapes(monkeypatch):
+  """tools/bench_gmm.py --family: each family's (D, F, G, K) is its proxy's hidden, expert width, experts and top-k
+  (Kimi-K2: 48 experts, a GPU's share of 384 under its one-node recipe's EP 8)."""
+  from conftest import load_script  # pylint: disable=import-outside-toplevel
+
+  bench_gmm = load_script("bench_gmm", "tools/bench_gmm.py")
+  bench_train = _bench_train(monkeypatch)
+  for family in FAMILIES:
+    c = bench_train.model_view(str(REPO / f"configs/bench/{family}-proxy-1xh200.yml"))
+    experts = 384 // 8 if family == "kimi-k2" else c["num_experts"]
+    assert bench_gmm.FAMILIES[family] == (c["base_emb_dim"], c["base_moe_mlp_dim"], experts,
+                                          c["num_experts_per_tok"]), family
