@@ -54,6 +54,10 @@ class ForkConfig(pydantic.BaseModel):
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
       "MaxText/lifecycle.py).")
+  verbose: bool = pydantic.Field(
+      default=False,
+      description="Also print upstream's import-time notices: the \"[DECOUPLED NO-OP]\" stub lines "
+      "(patches/quiet_notices.py) and transformers' warnings (else only its errors).")
   nonfinite_skip_batches: int = pydantic.Field(
       default=0, ge=0,
       description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "
@@ -87,15 +91,31 @@ class ForkConfig(pydantic.BaseModel):
       default="upstream",
       description="Routed-MoE block: upstream's, ours (route -> dispatch -> gmm -> combine), or upstream's TE "
       "MoEBlock path.")
-  moe_dispatch_backend: Literal["auto", "local", "ring", "ragged_a2a", "a2a_padded", "te_ncclep"] = pydantic.Field(
+  moe_dispatch_backend: Literal["auto", "local", "ring", "ragged_a2a", "a2a_padded", "hierarchical",
+                                "te_ncclep"] = pydantic.Field(
       default="auto",
-      description="Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU).")
+      description="Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU); "
+      "hierarchical: EP across nodes in two exchanges, a token crossing InfiniBand once per node it needs.")
+  moe_hierarchical_capacity_factor: float = pydantic.Field(
+      default=2.0, gt=0,
+      description="hierarchical: each stage's buffer = factor x its balanced share ((token, node) rows per node, "
+      "capped at the tokens; slots per GPU inside the node); the EP size never overflows.")
+  moe_ep_overlap_chunks: int = pydantic.Field(
+      default=1, ge=1,
+      description="Our block under EP splits each shard's tokens into this many chunks, each dispatched, computed and "
+      "combined on its own, so that one chunk's all-to-all overlaps another's grouped GEMMs; 1: no split. No effect "
+      "without EP; must divide the tokens per shard.")
+  moe_node_limited_routing: bool = pydantic.Field(
+      default=False,
+      description="DeepSeek-V3's node-limited routing: moe_router=deepseek_v3's groups sit on the EP nodes "
+      "(n_routing_groups a multiple of dcn_expert_parallelism; unset: equal to it), so each token's experts are on "
+      "at most topk_routing_group nodes.")
   moe_a2a_padded_capacity_factor: float = pydantic.Field(
       default=2.0, gt=0,
       description="a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).")
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = pydantic.Field(
       default="error",
-      description="a2a_padded/ragged_a2a overflow: raise, or only flag moe_has_overflow "
+      description="a2a_padded/ragged_a2a/hierarchical overflow: raise, or only flag moe_has_overflow "
       "(pair with moe_dropless_fallback=step).")
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(
       default=None, gt=0,
@@ -108,10 +128,12 @@ class ForkConfig(pydantic.BaseModel):
       default=1, ge=0,
       description="Our block's routing statistics (tokens per expert, load ratio, CV, idle experts, router "
       "entropy, bias, overflow) as moe/ TensorBoard scalars, a histogram and a heatmap every N steps; 0 turns "
-      "them off and compiles nothing extra. Computed in the step, no host callback; cost not yet measured on GPU.")
+      "them off and compiles nothing extra. Computed in the step, no host callback: 0.1% of the step on one H200 "
+      "(BENCHMARKS.md, \"End to end on one H200\").")
   moe_metrics_heatmap_every_n_steps: int = pydantic.Field(
       default=100, ge=0,
-      description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps (0: none); "
+      description="A layers x experts heatmap of load / mean in TensorBoard's images tab every N steps, its numbers "
+      "on stdout up to 32 experts and 16 MoE layers (0: none); "
       "needs moe_metrics_every_n_steps > 0.")
   moe_profile_every_n_steps: int = pydantic.Field(
       default=0, ge=0,
@@ -374,6 +396,8 @@ def _router_checks(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str
     value = getattr(fork, key) if key in ForkConfig.model_fields else get(key)
     return ConfigError(f"config key '{key}' = {value!r} ({origins.get(key, 'default')}): {why}")
 
+  if fork.moe_node_limited_routing:
+    _node_limit_checks(fork, get, error, origins)
   upstream_v3 = str(get("model_name")).startswith(UPSTREAM_V3_ROUTER_MODEL_PREFIXES)
   if fork.moe_router == "upstream" and not upstream_v3:
     for key, off in (("n_routing_groups", -1), ("topk_routing_group", -1), ("routed_bias_update_rate", 0.0)):
@@ -404,6 +428,31 @@ def _router_checks(fork: ForkConfig, upstream: dict[str, Any], origins: dict[str
     raise error("mtp_loss_switch_tokens", "needs mtp_num_layers >= 1")
 
 
+def node_limited_groups(fork: ForkConfig, upstream: dict[str, Any]) -> dict[str, Any]:
+  """moe_node_limited_routing with n_routing_groups unset: one routing group per EP node (dcn_expert_parallelism)."""
+  if not fork.moe_node_limited_routing or fork.moe_router != "deepseek_v3" or int(upstream.get("n_routing_groups", -1)) > 0:
+    return upstream
+  return {**upstream, "n_routing_groups": int(upstream.get("dcn_expert_parallelism", 1))}
+
+
+def _node_limit_checks(fork: ForkConfig, get, error, origins: dict[str, str]) -> None:
+  """Node-limited routing holds only when every routing group's experts sit on one EP node: experts are laid out
+  node-major over the expert axis (dcn_expert_parallelism x ici_expert_parallelism), so group g (experts
+  [g E/G, (g+1) E/G)) lies on one node exactly when G is a multiple of the nodes N."""
+  if fork.moe_router != "deepseek_v3":
+    raise error("moe_node_limited_routing", "needs moe_router=deepseek_v3 (its group-limited routing limits the nodes)")
+  nodes, groups = get("dcn_expert_parallelism"), get("n_routing_groups")
+  if nodes < 1:
+    raise error("dcn_expert_parallelism", "moe_node_limited_routing needs the EP nodes written out (>= 1)")
+  if groups % nodes:
+    raise ConfigError(f"config keys 'n_routing_groups' = {groups} ({origins.get('n_routing_groups', 'default')}) and "
+                      f"'dcn_expert_parallelism' = {nodes} ({origins.get('dcn_expert_parallelism', 'default')}) "
+                      "contradict moe_node_limited_routing=true: each routing group must sit on one EP node, so "
+                      "n_routing_groups must be a multiple of dcn_expert_parallelism (or unset: equal to it)")
+  if get("topk_routing_group") < 1:
+    raise error("topk_routing_group", "moe_node_limited_routing needs it: the nodes a token's experts may sit on (V3: 4)")
+
+
 def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[str, Any]:
   """Fills output locations so that a run writes only under its run directory."""
   out = dict(upstream)
@@ -417,6 +466,17 @@ def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[st
   out.setdefault("jax_cache_dir", str(run_dir / "jax_cache"))
   out.setdefault("dump_hlo_local_dir", str(run_dir / "xla_dump") + "/")
   return out
+
+
+def recipe_num_slices(fork: ForkConfig, upstream: Mapping[str, Any]) -> int | None:
+  """A GPU recipe's slices: one per node (jax's slice is a node's NVLink domain); None for one node.
+
+  Upstream counts slices from the devices as it validates, so without them (a laptop) it refuses a DCN
+  axis; named as the planner names it (MaxText/plan/planner.py), the recipe validates anywhere as it runs."""
+  if not fork.recipe_num_gpus or not str(upstream.get("hardware", "tpu")).startswith("gpu"):
+    return None
+  nodes = fork.recipe_num_gpus // fork.gpus_per_node
+  return nodes if nodes > 1 else None
 
 
 def resolve_config_path(name: str) -> Path:
@@ -463,11 +523,14 @@ def load(args: list[str]) -> RunConfig:
   except pydantic.ValidationError as e:
     raise _fork_error(e, origins) from None
   check_moe_keys(fork, origins)
+  theirs = node_limited_groups(fork, theirs)
   _router_checks(fork, theirs, origins)
   if fork.moe_profile_every_n_steps and theirs.get("profiler"):
     raise ConfigError(f"config keys 'moe_profile_every_n_steps' = {fork.moe_profile_every_n_steps} "
                       f"({origins['moe_profile_every_n_steps']}) and 'profiler' = {theirs['profiler']!r} "
                       f"({origins['profiler']}) contradict each other: one profiler trace at a time; unset one")
+  if "num_slices" not in merged and (slices := recipe_num_slices(fork, theirs)):
+    theirs["num_slices"] = slices  # print-config names its source (MaxText/config_report.py)
   if fork.moe_log_expert_load and fork.moe_block != "ours":
     raise ConfigError(f"config key 'moe_log_expert_load' = True ({origins['moe_log_expert_load']}): "
                       "only our block reports the expert load; set moe_block=ours")

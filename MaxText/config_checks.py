@@ -11,11 +11,14 @@ whose one line names the key and the value.
 from __future__ import annotations
 
 import importlib.util
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from MaxText.config import ConfigError, RunConfig
+import pydantic
+
+from MaxText.config import ConfigError, RunConfig, upstream_fields
 
 # The kernels upstream's attention_op.py (0.2.5) dispatches on; anything else
 # raises ValueError only when the model is traced.
@@ -65,9 +68,15 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   if config.num_experts > 1 and config.num_experts_per_tok > config.num_experts:
     raise ConfigError(f"config key 'num_experts_per_tok' = {config.num_experts_per_tok} is more than "
                       f"num_experts = {config.num_experts}: a token cannot be routed to more experts than exist")
+  chunks, tokens = run.fork.moe_ep_overlap_chunks, config.per_device_batch_size * config.max_target_length
+  if chunks > 1 and (tokens != int(tokens) or int(tokens) % chunks):
+    # A shard's tokens are the device's or a multiple of them (routed_moe splits them over token axes only).
+    raise ConfigError(f"config key 'moe_ep_overlap_chunks' = {chunks} ({_origin(run, 'moe_ep_overlap_chunks')}): "
+                      f"must divide the tokens per device, per_device_batch_size x max_target_length = {tokens:g}")
   if config.enable_checkpointing and config.checkpoint_period <= 0:
     raise ConfigError(f"config key 'checkpoint_period' = {config.checkpoint_period}: must be > 0 "
                       "(or enable_checkpointing=false)")
+  check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
   if run.fork.moe_block == "ours" and config.num_experts > 1:
     check_our_block(run, config)
@@ -92,6 +101,68 @@ def check_our_block(run: RunConfig, config: Any) -> None:
   if run.fork.moe_fp8 != "none" and config.mlp_bias:
     raise ConfigError(f"config keys 'moe_fp8' = {run.fork.moe_fp8!r} and 'mlp_bias' = True ({origin('mlp_bias')}) "
                       "contradict each other: the FP8 experts have no expert biases; use moe_fp8=none")
+
+
+def upstream_error(run: RunConfig, e: Exception) -> ConfigError:
+  """An exception from upstream's validation as one line naming the key.
+
+  A pydantic field error names its key in `loc`. A model validator's (loc empty) names none: the key is
+  a field its message names, else the keys the run sets away from upstream's default whose name shares
+  two words with the message ("DCN parallelism ..." -> dcn_fsdp_parallelism).
+  """
+  if not isinstance(e, pydantic.ValidationError):
+    return ConfigError(f"rejected by upstream MaxText: {' '.join(str(e).split())[:400]}")
+  err = e.errors()[0]
+  message = " ".join(str(err["msg"]).removeprefix("Value error, ").split())[:400]
+  fields = [str(part) for part in err["loc"] if isinstance(part, str)]
+  keys = fields[-1:] or _keys_named_in(run, message)
+  if not keys:
+    return ConfigError(f"rejected by upstream MaxText's validation (it names no key; --print-config shows every "
+                       f"value): {message}")
+  named = ", ".join(f"'{k}' = {run.upstream[k]!r} ({run.origins.get(k, 'maxtext-moe default')})"
+                    if k in run.upstream else f"'{k}'" for k in keys)
+  return ConfigError(f"config key{'s' if len(keys) > 1 else ''} {named}: rejected by upstream MaxText: {message}")
+
+
+def _keys_named_in(run: RunConfig, message: str) -> list[str]:
+  """At most three keys: fields the message spells out (a one-word field only if the run sets it), else
+  the run's non-default keys that share two words with it."""
+  fields = upstream_fields()
+  words = set(re.findall(r"[a-z0-9]+", message.lower()))
+  named = [k for k in fields if ("_" in k or k in run.upstream)
+           and re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}(?![A-Za-z0-9_])", message)]
+  if not named:
+    named = [k for k, v in run.upstream.items() if k in fields and v != fields[k].default
+             and len(set(k.split("_")) & words) >= 2]
+  return named[:3]
+
+
+def check_pipeline(run: RunConfig, config: Any) -> None:
+  """Pipeline settings that would fail deep in jax, or train MoE layers wrong without a word (patches/pipeline_v3.py)."""
+  if not config.using_pipeline_parallelism:
+    return
+  qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+  if config.attention == "cudnn_flash_jax" and config.attention_type == "mla" and qk_dim != config.v_head_dim:
+    # Seen compiling the 2-node proxy for compile-only H200s: "cannot reshape array of shape (2, 16, 4096, 128, 128)".
+    raise ConfigError(f"config key 'attention' = 'cudnn_flash_jax' ({_origin(run, 'attention')}) cannot run in "
+                      "pipeline stages: jax 0.11.2's batching rule for cuDNN attention reshapes the values with the "
+                      f"keys' head size (fused_attention_stablehlo.py ~844), and MLA's differ ({qk_dim} against "
+                      f"{config.v_head_dim}); use attention=dot_product, or cudnn_flash_te with Transformer Engine")
+  if config.num_experts <= 1:
+    return
+  if config.pipeline_fsdp_ag_per_repeat:
+    where = _origin(run, "pipeline_fsdp_ag_per_repeat")
+    raise ConfigError(f"config key 'pipeline_fsdp_ag_per_repeat' = True ({where}): "
+                      "upstream 0.2.5's prefetching circular pipeline drops what the MoE layers sow (load-balance "
+                      "loss, routing-bias counts); leave it false (pipeline_fsdp_ag_once gathers the weights once)")
+  outside = config.num_decoder_layers - config.first_num_dense_layers - config.pipeline_parallel_layers
+  if (config.decoder_block.value == "deepseek" and outside > 0 and run.fork.moe_block != "ours"
+      and config.routed_bias and config.routed_bias_update_rate > 0):
+    # Measured on 8 CPU devices: those layers' biases differ from one device's after the first step.
+    raise ConfigError(f"config key 'pipeline_parallel_layers' = {config.pipeline_parallel_layers} "
+                      f"({_origin(run, 'pipeline_parallel_layers')}) leaves {outside} MoE layers before the pipeline, "
+                      "where upstream's block counts only a stage's share of the batch for the routing-bias update "
+                      "(its batch axes leave out 'stage', moe.py ~491); use moe_block=ours or pipeline every MoE layer")
 
 
 def _writable(directory: Path) -> bool:

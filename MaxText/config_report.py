@@ -11,6 +11,7 @@ keys), one `key = value  # source` line each. Nothing is compiled or written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from typing import Any, Mapping
@@ -23,10 +24,12 @@ usage: python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=va
 
   config.yml      a run config (default: {default}); a relative path that is not
                   found from here is looked up in the shipped configs/
-  key=value       overrides, ours and upstream MaxText's alike
+  key=value       overrides, ours and upstream MaxText's alike (no leading dashes: steps=3)
   --print-config  print the merged config, each value with where it came from; exit
   --dry-run       validate everything (config, presets, launch environment, devices,
-                  upstream's checks), then exit before compiling or writing anything
+                  upstream's checks), then exit before compiling or writing anything;
+                  a recipe for GPUs this machine lacks is checked against its own GPU
+                  count, and python -m MaxText.plan checks its devices and memory
   -h, --help      this text
 
 exit codes:
@@ -36,6 +39,7 @@ exit codes:
   other  a failure inside the run (traceback on stderr)
 """
 
+DISTRIBUTED_KEY = "skip_jax_distributed_system"  # base.yml: false
 # Upstream keys our loader fills when the user does not (MaxText/config.py, local_first_defaults).
 LOCAL_FIRST_KEYS = ("base_output_directory", "run_name", "jax_cache_dir", "dump_hlo_local_dir")
 
@@ -70,6 +74,8 @@ def _sources(run: fork_config.RunConfig, composed: xla_presets.Composed) -> dict
   src.update((k, f"xla_presets {', '.join(composed.presets)}") for k in composed.upstream_defaults)
   src.update((k, f"moe_gmm_backend={run.fork.moe_gmm_backend}") for k, v in run.upstream.items()
              if k in fork_config.MOE_GMM_UPSTREAM_KEYS and k not in run.explicit)
+  if "num_slices" in run.upstream and "num_slices" not in run.explicit:
+    src["num_slices"] = f"recipe_num_gpus {run.fork.recipe_num_gpus} / gpus_per_node {run.fork.gpus_per_node}"
   src.update(run.origins)
   return src
 
@@ -94,7 +100,11 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
   for name, value in run.fork.model_dump().items():
     lines.append(f"{name} = {json.dumps(value)}  # {sources.get(name, 'maxtext-moe default')}")
 
-  final = pyconfig.initialize(run.upstream_argv()).get_keys()
+  # Printing a config never joins a job: upstream would start jax.distributed while it resolves
+  # (on CPU from XPK's variables), so it resolves without, and the run's own value is shown.
+  quiet = dataclasses.replace(run, upstream={**run.upstream, DISTRIBUTED_KEY: True})
+  final = pyconfig.initialize(quiet.upstream_argv()).get_keys()
+  final[DISTRIBUTED_KEY] = run.upstream.get(DISTRIBUTED_KEY, False)
   base = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(fork_config.upstream_configs_dir() / "base.yml"))
   from_model = _upstream_model_keys(final)
   lines.append("# upstream MaxText keys")

@@ -39,6 +39,9 @@ from MaxText.config import ConfigError, RunConfig, upstream_configs_dir
 
 DEFAULT_PORT = 12345  # coordinator port when the environment names none
 UPSTREAM_GPU_VARS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")
+# What upstream's jax.distributed start reads on CPU (max_utils.initialize_jax_for_cpu): XPK's variables.
+XPK_CPU_VARS = ("JOB_INDEX", "JOB_COMPLETION_INDEX", "PROCESSES_IN_JOB", "JAX_PROCESS_COUNT")
+SKIP_DISTRIBUTED = "skip_jax_distributed_system"
 # Processes on this node, per JAX cluster: Open MPI says it; SLURM says it per node.
 _LOCAL_SIZE_VARS = {"ompi": ("OMPI_COMM_WORLD_LOCAL_SIZE",)}
 
@@ -244,6 +247,21 @@ def check_hardware(upstream: Mapping[str, Any], explicit: frozenset[str]) -> Non
                       "configs/deepseek3-tiny.yml and configs/bench/ are run configs)")
 
 
+def check_upstream_distributed(run: RunConfig, info: ProcessInfo) -> None:
+  """A single CPU process whose config leaves upstream to start jax.distributed: refuse it, naming the key.
+
+  Upstream's own start (max_utils.maybe_initialize_jax_distributed_system, while it validates) returns
+  early when ours has run, that is in a multi-process job; in a single process with hardware=cpu it reads
+  XPK's JOB_INDEX and friends and fails on the first one unset: "int() argument must be ... not 'NoneType'".
+  """
+  if info.multi_process or run.upstream.get("hardware") != "cpu" or run.upstream.get(SKIP_DISTRIBUTED, False):
+    return
+  where = run.origins.get(SKIP_DISTRIBUTED, "upstream default")
+  raise LaunchError(f"config key '{SKIP_DISTRIBUTED}' = False ({where}) with hardware=cpu: upstream MaxText then "
+                    f"starts jax.distributed from XPK's {', '.join(XPK_CPU_VARS)}, and this is one process; set "
+                    f"{SKIP_DISTRIBUTED}=true (scripts/launch_local.sh -n N runs several processes)")
+
+
 # --- topology checks --------------------------------------------------------
 
 
@@ -312,15 +330,43 @@ def num_slices_of(devices, upstream: Mapping[str, Any]) -> int:
   return len({getattr(d, "slice_index", 0) for d in devices})
 
 
-def start(run: RunConfig, environ: Mapping[str, str] | None = None) -> ProcessInfo:
-  """Discover this process, join the job, and check the devices fit the run."""
+def start(run: RunConfig, environ: Mapping[str, str] | None = None, check_devices: bool = True) -> ProcessInfo:
+  """Discover this process, join the job, and (unless told not to) check the devices fit the run."""
   check_hardware(run.upstream, run.explicit)
   info = discover(environ)
+  check_upstream_distributed(run, info)
   initialize(info, str(run.upstream.get("hardware", "tpu")))
   if info.scheduler == "upstream-env":
     os.environ.pop("JAX_COORDINATOR_IP", None)  # read here; upstream would initialize again
+  if check_devices:
+    check_devices_fit(run)
+  return info
+
+
+def check_devices_fit(run: RunConfig) -> None:
+  """The devices jax found against the run: the recipe's GPU count, the mesh, the slices."""
   import jax  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()
   check_topology(run.upstream, run.fork.recipe_num_gpus, len(devices), num_slices_of(devices, run.upstream))
-  return info
+
+
+def devices_elsewhere(run: RunConfig) -> str | None:
+  """For a dry run: how the run's devices differ from this machine's, or None where they are these.
+
+  A recipe for GPUs this machine lacks is then checked against its own GPU count instead (as
+  MaxText/plan/planner.py checks it before compiling); LaunchError naming the values if it does not fit.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  hardware = str(run.upstream.get("hardware", "tpu"))
+  backend, count, gpus = jax.default_backend(), jax.device_count(), run.fork.recipe_num_gpus
+  here = f"this machine has {count} {backend.upper()} device{'s' if count > 1 else ''}"
+  if gpus and (gpus != count or not hardware.startswith(backend)):
+    nodes = max(1, gpus // run.fork.gpus_per_node)
+    check_topology(run.upstream, gpus, gpus, nodes)
+    per_node = min(gpus, run.fork.gpus_per_node)
+    return f"the recipe is for {gpus} GPUs, {nodes} node{'s' if nodes > 1 else ''} of {per_node}; {here}"
+  if not hardware.startswith(backend):
+    return f"hardware={hardware}, {here}"
+  return None

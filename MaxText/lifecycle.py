@@ -52,7 +52,7 @@ class StopRequest:
   exit 130), there in the handler; without `abort` it raises KeyboardInterrupt.
   Raised at whatever bytecode the main thread was at, the exception can be caught
   on its way: in CI it became a SystemError inside numpy's dtype code, and the run
-  exited 1 (stop 36's slow tier). In a multi-process job
+  exited 1 (CI's slow tier). In a multi-process job
   the processes must stop at the same step, so there the signal is turned into
   a SIGTERM for JAX's preemption service (jax.distributed's notifier agrees on a
   step across processes; upstream asks it at every step).

@@ -1,4 +1,5 @@
-"""TensorBoard histograms and heatmap of tokens per expert (host side; one call per kept step)."""
+"""TensorBoard histograms and heatmap of tokens per expert (host side; one call per kept step), and the
+heatmap's numbers on stdout where they fit a terminal."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def write(writer, counts_LE, step: int, heatmap: bool) -> None:
   if heatmap:
     writer.add_image("moe/load_over_mean", heatmap_HWC(c), step, dataformats="HWC")
   writer.flush()
+
+
+# The heatmap's numbers fit a terminal up to this many experts (4 characters each) and MoE layers.
+TEXT_MAX_EXPERTS, TEXT_MAX_LAYERS = 32, 16
+
+
+def heatmap_lines(counts_LE, step: int) -> list[str]:
+  """The heatmap as text: load / layer mean per MoE layer and expert; one line past the size that fits."""
+  c = np.asarray(counts_LE, np.float64)
+  ratio = c / np.maximum(c.mean(axis=1, keepdims=True), 1e-20)
+  layers, experts = ratio.shape
+  hottest = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+  head = (f"MoE load at step {step + 1}, tokens per expert / the layer's mean ({layers} MoE layers x {experts} "
+          f"experts; TensorBoard image moe/load_over_mean)")
+  if experts > TEXT_MAX_EXPERTS or layers > TEXT_MAX_LAYERS:
+    return [f"{head}: hottest expert {hottest[1]} of layer {hottest[0]} at {ratio[hottest]:.2f}"]
+  return [f"{head}:"] + [f"  layer {layer:3d} " + " ".join(f"{v:4.2f}" for v in row) for layer, row in
+                         enumerate(ratio)]

@@ -95,8 +95,7 @@ def validate_with_upstream(run: fork_config.RunConfig):
   except fork_config.ConfigError:
     raise  # ours (config_checks): already one line naming the key
   except (ValueError, TypeError, KeyError, AssertionError) as e:
-    message = " ".join(str(e).split())
-    raise fork_config.ConfigError(f"rejected by upstream MaxText: {message[:400]}") from e
+    raise config_checks.upstream_error(run, e) from e
   finally:
     absl_logger.setLevel(level)
   return config
@@ -200,8 +199,7 @@ def prepare_environment(run: fork_config.RunConfig, extra_xla_flags: str = "") -
   composed = xla_presets.compose_for(run, dict(os.environ))
   run = xla_presets.with_upstream_defaults(run, composed)
   abort_on_nonfinite = all(run.upstream.get(k, True) for k in ABORT_KEYS)
-  run = fork_config.RunConfig(run.config_path, run.fork, {**run.upstream, **{k: False for k in ABORT_KEYS}},
-                              run.explicit)
+  run = dataclasses.replace(run, upstream={**run.upstream, **{k: False for k in ABORT_KEYS}})
   env = run_environment(run, dict(os.environ), composed)
   if extra_xla_flags:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))} {extra_xla_flags}".strip()
@@ -217,6 +215,29 @@ def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
   return applied, validate_with_upstream(run)
 
 
+def dry_run_report(run: fork_config.RunConfig, process: launch.ProcessInfo, elsewhere: str | None) -> list[str]:
+  """What a dry run checked, and (for GPU runs) what it could not and the command that does."""
+  launched = f"launch ({process.scheduler}, process {process.process_id} of {process.num_processes})"
+  gpus = run.fork.recipe_num_gpus
+  mesh = f", the mesh against the recipe's {gpus} GPUs" if elsewhere and gpus else ""
+  lines = [f"dry run: config, presets, {launched}{mesh} and upstream's checks pass; nothing compiled or written"]
+  if elsewhere or str(run.upstream.get("hardware")).startswith("gpu"):
+    unchecked = f"the devices ({elsewhere}) and the memory" if elsewhere else "the memory"
+    again = " (with the same key=value overrides)" if "command line" in run.origins.values() else ""
+    target = f"its {gpus} GPUs" if gpus else "its GPUs"
+    lines.append(f"dry run: not checked here: {unchecked}; python -m MaxText.plan {_shown_path(run.config_path)}"
+                 f"{again} compiles the train step for {target} and checks {'both' if elsewhere else 'it'}")
+  return lines
+
+
+def _shown_path(path: Path) -> str:
+  """The config as a user would type it here: relative to the working directory, else as shipped."""
+  for base, prefix in ((Path.cwd(), ""), (fork_config.REPO_CONFIGS.resolve(), "configs/")):
+    if path.is_relative_to(base):
+      return prefix + str(path.relative_to(base))
+  return str(path)
+
+
 def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
                  dry_run: bool = False) -> dict[str, Any]:
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
@@ -228,18 +249,24 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   config_checks.check_fork(run)
   prepared = prepare_environment(run)
   run, env, composed = prepared.run, prepared.env, prepared.composed
-  process = launch.start(run)  # jax.distributed + device-count checks, before upstream's
+  process = launch.start(run, check_devices=not dry_run)  # jax.distributed (+ device checks), before upstream's
+  # A dry run of a recipe for GPUs this machine lacks checks its mesh against its own GPU count instead.
+  elsewhere = launch.devices_elsewhere(run) if dry_run else None
+  if dry_run and elsewhere is None:
+    launch.check_devices_fit(run)
   tracker: list[_StepHook] = []
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
                         on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
                         stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars)
   applied, config = apply_patches_and_validate(run, hooks)
-  config_checks.check_devices(run, config)
+  if elsewhere is None:
+    config_checks.check_devices(run, config)
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
+  checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
   checkpoint_compat.check_load_parameters(run)
   if dry_run:
-    log(f"dry run: config, presets, launch ({process.scheduler}, process {process.process_id} of "
-        f"{process.num_processes}) and upstream's checks pass; nothing compiled or written")
+    for line in dry_run_report(run, process, elsewhere):
+      log(line)
     return {}
 
   # Every process trains and keeps its own summary (<run>/maxtext-moe/summary.rank<k>.json in a multi-process
@@ -263,6 +290,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     previous = _previous_overrides(run)
     if lead:
       write_run_files(run, env, applied, xla_presets.report(composed))
+      checkpoint_compat.record_pipeline_layout(run, config)
       if resumed_from is None or warnings:  # a new run, or a schedule change the user allowed
         lifecycle.record_schedule(run.run_dir, config)
     log(f"run directory {run.run_dir}")
@@ -348,22 +376,21 @@ def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
 
 def main(argv: list[str] | None = None) -> int:
   """Runs; returns one of MaxText/lifecycle.py's exit codes (README "Exit codes")."""
-  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
-
   args = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in args):
     print(config_report.help_text())
     return 0
-  flags = {a for a in args if a.startswith("--")}
+  flags = [a for a in args if a.startswith("--")]
   args = [a for a in args if not a.startswith("--")]
-  if flags - {"--print-config", "--dry-run"} or len(flags) > 1:
-    print(f"maxtext-moe: config error: option(s) {' '.join(sorted(flags))}: use one of --print-config, --dry-run "
-          "(or --help)", file=sys.stderr)
-    return 2
+  if (flag_error := _flag_error(flags)) is not None:
+    print(f"maxtext-moe: config error: {flag_error}", file=sys.stderr)
+    return lifecycle.EXIT_CONFIG
   # Local-first: never reach for Google Cloud clients. Set before the config is
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  from patches import checkpoint_guard, quiet_notices  # pylint: disable=import-outside-toplevel
+
   stop = lifecycle.StopRequest(abort=_abort_on_second_sigint)
 
   def fail(code: int, message: str) -> int:
@@ -371,10 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
   try:
+    quiet_notices.hold()  # loading the config imports upstream modules that print; held until `verbose` is known
     stop.install(multi_process=launch.discover(os.environ).multi_process)
     run = fork_config.load(args)
+    _quiet_unless_verbose(run.fork.verbose)
     if "--print-config" in flags:
-      print("\n".join(config_report.print_config(run)))
+      print("\n".join(print_config(run)))
       return lifecycle.EXIT_OK
     summary = run_training(run, stop, dry_run="--dry-run" in flags)
   except fork_config.ConfigError as e:
@@ -392,6 +421,45 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     _exit_now(lifecycle.EXIT_ABORTED, _ABORTED)
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
+
+
+FLAGS = ("--print-config", "--dry-run")
+
+
+def _flag_error(flags: list[str]) -> str | None:
+  """What is wrong with the command line's --options, naming the argument; None if nothing."""
+  for flag in flags:
+    if "=" in flag:  # --steps=3: an override written as an option
+      return f"argument '{flag}': overrides are key=value without dashes ({flag.lstrip('-')})"
+    if flag not in FLAGS:
+      return f"option '{flag}' is not one of {', '.join(FLAGS)} (or --help)"
+  if len(set(flags)) > 1:
+    return f"options {' and '.join(FLAGS)}: use one of them"
+  return None
+
+
+def _quiet_unless_verbose(verbose: bool) -> None:
+  """Upstream's import-time notices: gcloud_stub's (held since main began) and transformers' warnings
+  (PyTorch not found, its DeepSeek configs' rope_scaling), whose level transformers reads from the
+  environment when it is first imported, which is after this."""
+  from patches import quiet_notices  # pylint: disable=import-outside-toplevel
+
+  quiet_notices.release(show=verbose)
+  if not verbose:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def print_config(run: fork_config.RunConfig) -> list[str]:
+  """--print-config's lines; upstream's errors as one ConfigError line naming the key."""
+  from patches import config_errors  # pylint: disable=import-outside-toplevel
+
+  config_errors.apply()  # upstream's handler would exit (or raise past us) with its banner
+  try:
+    return config_report.print_config(run)
+  except fork_config.ConfigError:
+    raise
+  except (ValueError, TypeError, KeyError, AssertionError) as e:
+    raise config_checks.upstream_error(run, e) from e
 
 
 def _exit_now(code: int, message: str) -> None:

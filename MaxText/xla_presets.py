@@ -179,7 +179,7 @@ _PRESET_LIST = (
     ),
     _preset(
         "deepseek_v3_reference",
-        "DeepSeek-V3 on H100/H200 (NVIDIA's MaxText recipe as the issue describes it): LHS, pipelined "
+        "DeepSeek-V3 on H100/H200 (the flags of NVIDIA's MaxText recipe for it): LHS, pipelined "
         "FSDP collectives, multi-stream collectives, combine thresholds, no CUDA graphs, GPU runtime env. "
         "Add host_offload for its moe_mlpwi_0/1 offload.",
         includes=("gpu_runtime", "lhs", "pipelined_collectives", "multistream", "combine_thresholds",

@@ -22,6 +22,7 @@ from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_ma
 
 # Seam modules, in the order they are applied. One line each.
 SEAM_MODULES = (
+    "patches.quiet_notices",  # gcloud_stub's import-time "[DECOUPLED NO-OP]" prints, unless verbose=true
     "patches.config_errors",  # upstream config errors reach our one-line reporter
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.step_metrics",  # keeps the latest train step's scalars (device arrays) for the checkpoint guard
@@ -30,11 +31,14 @@ SEAM_MODULES = (
     "patches.tensorboard",  # event files in the run directory in decoupled mode
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
+    "patches.pipeline_v3",  # upstream's pipeline with V3's MoE layers: the bias rides with the weights, sown values per layer
     "patches.train_schedule",  # token-count switches: bias-update rate -> 0, MTP loss weight (train_step)
     "patches.moe_profile",  # upstream's profiler step hooks: a one-step trace every N steps -> moe_time/ scalars
     "patches.moe_metrics",  # train_step: our block's sown routing statistics -> moe/ scalars (no host callback)
+    "patches.cpu_slices",  # upstream's multi-node mesh on simulated CPU devices: consecutive ids fill a node
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
+    "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback
 )
 
 

@@ -10,9 +10,10 @@ jitted function; here the host keeps them only every moe_metrics_every_n_steps
 steps (dropped from what upstream logs otherwise), and on those steps writes
 the tokens-per-expert histograms and, every moe_metrics_heatmap_every_n_steps,
 the layers x experts heatmap (MaxText/moe_tensorboard.py) into upstream's own
-TensorBoard writer. Scalars computed on the host for a step (add_scalars: the
-moe_time/ split of patches/moe_profile.py) join that step's metrics. Upstream's
-behaviour is otherwise unchanged.
+TensorBoard writer, and the heatmap's numbers on process 0's stdout. Scalars
+computed on the host for a step (add_scalars: the moe_time/ split of
+patches/moe_profile.py) join that step's metrics. Upstream's behaviour is
+otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def add_scalars(step: int, scalars: dict[str, float]) -> None:
   _extra.setdefault(int(step), {}).update(scalars)
 
 
+def _lead_process() -> bool:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return jax.process_index() == 0  # the others' writer is upstream's no-op stub: the heatmap is printed once
+
+
 def _keep_moe(step: int) -> bool:
   return _moe["every"] > 0 and (step + 1) % _moe["every"] == 0
 
@@ -69,6 +76,9 @@ def _wrap(original):
 
       heatmap = _moe["heatmap_every"] > 0 and (int(step) + 1) % _moe["heatmap_every"] == 0
       moe_tensorboard.write(self.writer, counts_LE, int(step), heatmap=heatmap)
+      if heatmap and _lead_process():
+        print("\n".join(f"[maxtext-moe] {line}" for line in moe_tensorboard.heatmap_lines(counts_LE, int(step))),
+              flush=True)
     if metric_type == "train" and metrics and _observer is not None:
       _observer(int(step), metrics.get("scalar", {}))
 

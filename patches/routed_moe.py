@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from patches import pipeline_v3
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -102,19 +103,22 @@ def _sharding(layer, num_tokens: int, ep_size: int):
   mesh = layer.mesh
   if mesh is None or math.prod(mesh.shape.values()) == 1:
     return None
+  # Inside a pipeline stage (patches/pipeline_v3.py marks its layers' config) the stage axis is the vmap's.
+  vmapped = getattr(layer.config, pipeline_v3.STAGE_AXIS_KEY, None)
   # pylint: disable-next=protected-access
   spec = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))
   axes, size = [], 1
   for dim in spec[:2]:
     for axis in (dim,) if isinstance(dim, str) else (dim or ()):
-      if num_tokens % (size * mesh.shape[axis]) == 0:
+      if axis != vmapped and num_tokens % (size * mesh.shape[axis]) == 0:
         axes.append(axis)
         size *= mesh.shape[axis]
   expert_axis = layer._expert_parallelism_name  # pylint: disable=protected-access
   if ep_size > 1 and expert_axis not in axes:
     raise ValueError(f"moe_block=ours with expert parallelism {ep_size} needs the tokens ({num_tokens}) split over "
                      f"the '{expert_axis}' mesh axis; make the batch divisible by it")
-  return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None)
+  return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None,
+                        vmapped_axis=vmapped)
 
 
 def _aux_outputs(layer, r, batch: int):
@@ -151,17 +155,21 @@ def _ours(layer, inputs, settings: dict):
   ep_size = layer.get_expert_parallelism_size()
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
   axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
+  router_cfg = _router_config(layer)
   if backend == "te_ncclep":  # the capacity TE was bootstrapped with, not the raw keys
     options = _te_ncclep_options(layer, batch * seq, settings["te_ncclep_options"])
   else:
     options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
+  if backend == "hierarchical":
+    options.update(_node_layout(layer, ep_size, router_cfg))
   disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
   block_cfg = block.BlockConfig(
-      router=_router_config(layer),
+      router=router_cfg,
       **families.glu(cfg),
       gmm_backend=moe_gmm.resolve_backend(settings["gmm"]).NAME,  # "auto" resolved (and logged) once
       dtype=jnp.dtype(cfg.dtype),
       gate_dtype=jnp.float32 if cfg.float32_gate_logits else jnp.dtype(cfg.dtype),
+      overlap_chunks=settings["overlap_chunks"] if ep_size > 1 else 1,  # nothing to overlap without EP
   )
   # moe_fp8: tokens cross the dispatch in e4m3 tiles, as DeepSeek-V3's did (te_ncclep moves TE's own buffers).
   block_cfg = dataclasses.replace(block_cfg, fp8_dispatch=block_cfg.gmm_backend in moe_gmm.FP8_BACKENDS
@@ -174,8 +182,10 @@ def _ours(layer, inputs, settings: dict):
   x_TD = inputs.reshape(batch * seq, hidden)
   sharding = _sharding(layer, batch * seq, ep_size)
   _CALLS[backend] += 1
+  nodes = f" = {disp.nodes} nodes x {disp.local_size}" if backend == "hierarchical" else ""
+  chunks = f", {block_cfg.overlap_chunks} chunks" if block_cfg.overlap_chunks > 1 else ""
   _log(f"routed MoE layer -> our block (dispatch {backend}{' in fp8' if block_cfg.fp8_dispatch else ''}, "
-       f"gmm {block_cfg.gmm_backend}, EP {ep_size})")
+       f"gmm {block_cfg.gmm_backend}, EP {ep_size}{nodes}{chunks})")
   y_TD, r, overflow, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
   layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
   if settings.get("moe_metrics"):  # moe_metrics_every_n_steps > 0: small arrays, read in the step (moe_metrics.py)
@@ -188,6 +198,17 @@ def _ours(layer, inputs, settings: dict):
   if settings["on_expert_counts"] is not None:  # moe_log_expert_load: global counts, outside the shard_map
     jax.debug.callback(settings["on_expert_counts"], routing.expert_counts_E(r.ids_TK, layer.num_experts))
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
+
+
+def _node_layout(layer, ep_size: int, router) -> dict:
+  """hierarchical's nodes: the expert axis is dcn_expert_parallelism x ici_expert_parallelism, node-major
+  (patches/cpu_slices.py); and how many nodes a token reaches at most when its routing groups sit on nodes."""
+  nodes = int(layer.config.dcn_expert_parallelism)
+  if nodes < 1 or ep_size % nodes:
+    raise ValueError(f"moe_dispatch_backend=hierarchical: dcn_expert_parallelism={nodes} does not divide the "
+                     f"expert parallelism {ep_size}")
+  grouped = router.bias_selects_only and router.n_groups > 0 and router.n_groups % nodes == 0
+  return {"nodes": nodes, "max_nodes_per_token": router.topk_groups if grouped else None}
 
 
 def _te_ncclep_options(layer, num_tokens: int, te_options: dict) -> dict:
@@ -273,6 +294,9 @@ def settings_from(fork, hooks=None) -> dict:
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
       "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
                              "on_overflow": fork.moe_a2a_padded_on_overflow},
+      "hierarchical_options": {"capacity_factor": fork.moe_hierarchical_capacity_factor,
+                               "on_overflow": fork.moe_a2a_padded_on_overflow},
+      "overlap_chunks": fork.moe_ep_overlap_chunks,
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
       "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
       "moe_metrics": fork.moe_metrics_every_n_steps > 0,

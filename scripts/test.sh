@@ -7,10 +7,25 @@
 # Creates .venv on first use (scripts/bootstrap.sh).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+usage() {
+  cat <<'USAGE'
+usage: scripts/test.sh [--all] [pytest args ...]
+
+  (no args)      the fast tier: every test but those that start a real training
+                 run (pytest -m "not slow"); a few minutes on two cores
+  --all          every test: the slow tier adds the training runs (15+ minutes)
+  pytest args    passed on: a file (tests/test_configs.py), -k WORD, -x, -n 0, ...;
+                 a -m of your own replaces the tier's
+  -h, --help     this text (pytest's own options: .venv/bin/python -m pytest --help)
+
+Creates .venv on first use (scripts/bootstrap.sh).
+USAGE
+}
 tier=(-m "not slow")
 args=()
 for arg in "$@"; do
   case "$arg" in
+    -h|--help) usage; exit 0 ;;
     --all) tier=() ;;
     -m|-m*) tier=(); args+=("$arg") ;;
     *) args+=("$arg") ;;

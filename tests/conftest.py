@@ -177,7 +177,7 @@ MANY_CPU_THREADS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
 # The most warpgroup threads that one interpreted block (or cluster) has run in the suite's own process without a
-# deadlock on 2 cores: the bf16 kernels' three. The FP8 kernel's four deadlocked (session 17).
+# deadlock on 2 cores: the bf16 kernels' three. The FP8 kernel's four deadlocked (CI's slow tier, 2026-12-03).
 SAFE_INTERPRETED_THREADS = 3
 
 

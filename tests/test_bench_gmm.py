@@ -46,7 +46,7 @@ def test_fp8_rows_are_quantized_and_held_to_their_own_bound(monkeypatch):
 
 @pytest.mark.slow  # long on CPU (interpreted kernels / several simulated devices): --all only
 def test_ffn_only_runs_the_ffn_cases_alone(monkeypatch, tmp_path, capsys):
-  """gpu_checks.sh fp8-gmm's run (issue 19's FFN rows): no GEMM case is started before or after them."""
+  """gpu_checks.sh fp8-gmm's run (the expert FFN rows, FP8 and bf16): no GEMM case is started before or after them."""
   import json
   import sys
 

@@ -119,11 +119,16 @@ def test_parameter_count_matches_upstreams_own_model():
 
 
 def test_ep_proxies_keep_32_experts_per_gpu():
-  for name, gpus in (("proxy-2xh200-ep2.yml", 2), ("proxy-8xh200-ep8.yml", 8)):
+  for name, gpus, nodes in (("proxy-2xh200-ep2.yml", 2, 1), ("proxy-8xh200-ep8.yml", 8, 1),
+                            ("proxy-16xh200-ep16.yml", 16, 2)):
     run = fork_config.load([str(REPO / "configs/bench" / name)])
-    assert run.fork.recipe_num_gpus == gpus == run.upstream["ici_expert_parallelism"]
+    ep = run.upstream["ici_expert_parallelism"] * run.upstream.get("dcn_expert_parallelism", 1)
+    assert run.fork.recipe_num_gpus == gpus == ep
     assert run.upstream["num_experts"] // gpus == 32
-    launch.check_topology(run.upstream, gpus, gpus, 1)
+    launch.check_topology(run.upstream, gpus, gpus, nodes)
+  # Across the two nodes: the groups of V3's routing sit on them (4 of the 8 on each).
+  assert run.fork.moe_dispatch_backend == "hierarchical" and run.fork.moe_node_limited_routing
+  assert run.upstream["n_routing_groups"] == 8 and run.upstream["topk_routing_group"] == 4
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=_id)
@@ -152,7 +157,7 @@ def test_nvidia_reference_layout_is_the_128_gpu_recipe():
 
 def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():
   assert fork_config.load(["moe_block=ours"]).fork.moe_gmm_backend == "auto"  # mgpu on Hopper, logged
-  assert fork_config.load([]).fork.moe_gmm_backend == "upstream"  # upstream's block stays untouched
+  assert fork_config.load(["moe_block=upstream"]).fork.moe_gmm_backend == "upstream"  # upstream's block untouched
   # Our block never reaches upstream's sparse_matmul: its grouped-GEMM keys (the recipes' tokamax) don't clash.
   assert fork_config.load(["moe_block=ours", "use_tokamax_gmm=true"]).fork.moe_gmm_backend == "auto"
 
@@ -160,7 +165,7 @@ def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():
 @pytest.mark.parametrize("args,keys", [
     (["moe_block=ours", "moe_gmm_backend=upstream"], ("moe_block", "moe_gmm_backend")),
     (["moe_block=te", "moe_gmm_backend=mgpu"], ("moe_block", "moe_gmm_backend")),
-    (["moe_dispatch_backend=te_ncclep"], ("moe_block", "moe_dispatch_backend")),
+    (["moe_block=upstream", "moe_dispatch_backend=te_ncclep"], ("moe_block", "moe_dispatch_backend")),
     (["moe_block=te", "moe_dispatch_backend=ring"], ("moe_block", "moe_dispatch_backend")),
 ])
 def test_contradicting_moe_keys_are_one_error_naming_both(args, keys):

@@ -26,7 +26,7 @@ def test_bias_update_at_model_name_default_needs_the_v3_router():
   with pytest.raises(fork_config.ConfigError, match=r"'routed_score_func' = 'softmax'"):
     fork_config.load(["routed_score_func=softmax"])
   with pytest.raises(fork_config.ConfigError, match=r"'moe_log_expert_load' = True .*moe_block=ours"):
-    fork_config.load(["moe_log_expert_load=true"])  # upstream's block has no load report
+    fork_config.load(["moe_block=upstream", "moe_log_expert_load=true"])  # upstream's block has no load report
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def _inputs(tokens=11, top_k=3, experts=8, hidden=8, seed=0):
 
 
 def test_registry_lists_valid_names_on_unknown():
-  with pytest.raises(ValueError, match="valid: local, ring, ragged_a2a, a2a_padded, te_ncclep"):
+  with pytest.raises(ValueError, match="valid: local, ring, ragged_a2a, a2a_padded, hierarchical, te_ncclep"):
     dispatch.resolve("deepep", ep_size=1)
 
 

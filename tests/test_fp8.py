@@ -1,4 +1,4 @@
-"""Blockwise FP8 (issue 19): the quantization against NumPy, and the Hopper kernel lowered for
+"""Blockwise FP8 (moe_fp8: blockwise; docs/fp8.md): the quantization against NumPy, and the Hopper kernel lowered for
 CUDA and run in Pallas' Mosaic-GPU interpreter against the same quantization in float32.
 The GPU checks (PASS/FAIL per case) and timings are tools/bench_fp8.py's."""
 
@@ -90,7 +90,7 @@ def test_shapes_off_the_block_are_refused_by_name():
 
 
 def test_fp8_error_of_a_product_is_the_stated_bound():
-  """The accuracy bound per product (README, BENCHMARKS session 11): both operands quantized
+  """The accuracy bound per product (docs/fp8.md "Accuracy"; tools/bench_fp8.py's checks): both operands quantized
   (each about 2.5% rms relative for Gaussian values) give about 3.6% relative (Frobenius) error
   against the float32 product; measured 3.65e-2 on the H200 for every DeepSeek-V3 shape. Bound 5%."""
   kx, kw = jax.random.split(jax.random.key(3))
@@ -360,7 +360,8 @@ def test_xla_fp8_through_gmms_vjp_quantizes_all_three_products():
 def test_a_weight_is_quantized_once_per_step(remat):
   """The forward, dlhs (and a remat's forward again) quantize the same weight to the same blocks: the compiled
   step has one block-amax reduction per weight, so "weights once per step" holds for one microbatch
-  (BENCHMARKS session 12: the GPU pipeline then re-reads the bf16 weight per consumer fusion)."""
+  (the compiled H200 step's HLO, tools/hlo_fp8_passes.py: the GPU pipeline then re-reads the bf16 weight per
+  consumer fusion)."""
   import re  # pylint: disable=import-outside-toplevel
 
   from MaxText.moe import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
@@ -396,7 +397,7 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
   assert routed_moe.settings_from(run.fork)["gmm"] == "xla_fp8"  # CPU: emulated; mgpu_fp8 on a GPU
   assert routed_moe.settings_from(fork_config.load([tiny, "moe_block=ours"]).fork)["gmm"] == "auto"
   with pytest.raises(fork_config.ConfigError, match="'moe_fp8' = 'blockwise' .* and 'moe_block' = 'upstream'"):
-    fork_config.load([tiny, "moe_fp8=blockwise"])
+    fork_config.load([tiny, "moe_block=upstream", "moe_fp8=blockwise"])
   with pytest.raises(fork_config.ConfigError, match="'moe_fp8' = 'blockwise' .* and 'moe_gmm_backend' = 'mgpu'"):
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=blockwise", "moe_gmm_backend=mgpu"])
   with pytest.raises(fork_config.ConfigError, match="moe_fp8"):
@@ -446,7 +447,7 @@ def test_dw_ring_runs_through_an_sms_tiles_interpreted(request, monkeypatch, num
   blocks wrap it mid-tile and across tiles, the memory warpgroup loading the next tile while the compute
   warpgroups finish this one. Against the same quantization through float32. Not under the interpreter's race
   detector: it reports the compute warpgroups' scale loads against the TMA that filled the slot (plain loads
-  of TMA-written shared memory), for JAX's own emit_pipeline_warp_specialized (the kernel before session 27)
+  of TMA-written shared memory), for JAX's own emit_pipeline_warp_specialized (the kernel before 227d6f6)
   as for this ring, on any SM that runs two steps or more, though the slot's `full` barrier orders them."""
   if not in_own_process(request, MANY_CPU_THREADS):
     return

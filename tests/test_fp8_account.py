@@ -1,5 +1,6 @@
-"""tools/fp8_account.py: the per-step account of FP8's time, from a bench_fp8.py run on the H200 (session 13's,
-tests/data/bench_fp8_h200_session13.json: its speed rows as measured, the tilings' rows left out)."""
+"""tools/fp8_account.py: the per-step account of FP8's time, from bench_fp8.py runs on the H200 (their speed rows as
+measured, the tilings' rows left out): tests/data/bench_fp8_h200_2026-12-02_34e0f12.json, before the one-pass
+kernels, and tests/data/bench_fp8_h200_2026-12-03_12197c1.json, with the one-pass 1x128 kernel beside XLA's."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pytest
 from conftest import REPO, load_script
 
 account = load_script("fp8_account", "tools/fp8_account.py")
-MEASURED = json.loads((REPO / "tests/data/bench_fp8_h200_session13.json").read_text())
+MEASURED = json.loads((REPO / "tests/data/bench_fp8_h200_2026-12-02_34e0f12.json").read_text())
 
 
-SESSION21 = json.loads((REPO / "tests/data/bench_fp8_h200_session21.json").read_text())
+ONE_PASS = json.loads((REPO / "tests/data/bench_fp8_h200_2026-12-03_12197c1.json").read_text())
 
 
 def _totals(measured=MEASURED, **kw):
@@ -22,8 +23,9 @@ def _totals(measured=MEASURED, **kw):
 
 
 def test_the_account_in_benchmarks_is_this_scripts():
-  """BENCHMARKS.md session 13's table (the proxy, before the backward's FP8 exchange): 219.5 ms of routed GEMMs in
-  bf16 against 209.9 ms with FP8 and its quantization; the dW operands' quantization is the largest pass."""
+  """The account of 34e0f12's run (the proxy, before the backward's FP8 exchange), as BENCHMARKS.md recorded it
+  then: 219.5 ms of routed GEMMs in bf16 against 209.9 ms with FP8 and its quantization; the dW operands'
+  quantization is the largest pass."""
   bf16, fp8, parts = _totals(fp8_backward_exchange=False, one_pass_lhs=False)
   assert bf16 == pytest.approx(219.5, abs=0.05) and fp8 == pytest.approx(209.9, abs=0.05)
   dw_operands = [name for name in parts if name.startswith("quantize: dW")]
@@ -33,7 +35,7 @@ def test_the_account_in_benchmarks_is_this_scripts():
 
 
 def test_the_one_pass_kernel_costs_the_materialized_operands_where_the_file_has_it():
-  """Session 14 on the H200 (scratch run, per operand at 65,536 rows): the one-pass kernel 0.456 ms at K = 7168
+  """A scratch run on the H200 (2026-12-02, per operand at 65,536 rows): the one-pass kernel 0.456 ms at K = 7168
   and 0.150 at 2048, where XLA took 1.100 and 0.325. Added as bench_fp8's pair rows, the three materialized
   operands cost 0.46x as much; the gathered ones do not change."""
   kernel = {"up": 0.456 + 0.150, "down": 0.150 + 0.456}
@@ -70,8 +72,8 @@ def test_a_file_without_the_cases_says_so(tmp_path):
 
 
 def test_kernels_at_dense_fp8_replaces_only_the_fp8_kernels_times():
-  """--kernels-at-dense-fp8 (BENCHMARKS.md session 19, what 1.12x takes): the FP8 GEMM rows at the dense FP8 time of
-  their case, the bf16 rows and every quantization pass as measured."""
+  """--kernels-at-dense-fp8 (what the proxy's step at 1.12x bf16 would take; BENCHMARKS.md "FP8 end to end"): the FP8
+  GEMM rows at the dense FP8 time of their case, the bf16 rows and every quantization pass as measured."""
   t = account.times(MEASURED, "balanced")
   kw = dict(rows=131072, tokens=16384, moe_layers=3, remat="full")
   measured = {r[0]: r[1:] for r in account.account(t, **kw)}
@@ -83,12 +85,12 @@ def test_kernels_at_dense_fp8_replaces_only_the_fp8_kernels_times():
   assert ceiling["routed GEMMs: dW"][1] == pytest.approx((2 * up + down) * 131072 / 65536 * 3)
 
 
-def test_session_21s_one_pass_lhs_saves_what_its_kernels_measured():
-  """Session 21's file (the H200): the one-pass 1x128 kernel beside XLA's. With it, the SwiGLU output and dh0, dh1
+def test_the_one_pass_lhs_saves_what_its_kernels_measured():
+  """12197c1's file (the H200): the one-pass 1x128 kernel beside XLA's. With it, the SwiGLU output and dh0, dh1
   go to the kernel as a product's lhs, and dW's x to the requantization of the dispatch's tiles: 6.9 ms a step
   less than XLA's passes; dy, a gather of token rows, stays XLA's."""
-  bf16, before, parts_before = _totals(SESSION21, one_pass_lhs=False)
-  _, after, parts = _totals(SESSION21, cotangent_tiles=False)
+  bf16, before, parts_before = _totals(ONE_PASS, one_pass_lhs=False)
+  _, after, parts = _totals(ONE_PASS, cotangent_tiles=False)
   assert before - after == pytest.approx(6.9, abs=0.1)
   assert parts["quantize: dW's dy, 128x1 (gathered from token rows: XLA)"] == parts_before[
       "quantize: dW's dy, 128x1 (gathered from token rows: XLA)"]
@@ -96,16 +98,16 @@ def test_session_21s_one_pass_lhs_saves_what_its_kernels_measured():
 
 
 def test_wo_taking_the_cotangents_tiles_saves_xlas_two_passes_over_dy():
-  """Session 22 (fp8_dispatch.expert_output_combine): wo's dlhs multiplies the combine's cotangent tiles as they
-  crossed, and its dW requantizes them in one pass, at the same cost as x's (both K = 7168). From session 21's
-  file: 8.5 ms a step less, the prediction for bench_train's step."""
-  _, before, parts_before = _totals(SESSION21, cotangent_tiles=False)
-  _, after, parts = _totals(SESSION21)
+  """fp8_dispatch.expert_output_combine: wo's dlhs multiplies the combine's cotangent tiles as they crossed, and its
+  dW requantizes them in one pass, at the same cost as x's (both K = 7168). From 12197c1's file: 8.5 ms a step
+  less, the prediction for bench_train's step."""
+  _, before, parts_before = _totals(ONE_PASS, cotangent_tiles=False)
+  _, after, parts = _totals(ONE_PASS)
   assert before - after == pytest.approx(8.5, abs=0.1)
   assert parts["quantize: dW's dy, 128x1 (from the combine's tiles: one pass)"] == parts[
       "quantize: dW's x, 128x1 (from the dispatch's tiles: one pass)"]
   assert parts["quantize: dlhs douts (dh0 and dh1; dy moved as tiles)"] < parts_before[
       "quantize: dlhs douts (dy gathered, dh0 and dh1)"] / 3
   # Without the FP8 backward exchange there are no cotangent tiles: the same account either way.
-  assert _totals(SESSION21, fp8_backward_exchange=False)[1] == _totals(
-      SESSION21, fp8_backward_exchange=False, cotangent_tiles=False)[1]
+  assert _totals(ONE_PASS, fp8_backward_exchange=False)[1] == _totals(
+      ONE_PASS, fp8_backward_exchange=False, cotangent_tiles=False)[1]

@@ -124,7 +124,7 @@ def test_requantize_kernel_interpreted_is_bit_for_bit_the_dequantized_rows_quant
   """From tiles, the bytes and scales fp8_quant gives the rows' values in dtype (what gmm's VJP holds): each
   value rounded to dtype before the amax. A NaN tile of a foreign group and the next group's rows inside a box
   leak nowhere, and groups start at rows that are no multiple of 4 (row 201: on the H200 a scale box that started
-  there in its minor dimension stopped the kernel, session 21)."""
+  there in its minor dimension stopped the kernel, 2026-12-03)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
 
   m, k, sizes, offset, num_local = DW_QUANT_CASES[name]

@@ -21,6 +21,7 @@ from MaxText import config as fork_config
 from patches import megablox_gmm
 
 TINY = "configs/deepseek3-tiny.yml"
+UPSTREAM_BLOCK = ("moe_block=upstream",)  # the tiny config runs ours; these tests are about upstream's sparse_matmul
 
 # What upstream's sparse_matmul `gmm` closure passes to mblx.gmm off TPU (layers/moe.py ~2319).
 _UPSTREAM_KWARGS = dict(
@@ -88,7 +89,7 @@ def test_seam_targets_the_installed_upstream():
 
 def test_our_backend_turns_the_config_files_megablox_off_into_on():
   assert fork_config.load([TINY]).upstream["megablox"] is False  # the CPU config's choice
-  run = fork_config.load([TINY, "moe_gmm_backend=xla"])
+  run = fork_config.load([TINY, *UPSTREAM_BLOCK, "moe_gmm_backend=xla"])
   assert run.upstream["megablox"] is True and run.upstream["sparse_matmul"] is True
 
 
@@ -100,8 +101,8 @@ def test_our_backend_turns_the_config_files_megablox_off_into_on():
 )
 def test_conflicting_upstream_keys_are_config_errors_naming_the_key(override, key):
   with pytest.raises(fork_config.ConfigError, match=f"config key '{key}' = .* conflicts with moe_gmm_backend=xla"):
-    fork_config.load([TINY, "moe_gmm_backend=xla", override])
-  fork_config.load([TINY, override])  # fine for upstream's own path
+    fork_config.load([TINY, *UPSTREAM_BLOCK, "moe_gmm_backend=xla", override])
+  fork_config.load([TINY, *UPSTREAM_BLOCK, override])  # fine for upstream's own path
 
 
 # --- training: patched against unpatched --------------------------------------------
@@ -119,7 +120,7 @@ _DRIVER = (
 
 def _start(tmp_path, run_name, *args):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  argv = [TINY, "steps=5", "enable_checkpointing=false", f"base_output_directory={tmp_path}",
+  argv = [TINY, *UPSTREAM_BLOCK, "steps=5", "enable_checkpointing=false", f"base_output_directory={tmp_path}",
           f"run_name={run_name}", *args]
   return subprocess.Popen([sys.executable, "-c", _DRIVER, *argv], cwd=REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -81,7 +81,9 @@ def test_host_callbacks_are_compiled_in_their_device_form():
 @pytest.mark.slow
 def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   """The compiler's argument bytes are the state's: bf16 parameters + AdamW's two moments + the step counter
-  split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM."""
+  split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM. The
+  step estimate read off the scheduled HLO (MaxText/plan/schedule.py) is consistent: no term negative, the
+  critical path the stream's work plus the waits, every transfer the inventory counted walked once per trip."""
   if gpu_target.unavailable_reason("h100"):
     pytest.skip(gpu_target.unavailable_reason("h100"))
   path = tmp_path / "plan.json"
@@ -101,6 +103,25 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert any(k == "all-to-all" and "expert" in axes for k, axes in kinds)  # a2a_padded's exchange
   assert any(c["crosses_nodes"] for c in r["collectives"] if c["kind"] == "all-gather")  # dcn fsdp
   assert r["memory"]["arguments"] > 0 and r["memory"]["temporaries"] > 0
+  e = r["estimate"]
+  assert all(e[k] >= 0 for k in ("gemm_s", "fp8_gemm_s", "attention_s", "hidden_flops_s", "memory_s", "collectives_s",
+                                 "exposed_collectives_s", "overlapped_collectives_s", "offload_s", "bubble_s"))
+  assert e["gemm_s"] > 0 and e["memory_s"] > 0 and e["memory_bytes"] > 0 and e["kernels"] > 100
+  assert e["compute_s"] == pytest.approx(e["gemm_s"] + e["fp8_gemm_s"] + e["attention_s"] + e["hidden_flops_s"])
+  assert e["collectives_s"] == pytest.approx(e["exposed_collectives_s"] + e["overlapped_collectives_s"])
+  assert e["overlapped_collectives_s"] > 0 and e["exposed_collectives_s"] > 0  # some hidden behind work, some not
+  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["exposed_collectives_s"]
+                                      + e["offload_exposed_s"])  # no bubble
+  assert e["step_s"] < e["serial_step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["collectives_s"]
+                                                           + e["offload_s"])
+  assert sum(c["seconds"] for c in r["collectives"]) == pytest.approx(e["collectives_s"])
+  assert sum(c["exposed_s"] for c in r["collectives"]) == pytest.approx(e["exposed_collectives_s"])
+  assert all(0 <= c["exposed_s"] <= c["seconds"] * (1 + 1e-9) for c in r["collectives"])
+  assert e["tflops_per_gpu"] == pytest.approx(e["model_tflops_per_device"] / e["step_s"])
+  # a2a_padded's receive buffers hold the worst case (1,024 rows for 512 routed ones here) and the kernels' tiles pad
+  # the tiny widths (an expert's 32 to 128): the grouped GEMMs come down to the routed experts' FLOPs.
+  assert [n.split(" (")[0] for n in e["notes"]] == ["our grouped GEMMs' shapes hold 16x the routed experts' FLOPs"]
+  assert "critical path through the scheduled step" in out.stdout and "memory-bound" in out.stdout
 
 
 _FP8_ROUND_TRIP = """
@@ -124,7 +145,7 @@ for name, fn, args in (("row tiles", row_tiles, (arg(256, 512),)), ("xla_fp8 gmm
 
 @pytest.mark.slow
 def test_the_e4m3_rounding_survives_xlas_gpu_pipeline():
-  """Session 13's self-test on the H200: under jit XLA's GPU pipeline dropped the quantize-then-dequantize
+  """The self-test on the H200 (2026-12-02): under jit XLA's GPU pipeline dropped the quantize-then-dequantize
   convert pair as excess precision, so xla_fp8 (the FP8 reference) multiplied unquantized values. Compiled
   for a compile-only H200, the e4m3 converts must still be in the optimized HLO of fp8_quant.kept's round
   trip and of xla_fp8's products (the forward and dlhs form, and dW's)."""
@@ -158,10 +179,10 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   assert 0 < r["estimate"]["fp8_flops"] < r["estimate"]["flops_per_device"]
   text = hlo.read_text()
   assert "f8e4m3fn" in text and "mosaic_gpu" in text  # the quantized operands reach our kernels
-  # The tokens cross the exchange as packed e4m3 tiles (uint32 words), quantized before it (BENCHMARKS session 12);
-  # the SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs
-  # (session 21); dW's operands that are gathers of token rows stay XLA's; dlhs quantizes nothing itself: its dout is
-  # the combine's moved tiles or the one-pass kernel's, and its weight blocks are the forward's (session 25).
+  # The tokens cross the exchange as packed e4m3 tiles (uint32 words), quantized before it (docs/fp8.md); the
+  # SwiGLU output is quantized by the one-pass kernel, not by an XLA fusion of the up-projections' outputs;
+  # dW's operands that are gathers of token rows stay XLA's; dlhs quantizes nothing itself: its dout is the
+  # combine's moved tiles or the one-pass kernel's, and its weight blocks are the forward's.
   assert any("u32[" in line and ("all-to-all(" in line or "all-to-all-start(" in line) for line in text.splitlines())
   spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tools" / "hlo_fp8_passes.py")
   passes = importlib.util.module_from_spec(spec)
@@ -180,8 +201,8 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
 def test_the_ep2_proxys_packed_fp8_rows_are_gathered_row_major(tmp_path):
   """The EP=2 proxy with FP8 experts, compiled for two H200s: every gather of the packed uint32 rows writes them
   row-major. Without fp8_dispatch's layout constraint the kernel's transposed scales ([K'/128, M]) had XLA write
-  the forward's last gather of the exchanged rows transposed (session 23's compile; the tiny model's shapes do not
-  show it)."""
+  the forward's last gather of the exchanged rows transposed (the compile of 2026-12-03; the tiny model's shapes do
+  not show it)."""
   if gpu_target.unavailable_reason("h200"):
     pytest.skip(gpu_target.unavailable_reason("h200"))
   hlo = tmp_path / "step.hlo"

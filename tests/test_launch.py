@@ -353,9 +353,10 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_on_an_expert_parallel_mesh_resume_exactly(tmp_path):
-  """Issue 23 item 6 where CPUs allow: our block at EP=2 over two processes (each holds half the experts, so each
-  checkpoint is written and read in two halves through orbax's multi-process path), stopped after step 2's
-  checkpoint and resumed, gives an unbroken run's losses to the bit. Measured here: ~40 s a run on two cores."""
+  """A resume on an expert-parallel mesh, as far as CPUs allow: our block at EP=2 over two processes (each holds
+  half the experts, so each checkpoint is written and read in two halves through orbax's multi-process path),
+  stopped after step 2's checkpoint and resumed, gives an unbroken run's losses to the bit. Measured here: ~40 s a
+  run on two cores."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["MAXTEXT_MOE_PYTHON"] = sys.executable
   common = ["configs/deepseek3-tiny.yml", "moe_block=ours", "ici_expert_parallelism=2", "checkpoint_period=2",

@@ -66,7 +66,7 @@ def test_base_config_on_the_command_line_is_refused():
 
 def test_a_dispatch_backend_without_our_block_is_refused():
   with pytest.raises(fork_config.ConfigError, match="'moe_block' = 'upstream' .* and 'moe_dispatch_backend' = 'te_ncclep' .* contradict"):
-    fork_config.load([TINY, "moe_dispatch_backend=te_ncclep"])
+    fork_config.load([TINY, "moe_block=upstream", "moe_dispatch_backend=te_ncclep"])
   fork_config.load([TINY, "moe_dispatch_backend=te_ncclep", "moe_block=ours"])  # the pair is fine
 
 

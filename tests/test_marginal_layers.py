@@ -1,5 +1,5 @@
 """tools/marginal_layers.py: one decoder layer's step time per variant, from two bench_train.py runs at two layer
-counts (BENCHMARKS.md session 28's figures: the proxy at 4 and 6 layers on the H200)."""
+counts (the figures of BENCHMARKS.md "FP8 end to end": the proxy at 4 and 6 layers on the H200)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _run(tmp_path, name, steps: dict, failed=()):
   return path
 
 
-def test_session_28s_figure_is_the_difference_over_the_added_layers(tmp_path, capsys):
+def test_the_per_layer_figure_is_the_difference_over_the_added_layers(tmp_path, capsys):
   """0.780 / 0.712 s at 4 layers, 1.117 / 1.010 s at 6: 0.1685 and 0.149 s a layer, FP8 1.131x per MoE layer
   where the whole step is 1.096x / 1.106x. The arguments' order does not matter."""
   four = _run(tmp_path, "bt4", {"ours": 0.780, "ours_fp8": 0.712})

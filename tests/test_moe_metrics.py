@@ -1,4 +1,4 @@
-"""MoE observability (issue 18): routing statistics computed in the step, their TensorBoard output,
+"""MoE observability (moe_metrics_every_n_steps): routing statistics computed in the step, their TensorBoard output,
 and that turning them off compiles nothing extra."""
 
 from __future__ import annotations
@@ -123,9 +123,43 @@ def test_tiny_run_writes_moe_scalars_histograms_and_heatmap(train):
   assert "moe/tokens_per_expert/layer_000" in tags["histograms"]
   assert tags["images"] == ["moe/load_over_mean"] and [e.step for e in acc.Images("moe/load_over_mean")] == [3]
   assert "MFU n/a" in [line for line in result.stdout.splitlines() if line.startswith("[progress]")][-1]
-  assert "MoE load" in result.stdout
+  # The heatmap's numbers on stdout with the image: load / mean per MoE layer (2) and expert (8), mean 1.
+  out = result.stdout.splitlines()
+  at = out.index("[maxtext-moe] MoE load at step 4, tokens per expert / the layer's mean (2 MoE layers x 8 experts; "
+                 "TensorBoard image moe/load_over_mean):")
+  rows = [[float(v) for v in line.split()[3:]] for line in out[at + 1:at + 3]]
+  assert [line.split()[:3] for line in out[at + 1:at + 3]] == [["[maxtext-moe]", "layer", "0"],
+                                                               ["[maxtext-moe]", "layer", "1"]]
+  assert all(len(row) == 8 and abs(sum(row) / 8 - 1) < 0.01 for row in rows), rows
   summary = result.summary["moe_load"]
   assert summary["step"] == 3 and summary["worst_layer"] >= 0 and summary["max_over_mean"] >= 1.0
+
+
+def test_the_quick_start_runs_our_block_and_shows_its_heatmap():
+  """configs/deepseek3-tiny.yml (scripts/train.sh with no arguments): our block, and the heatmap at least once in
+  its steps (every step's statistics are kept, so a heatmap step has its counts)."""
+  from MaxText import config as fork_config
+
+  run = fork_config.load([TINY])
+  every, heatmap, steps = (run.fork.moe_metrics_every_n_steps, run.fork.moe_metrics_heatmap_every_n_steps,
+                           run.upstream["steps"])
+  assert run.fork.moe_block == "ours" and run.fork.moe_gmm_backend == "auto"
+  assert 0 < heatmap <= steps and heatmap % every == 0
+
+
+def test_heatmap_lines_show_load_over_the_layer_mean_where_they_fit():
+  from MaxText import moe_tensorboard
+
+  lines = moe_tensorboard.heatmap_lines(np.array([[2, 2, 4, 0], [1, 1, 1, 1]]), step=9)
+  assert lines == ["MoE load at step 10, tokens per expert / the layer's mean (2 MoE layers x 4 experts; "
+                   "TensorBoard image moe/load_over_mean):",
+                   "  layer   0 1.00 1.00 2.00 0.00",
+                   "  layer   1 1.00 1.00 1.00 1.00"]
+  wide = np.ones((3, 64))
+  wide[2, 17] = 5.0
+  (line,) = moe_tensorboard.heatmap_lines(wide, step=99)
+  assert line.endswith("(3 MoE layers x 64 experts; TensorBoard image moe/load_over_mean): hottest expert 17 of "
+                       "layer 2 at 4.71")
 
 
 def test_mfu_peak_from_the_gpu_table_or_the_override():

@@ -1,4 +1,4 @@
-"""The MoE time split live (moe_profile_every_n_steps, issue 18 item 4): the classifier on an op-stats
+"""The MoE time split live (moe_profile_every_n_steps): the classifier on an op-stats
 table shaped like xprof's GPU hlo_stats, the profiled-step rule, the config errors, and a tiny run."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Upstream's train step for the tiny model is lowered for CUDA on this CPU
 machine (tests/lower_train_step.py): with `xla_presets=[host_offload]` the
 MoE up-projections (moe_mlpwi_0/1, routed tokens x moe_mlp_dim) carry
 `_xla_buffer_placement = "pinned_host"`; without it nothing is placed on host.
-Peak memory and step time on the H200 are measured by the command in README.
+Peak memory and step time on the H200: BENCHMARKS.md "Host offload" (tools/bench_train.py).
 """
 
 from __future__ import annotations

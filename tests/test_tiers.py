@@ -96,3 +96,21 @@ def test_interpreted_kernel_with_four_threads_is_refused_in_the_suites_process()
   refused = pytest.raises(RuntimeError, match="runs 4 warpgroup threads at once, more than 3")
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()), refused:
     jax.jit(kernel)()
+
+
+def test_test_sh_help_is_its_own_usage(tmp_path):
+  """scripts/test.sh --help says what the tiers are, and does so before the environment is built (a copy of the
+  script next to a bootstrap that fails proves it stops first); it used to pass --help on to pytest."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "scripts").mkdir()
+  shutil.copy(REPO / "scripts/test.sh", tmp_path / "scripts/test.sh")
+  (tmp_path / "scripts/bootstrap.sh").write_text("#!/usr/bin/env bash\necho bootstrap ran >&2\nexit 99\n")
+  (tmp_path / "scripts/bootstrap.sh").chmod(0o755)
+  for flag in ("--help", "-h"):
+    proc = subprocess.run(["bash", str(tmp_path / "scripts/test.sh"), flag], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("usage: scripts/test.sh [--all] [pytest args ...]")
+    assert '-m "not slow"' in proc.stdout and "--all" in proc.stdout and "-k WORD" in proc.stdout

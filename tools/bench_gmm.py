@@ -15,7 +15,8 @@ Backends: dense (reference), xla (lax.ragged_dot), tokamax (ragged_dot, mosaic),
 blockwise-FP8 ones: mgpu_fp8 (our Hopper kernels, with the quantization of both operands inside
 the timed call, as a training step pays it) and xla_fp8 (the same quantization emulated in
 float32). FP8 rows are held to FP8_TOL, not TOL: their error against the unquantized product is
-FP8's own. Issue 19's FFN comparison: `--quick --backends mgpu,mgpu_fp8` (the ffn rows of both).
+FP8's own. The expert FFN, FP8 against bf16 (BENCHMARKS.md "FP8 end to end"): `--quick --ffn-only
+--backends mgpu,mgpu_fp8` (the ffn rows of both; `tools/gpu_checks.sh fp8-gmm`).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def ref_tgmm(x, dout, sizes):
 
 # One product shape per program: each group's rows are a slice of `rows` rows, masked past the group's size, in a
 # loop over the groups. A static slice per group gave XLA a distinct dot shape per group (Zipf sizes: 32 shapes per
-# product, each compiled and autotuned) and the expert-FFN case printed no row in 530 s on the H200 (session 23).
+# product, each compiled and autotuned) and the expert-FFN case printed no row in 530 s on the H200 (2026-12-03).
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def _ref_fwd(x, w, sizes_G, rows, transpose):
   hi = jax.lax.Precision.HIGHEST
@@ -520,8 +521,8 @@ def main():
   ap.add_argument("--ffn", action="store_true", help="also the expert FFN fwd+bwd")
   ap.add_argument("--ffn-first", action="store_true", help="run the FFN cases before the GEMMs")
   ap.add_argument("--ffn-only", action="store_true",
-                  help="the FFN cases alone (session 22: --quick's FFN case for mgpu and mgpu_fp8 had printed nothing "
-                       "after 330 s, each backend's six or more Mosaic kernels compiling for it)")
+                  help="the FFN cases alone (--quick's FFN case for mgpu and mgpu_fp8 had printed nothing after "
+                       "330 s on the H200, each backend's six or more Mosaic kernels compiling for it)")
   ap.add_argument("--ffn-dists", default=None, help="FFN distributions (default: --dists)")
   ap.add_argument("--ffn-dims", default="7168,2048", help="model dim, expert dim")
   ap.add_argument("--xla-bwd", action="store_true", help="time ragged_dot autodiff (huge)")

@@ -2,8 +2,8 @@
 
     python3 tools/bench_l2norm.py     # on the GPU; prints ms, TB/s and the norm of each
 
-Run on the H200 in session 9 (BENCHMARKS.md, "Our path with V3's router ... (issue 16)"), as
-gpu_tmp/norm_bench.py at commit efee304: the same code.
+Run on the H200 at commit efee304 (2026-12-01; BENCHMARKS.md "End to end on one H200", the gradient norm's row),
+as a scratch script of the same code.
 """
 import statistics, time
 import jax, jax.numpy as jnp

@@ -4,8 +4,9 @@ uint8 or uint32 (`fp8_dispatch.pack`'s `word`), on this device.
 
   python3 tools/bench_packed_gather.py [--tokens 16384] [--top-k 8] [--experts 32] [--dim 7168]
 
-Why: session 22's profile of the proxy's FP8 step had XLA gathering the packed rows byte by byte, at about
-0.8 TB/s (BENCHMARKS.md, session 22: 1.2-1.46 ms a gather at [131,072, 7,392] bytes). Each case is one jit that
+Why: a profile of the proxy's FP8 step (2026-12-03) had XLA gathering the packed rows byte by byte, at about
+0.8 TB/s (1.2-1.46 ms a gather at [131,072, 7,392] bytes); the result is in BENCHMARKS.md "Dispatch and expert
+parallelism". Each case is one jit that
 reads the T token rows' tiles (already quantized) and writes the M = T x top-k rows' e4m3 bytes and f32 scales,
 as the step's dispatch does, then again with the backward's select of routed rows on the words. The results are
 checked bit for bit against the uint8 path. Prints one table last: ms per gather and the bytes written per second.

@@ -8,16 +8,16 @@ and, with --against, another version of the module timed beside this one.
 
 Per kernel: median ms, its bytes (reads + writes) per ms as TB/s, and that as a share of XLA's x * 2 on the same
 bf16 [rows, K] (2 B read and 2 B written a value): a reference, not a roof (3.3 TB/s on the H200, where the row-tile
-kernel reaches 3.9, session 26; session 25's XLA bf16 -> e4m3 convert, 2.5 TB/s, was no roof either). With --against:
+kernel reaches 3.9; XLA's bf16 -> e4m3 convert, 2.5 TB/s, was no roof either). With --against:
 the old module's time on the same inputs, and the share of e4m3 bytes on which the two disagree (another
 rounding formula moves a value across an e4m3 rounding boundary only when it sits within an f32 ulp of one).
-Kernels, as the step calls them (BENCHMARKS.md, session 24's table):
+Kernels, as the step calls them (BENCHMARKS.md "FP8 kernels"):
   row tiles      1x128 tiles of a materialized [rows, K] (the SwiGLU output; its gradient, K = 2,048)
   group blocks   dW's 128x1 tiles of a materialized [rows, K] (K = 2,048)
   requantize     dW's 128x1 tiles from the 1x128 tiles that crossed the dispatch (x and the combine's
                  cotangent, K = 7,168): 1 B read and 1 B written a value, plus the row scales
 Then the weights' 128x128 blocks in both layouts (w01 [32, 7168, 4096] and w2 [32, 2048, 7168]): the one-pass
-kernel `quantize_weight_blocks_both` that the step runs (mgpu_fp8.quantize_weight), for a few chunks, against XLA's
+kernel `quantize_weight_blocks_both` that the step runs (mgpu/fp8.py quantize_weight), for a few chunks, against XLA's
 passes (`fp8_quant.quantize_weight_blocks` and the forward's transposed copy), with the bytes on which they
 disagree (none, if bit for bit).
 """

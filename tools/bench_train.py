@@ -60,8 +60,9 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # The proxy config pins remat_policy=full, which would win over the preset's custom.
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
+    # Upstream's block with our grouped GEMM behind its gmm seam (patches/megablox_gmm.py).
     "ours_gmm_seam": (["moe_block=upstream", "moe_gmm_backend=auto"], True),
-    # Issue 19's end-to-end comparison: our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
+    # FP8 end to end (BENCHMARKS.md "FP8 end to end"): our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
     # against "ours" in bf16 in the same invocation. TFLOP/s counts the same (bf16-equivalent) FLOPs.
     "ours_fp8": (["moe_block=ours", "moe_fp8=blockwise"], True),
     "dense_equivalent": (["first_num_dense_layers=4", "base_mlp_dim=18432"], True),

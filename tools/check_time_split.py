@@ -22,7 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 PARTS = ("route", "dispatch", "gmm", "combine", "attention")
 # Rest holds the projections, the dense layer, norms, the optimizer and the 129k-entry output head: 54.8% of
-# the proxy's step in the offline breakdown (BENCHMARKS.md, session 8). Past this share something is misfiled.
+# the proxy's step in the offline breakdown (BENCHMARKS.md "End to end on one H200"). Past this share something is
+# misfiled.
 MAX_REST_SHARE = 0.65
 
 

@@ -4,8 +4,9 @@
     python3 tools/diff_profiles.py OUT.json prof/ours-*/ prof/dense_equivalent-*/
 
 Writes {run: {group: ms per step}} and prints each run's total; the groups are subtracted by hand
-(BENCHMARKS.md, session 9: where ours loses 40 ms to dense). Reads events and the HLO map with
-tools/profile_breakdown.py's own functions and rules. Run in session 9 as gpu_tmp/cmp.py (the same code).
+(BENCHMARKS.md "End to end on one H200": where ours loses 40 ms to dense). Reads events and the HLO map with
+tools/profile_breakdown.py's own functions and rules. Run on the H200 at efee304 (2026-12-01) as a scratch script
+of the same code.
 """
 import collections, json, sys
 from pathlib import Path

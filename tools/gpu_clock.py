@@ -4,7 +4,7 @@
     t0 = time.monotonic(); ...timed work...; t1 = time.monotonic()
     clock.window(t0, t1)   # {"sm_mhz": mean, "watts": mean, "samples": n}, or None
 
-Why (BENCHMARKS.md, session 20): under sustained GEMMs the H200 sits at its 700 W limit and its SM clock falls from
+Why (BENCHMARKS.md "FP8 kernels"): under sustained GEMMs the H200 sits at its 700 W limit and its SM clock falls from
 1,980 MHz to about 1,640 on average, so a kernel's cycle count (the on-device profile) is not its time, and a kernel
 that does more work per cycle can give part of its gain back in clock. A timing row with the clock it ran at tells the
 two apart. Without nvidia-smi (CPU runs) the sampler is off and every window is None.

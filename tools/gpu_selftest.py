@@ -34,8 +34,8 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-2  # bf16 inputs and outputs, float32 accumulation
 # Blockwise-FP8 backends are held to their quantization, not to the unquantized product (3.6% away by
-# design, README "moe_fp8"): the reference is xla_fp8's, the same tiles and blocks in float32, and the
-# bound the same 1e-2 (bf16 outputs; the FP8 MMA's own accumulation adds ~3e-4: BENCHMARKS session 11).
+# design, docs/fp8.md "Accuracy"): the reference is xla_fp8's, the same tiles and blocks in float32, and the
+# bound the same 1e-2 (bf16 outputs; the FP8 MMA's own accumulation adds ~3e-4: BENCHMARKS.md "FP8 kernels").
 FP8_BACKENDS = ("mgpu_fp8", "xla_fp8")
 
 

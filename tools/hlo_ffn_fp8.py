@@ -6,7 +6,7 @@ weight's amax, quantize and transpose fusions).
   python tools/hlo_ffn_fp8.py OUT.hlo [--m 65536] [--g 32]
   grep -E "^  %[a-z_.0-9]+ = [^ ]+ fusion\\(.*%w(01|2)\\.1[,)]|^  %input_transpose_fusion[.0-9]* = f8e4m3fn" OUT.hlo
 
-Shapes are bench_gmm's FFN case (d = 7,168, f = 2,048, w0|w1 fused). BENCHMARKS.md, session 25.
+Shapes are bench_gmm's FFN case (d = 7,168, f = 2,048, w0|w1 fused); its times are in BENCHMARKS.md "FP8 end to end".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ One line per (fusion kind, e4m3 output type, what reads into it, where jax emitt
 quantization fused into the kernel's consumer), `all-to-all` the dispatch's exchange, `select` a
 computed scale (the amax reduction ran before, as its own fusion). "Where" is the tail of the op_name
 scope: the forward, `rematted_computation` (full remat's forward again), `gmm_dlhs`, `gmm_drhs`.
-For BENCHMARKS.md's account of the FP8 step's quantization passes (session 12).
+For the account of the FP8 step's quantization passes (docs/fp8.md, "What runs where").
 """
 
 from __future__ import annotations

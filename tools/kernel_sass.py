@@ -8,7 +8,7 @@ Each kernel is compiled once, in a process of its own, at DeepSeek-V3's up-proje
 (K=7168, N=2048, G=32 balanced groups; M rows), on this machine's GPU or, with --target, for a
 compile-only GPU on the CPU; that process's output is DIR/<kernel>.log, its PTX DIR/<kernel>.ptx.
 Printed per kernel: ptxas's registers per thread and spill bytes, and the opcodes of the whole SASS
-by count. Read against the FP8 kernel's design (`mgpu_fp8.py`): each 128-wide contraction step of a
+by count. Read against the FP8 kernel's design (`MaxText/moe/gmm/mgpu/fp8.py`): each 128-wide contraction step of a
 warpgroup is four QGMMAs (FP8; the bf16 kernel's are HGMMAs), a wait, and its promotion, 64 FFMAs
 (or FMUL + FADD pairs if the scale multiply did not fuse) per thread; a spill (STL/LDL) inside that
 loop would cost the tensor cores their overlap. Exit 1 if a kernel gave no SASS.

@@ -9,7 +9,7 @@ begin ("B") / end ("E") event pair per `jax.named_scope` range entered, `pid` = 
 Chrome format says so: it is (the trace's global-timer start in ns + SM clock cycles since
 the trace's first event) / 1000. Durations are therefore thousands of SM cycles ("kc"
 below). A kernel's clock follows its power draw: the H200 ran the grouped GEMM at about
-1.3 GHz (a profiled span in kc over the timed ms, BENCHMARKS run 6), so 1 kc ~ 0.78 us
+1.3 GHz (a profiled span in kc over the timed ms, tune_gmm.py --profile-dir, 2026-11-30), so 1 kc ~ 0.78 us
 there, and 1 kc per 128x256x64 step is the tensor cores' peak (4096 bf16 FLOP/cycle/SM).
 
   python tools/kernel_timeline.py TRACE.json [...]

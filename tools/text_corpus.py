@@ -8,7 +8,7 @@ serialized tf.train.Example protos with a bytes feature `text` (tests/text_fixtu
 Files are read in sorted order and cut into documents of at most --doc-chars characters at line ends, until
 --max-mb of text is written; the same tree gives the same corpus. What it is for: a loss that a small model
 cannot memorize within a run (the synthetic data of the benchmarks is learned to near zero in 100 steps), so two
-runs that differ in precision can be compared on it (BENCHMARKS.md, session 24: FP8 experts against bf16).
+runs that differ in precision can be compared on it (BENCHMARKS.md "FP8 end to end": FP8 experts against bf16).
 Train on it with dataset_type=grain grain_file_type=arrayrecord grain_train_files=OUT tokenizer_type=sentencepiece
 tokenizer_path=<the maxtext wheel's assets/tokenizers/tokenizer.llama2> vocab_size=32000 (printed at the end).
 """

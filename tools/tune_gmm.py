@@ -40,10 +40,10 @@ PROBLEMS = {
     "dw_down": ("tgmm", 2048, 7168, False),
 }
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
-# Run 6 found the forward's K loop at the tensor cores' peak and ~3 kc (thousands of SM
-# cycles) per tile outside it, ~1.9 kc of which is the epilogue; run 7 split a 128x64
+# The on-device profile (--profile-dir) found the forward's K loop at the tensor cores' peak and ~3 kc
+# (thousands of SM cycles) per tile outside it, ~1.9 kc of which is the epilogue, and split a 128x64
 # epilogue chunk into wait 0.06, shared-memory write 0.23 and TMA issue 0.50 kc (named
-# scopes at commit 5e9e2df). Measured without gain and left out (BENCHMARKS runs 4-7):
+# scopes at commit 5e9e2df). Measured without gain and left out (docs/kernels.md, "Tried, and why it did not help"):
 # pingpong, with or without multicast (13-30% slower: a ring's slots run too little ahead
 # of the load latency), a direct register-to-global epilogue (5-13% slower), 64-row
 # epilogue pieces through two slots (3% slower), epi_swizzle, chain, half_tiles,

@@ -100,6 +100,9 @@ class BlockConfig:
     fp8_dispatch: quantize tokens to 1x128 e4m3 tiles before the dispatch and move them so, and the
       combine's cotangent before the backward's exchange towards the experts (MaxText/moe/fp8_dispatch.py);
       needs an FP8 gmm_backend. Not for `global_view` dispatchers.
+    overlap_chunks: per shard, the tokens in this many equal chunks, each dispatched, computed and combined on
+      its own (`chunked`), so that XLA's scheduler can run one chunk's exchange while another's grouped GEMMs
+      run; 1: one pass. For EP dispatchers (patches/routed_moe.py sets it only under EP).
   """
 
   router: routing_lib.RouterConfig
@@ -110,31 +113,39 @@ class BlockConfig:
   dtype: jnp.dtype = jnp.float32
   gate_dtype: jnp.dtype | None = None
   fp8_dispatch: bool = False
+  overlap_chunks: int = 1
 
 
-def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None, output=None):
+def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
   """GLU of each row with its expert: glu(x @ w0 + b0, x @ w1 + b1) @ wo + bo (biases where the model has
-  them). x_tiles: x_MD's rows already quantized (the FP8 dispatch), which both up-projections multiply.
-  output(h_MF, wo_EFD): the last product, where it is not wo's grouped GEMM alone (the FP8 dispatch's,
-  with the combine)."""
+  them). x_tiles: x_MD's rows already quantized (the FP8 dispatch), which both up-projections multiply."""
+  return _down(_up_glu(x_MD, meta, experts, cfg, x_tiles), meta, experts, cfg)
+
+
+def _gmm_kw(meta, cfg: BlockConfig):
+  return dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
+
+
+def _up_glu(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
+  """The up-projections, their biases and the GLU: h_MF."""
   with jax.named_scope("gmm"):
-    kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
     # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
     # token axes (MaxText/moe/vma.py).
-    w0, w1, wo = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
+    w0, w1 = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF))
     # The operands that are gathers of token rows: x_MD (the dispatch's output) and the combine's
     # cotangent of wo's output. FP8 backends let XLA quantize those through the gather (gmm's doc).
-    h0_MF = gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw)
-    h1_MF = gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw)
+    h0_MF = gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **_gmm_kw(meta, cfg))
+    h1_MF = gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **_gmm_kw(meta, cfg))
     h0_MF, h1_MF = (_tag(_plus_row_bias(h, b, meta, cfg.dtype), name)
                     for h, b, name in ((h0_MF, experts.b0_EF, "mlpwi_0"), (h1_MF, experts.b1_EF, "mlpwi_1")))
-    act = ACTIVATIONS[cfg.activation]
-    h_MF = GLUS[cfg.glu](h0_MF, h1_MF, act, cfg.activation_limit).astype(cfg.dtype)
-    if output is not None:
-      if experts.bo_ED is not None:
-        raise ValueError("expert biases (mlp_bias) with the FP8 dispatch's fused output and combine: not implemented")
-      return output(h_MF, wo)
-    y_MD = gmm(h_MF, wo, meta.group_sizes_G, gathered=(False, True), **kw)
+    return GLUS[cfg.glu](h0_MF, h1_MF, ACTIVATIONS[cfg.activation], cfg.activation_limit).astype(cfg.dtype)
+
+
+def _down(h_MF, meta, experts: Experts, cfg: BlockConfig):
+  """wo's grouped GEMM and its bias: y_MD."""
+  with jax.named_scope("gmm"):
+    y_MD = gmm(h_MF, experts.wo_EFD.astype(cfg.dtype), meta.group_sizes_G, gathered=(False, True),
+               **_gmm_kw(meta, cfg))
     return _tag(_plus_row_bias(y_MD, experts.bo_ED, meta, cfg.dtype), "mlpwo")
 
 
@@ -171,27 +182,76 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
   otherwise. buffer_12: this shard's [largest rows sent to a peer / capacity,
   rows over capacity (dropped)], zeros for dispatchers without such a buffer.
   """
+  moved = _dispatch(x_TD, ids_TK, cfg, dispatcher)
+  y_TD = _output(_up(moved, experts, cfg), moved, ids_TK, weights_TK, experts, cfg, dispatcher)
+  return y_TD, _overflow(moved[2]), _buffer_12(moved[2])
+
+
+def _dispatch(x_TD, ids_TK, cfg: BlockConfig, dispatcher: Dispatcher):
+  """(x_MD, x_tiles or None, meta): the rows at their experts."""
   with jax.named_scope("dispatch"):
     if cfg.fp8_dispatch:
-      x_MD, x_tiles, meta = fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
-    else:
-      (x_MD, meta), x_tiles = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK), None
+      return fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
+    x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
+    return x_MD, None, meta
+
+
+def _up(moved, experts: Experts, cfg: BlockConfig):
+  """The up-projections and the activation: h_MF."""
+  x_MD, x_tiles, meta = moved
+  return _up_glu(x_MD, meta, experts, cfg, x_tiles)
+
+
+def _output(h_MF, moved, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
+  """wo's product and the combine: y_TD."""
+  meta = moved[2]
   if cfg.fp8_dispatch:
+    if experts.bo_ED is not None:  # MaxText/config_checks.py refuses moe_fp8 with mlp_bias first
+      raise ValueError("expert biases (mlp_bias) with the FP8 dispatch's fused output and combine: not implemented")
     # wo's product and the combine in one VJP: the combine's backward moves the cotangent to the experts as
-    # FP8 tiles, which wo's dlhs and dW take as they are.
-    def output(h_MF, wo_EFD):  # its combine's ops in a "combine" scope of their own
-      return fp8_dispatch.expert_output_combine(dispatcher, h_MF, wo_EFD, meta, weights_TK, ids_TK,
-                                                backend=cfg.gmm_backend, dtype=cfg.dtype, tag=_tag_mlpwo)
-    y_TD = expert_ffn(x_MD, meta, experts, cfg, x_tiles, output=output)
-  else:
-    y_MD = expert_ffn(x_MD, meta, experts, cfg)
-    with jax.named_scope("combine"):
-      y_TD = dispatcher.combine(y_MD, weights_TK, meta)
-  return y_TD, jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,)), _buffer_12(meta)
+    # FP8 tiles, which wo's dlhs and dW take as they are (its combine's ops in a "combine" scope of their own).
+    with jax.named_scope("gmm"):
+      return fp8_dispatch.expert_output_combine(dispatcher, h_MF, experts.wo_EFD.astype(cfg.dtype), meta,
+                                                weights_TK, ids_TK, backend=cfg.gmm_backend, dtype=cfg.dtype,
+                                                tag=_tag_mlpwo)
+  y_MD = _down(h_MF, meta, experts, cfg)
+  with jax.named_scope("combine"):
+    return dispatcher.combine(y_MD, weights_TK, meta)
+
+
+def _overflow(meta):
+  return jnp.reshape(getattr(meta, "overflow", jnp.bool_(False)), (1,))
+
+
+def chunked(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
+  """dispatch_ffn_combine on cfg.overlap_chunks equal chunks of the tokens, results in token order.
+
+  The chunks share nothing but the weights, so XLA's latency-hiding scheduler may run one chunk's exchanges
+  while another's grouped GEMMs run (DeepSeek-V3 overlaps two micro-batches' exchanges with each other's
+  compute, section 3.2.1); MaxText/plan/overlap.py reads what it did from the compiled schedule. Pinning the
+  pairs with optimization barriers (chunk i+1's dispatch tied to chunk i's up-projections) put fewer GEMMs
+  beside the exchanges in the compile-only H200 schedule, not more, and was removed. Each chunk's buffers are
+  sized for its tokens.
+  """
+  n, t = cfg.overlap_chunks, x_TD.shape[0]
+  if n == 1:
+    return dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts, cfg, dispatcher)
+  if t % n:
+    raise ValueError(f"moe_ep_overlap_chunks={n} does not divide the {t} tokens of a shard")
+  split = lambda a: jnp.split(a, n)  # noqa: E731
+  outs = [dispatch_ffn_combine(x, i, w, experts, cfg, dispatcher)
+          for x, i, w in zip(split(x_TD), split(ids_TK), split(weights_TK))]
+  overflow = jnp.any(jnp.stack([o[1] for o in outs]), axis=0)
+  buffers = jnp.stack([o[2] for o in outs])  # [chunks, 1, 2]: the fullest fill, rows past capacity summed
+  return (jnp.concatenate([o[0] for o in outs]), overflow,
+          jnp.stack([jnp.max(buffers[..., 0], 0), jnp.sum(buffers[..., 1], 0)], axis=-1))
 
 
 def _buffer_12(meta):
-  """[fill of the fullest per-peer buffer, rows beyond capacity] of a bounded dispatch (a2a_padded's send_P, C)."""
+  """[fill of the fullest per-peer buffer, rows beyond capacity] of a bounded dispatch (a2a_padded's send_P, C;
+  a meta with buffers of its own says it: hierarchical's two stages)."""
+  if hasattr(meta, "buffer_12"):
+    return meta.buffer_12()
   capacity, send_P = getattr(meta, "capacity", None), getattr(meta, "send_P", None)
   if not isinstance(capacity, int) or send_P is None:
     return jnp.zeros((1, 2), jnp.float32)
@@ -208,11 +268,19 @@ class Sharding:
     mesh: the device mesh.
     token_axes: mesh axes the token dimension is split over (batch axes).
     expert_axis: mesh axis splitting the experts (EP), or None.
+    vmapped_axis: mesh axis that a surrounding `jax.vmap(spmd_axis_name=...)` maps (upstream's pipeline
+      stages, patches/pipeline_v3.py), or None. The vmap owns that axis, so the shard_map's specs leave it
+      out, and the shard_map runs unchecked (check_vma=False): JAX 0.11.2 cannot batch a lax loop inside a
+      vma-checked shard_map under such a vmap (its scan batching re-binds a pvary over the vmapped axis on a
+      value that already varies over it; jnp.searchsorted is such a loop). Unchecked, the shard_map's
+      transpose sums the cotangents of inputs replicated over an axis (the experts' weights over the token
+      axes) at its boundary, where the checked one does it inside gmm's VJP (MaxText/moe/vma.py): the same sum.
   """
 
   mesh: jax.sharding.Mesh
   token_axes: Sequence[str]
   expert_axis: str | None = None
+  vmapped_axis: str | None = None
 
 
 def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig,
@@ -268,13 +336,14 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
     y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, weights_TK, experts, cfg, dispatcher,
                                                       sharding)
     return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jnp.zeros((2,), jnp.float32)
-  body = lambda x, ids, w, e: dispatch_ffn_combine(x, ids, w, e, cfg, dispatcher)  # noqa: E731
+  body = lambda x, ids, w, e: chunked(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
     exp = _expert_specs(experts, sharding)
-    every_shard = P(tuple(sharding.mesh.axis_names))  # one overflow flag per device
+    # One overflow flag per device (per stage: the pipeline's vmap adds its own axis).
+    every_shard = P(tuple(a for a in sharding.mesh.axis_names if a != sharding.vmapped_axis))
     body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp),
-                         out_specs=(tok, every_shard, every_shard))
+                         out_specs=(tok, every_shard, every_shard), check_vma=sharding.vmapped_axis is None)
   y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, weights_TK, experts)
   buffer_2 = jnp.stack([jnp.max(buffer_S2[:, 0]), jnp.sum(buffer_S2[:, 1])])
   return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jax.lax.stop_gradient(buffer_2)

@@ -44,13 +44,14 @@ from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 
 # The packed rows' word, for dispatchers that exchange rows between devices. XLA gathers a row of words as that many
-# elements, 4 to a GPU thread, and session 23 measured the packed rows' gather on the H200
-# (tools/bench_packed_gather.py, [131,072, 7,392] bytes): 1.245 ms in uint8, 0.583 in uint32. In the whole compiled
+# elements, 4 to a GPU thread: the packed rows' gather on the H200 ([131,072, 7,392] bytes) took 1.245 ms in uint8,
+# 0.583 in uint32 (tools/bench_packed_gather.py; BENCHMARKS.md "Dispatch and expert parallelism"). In the whole compiled
 # step, uint32 words alone had XLA gather the forward's rows in a transposed layout: the kernel's transposed scales
-# ([K'/128, M]) chose the layout of the one gather that carried them (session 22; an optimization barrier did not
+# ([K'/128, M]) chose the layout of the one gather that carried them (an optimization barrier did not
 # change it). `_moved_tiles` pins the moved rows row-major (a layout constraint), so the scales are transposed
-# alone, a [K'/128, M] fusion (the compile-only H200 HLO of the EP=2 proxy, session 23). The local dispatcher has no
-# exchange to share: it moves the e4m3 bytes as uint32 and the scales by a gather of their own (measured, 1.082x).
+# alone, a [K'/128, M] fusion (the compile-only H200 HLO of the EP=2 proxy; tests/test_gpu_target.py checks it). The
+# local dispatcher has no exchange to share: it moves the e4m3 bytes as uint32 and the scales by a gather of their own
+# (the proxy's step: tools/bench_train.py; BENCHMARKS.md "FP8 end to end").
 WORD = jnp.uint32
 
 

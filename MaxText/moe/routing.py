@@ -118,7 +118,7 @@ def _group_mask_TE(scores_TE, cfg: RouterConfig):
   the lower index, which is `lax.top_k`'s order. Counting over [T, G, G]
   (G = 8 for V3) replaces two small top-k sorts per routing call with
   element-wise work. On the H200 proxy all of routing measured 1.4 ms, 0.2% of
-  the step, after this change (BENCHMARKS.md, session 8).
+  the step, after this change (tools/bench_train.py --profile; BENCHMARKS.md "End to end on one H200").
   """
   g = cfg.n_groups
   score_TG = _top2_sum(scores_TE.reshape(*scores_TE.shape[:-1], g, -1))

@@ -7,9 +7,11 @@ full GPU count (`recipe_num_gpus`) on this machine, and prints
               aliases, host-offloaded) and whether it fits `target_gpu`'s HBM
   collectives per step: count, bytes and wire bytes per kind and mesh axis,
               and whether each crosses nodes (`gpus_per_node`)
-  estimate    step time and TFLOP/s/GPU, every constant with its source
-              (MaxText/plan/hardware.py), and the analytic memory cross-check
-              (MaxText/plan/analytic_memory.py)
+  estimate    step time and TFLOP/s/GPU read off the scheduled HLO
+              (MaxText/plan/schedule.py): compute, memory-bound work,
+              collectives exposed and overlapped, the critical path; every
+              constant with its source (MaxText/plan/hardware.py); and the
+              analytic memory cross-check (MaxText/plan/analytic_memory.py)
 For a target GPU with a shipped XLA target config (target_gpu: h100, h200), the
 step is compiled by XLA's GPU compiler for compile-only devices of that GPU, on
 any machine, no GPU needed (MaxText/plan/gpu_target.py; `scripts/bootstrap.sh

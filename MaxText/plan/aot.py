@@ -326,8 +326,9 @@ def device_nodes(mesh: Any, topology: Topology) -> list[int]:
     gpus_per_process = topology.local_gpus if topology.platform == "gpu" else 1
     processes_per_node = max(1, min(topology.num_devices, topology.gpus_per_node) // gpus_per_process)
     return [d.process_index // processes_per_node for d in flat]
-  # Simulated devices carry no node: consecutive flat positions fill a node in turn.
-  return [i // topology.gpus_per_node for i in range(len(flat))]
+  # Simulated devices carry no node: consecutive device ids fill a node in turn (patches/cpu_slices.py lays a
+  # multi-node mesh out so; without dcn_* axes the mesh is in id order).
+  return [d.id // topology.gpus_per_node for d in flat]
 
 
 _INDIVISIBLE = re.compile(r"key path (?P<path>.+?) was given the sharding .*?spec=(?P<spec>P\(.*?\)), memory_kind.*?"
@@ -390,7 +391,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   """Memory, collectives and FLOPs of a compiled step (and its HLO text, kept at hlo_path)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText.plan import hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import bubble, hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:
@@ -399,6 +400,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   buffers = hlo_inventory.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
   recompute, recompute_note = hardware.recompute_flops(step.config)
+  nodes = device_nodes(step.mesh, topology)
   return dict(
       compile_seconds=step.seconds,
       memory=memory_bytes(step.compiled),
@@ -407,8 +409,10 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       recompute_flops=float(recompute), recompute_note=recompute_note,
       routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
-      largest_buffers=buffers,
-      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), device_nodes(step.mesh, topology)),
+      largest_buffers=buffers, nodes=nodes,
+      pipeline_schedule=bubble.schedule(step.config),
+      pipelined_layers_share=float(step.config.pipeline_parallel_layers) / float(step.config.num_decoder_layers),
+      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), nodes),
   )
 
 

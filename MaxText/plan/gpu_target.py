@@ -100,31 +100,10 @@ def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
   }
   for name, answer in answers.items():
     setattr(jax, name, answer)
-  _group_nodes(min(num_devices, gpus_per_node))
+  # Upstream's multi-node mesh groups devices into nodes by slice_index, which compile-only devices leave at 0
+  # (jax 0.11.2): patches/cpu_slices.py groups them by id instead, one GPU per process, gpus_per_node a node.
   _answer_cudnn_checks(text)
   return devices
-
-
-def _group_nodes(per_node: int) -> None:
-  """Upstream's multi-node mesh (maxtext_utils.create_device_mesh -> mesh_utils.create_hybrid_device_mesh)
-  groups devices into DCN granules by slice_index, which compile-only devices leave at 0 (jax 0.11.2).
-  Group them by node instead (per_node consecutive processes, one GPU each) and lay the granules out as
-  create_hybrid_device_mesh does: an ICI mesh per granule, tiled over the DCN mesh shape."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
-
-  def create_hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices=None, **kwargs):
-    devices = list(devices)
-    nodes = sorted({d.process_index // per_node for d in devices})
-    granules = [[d for d in devices if d.process_index // per_node == n] for n in nodes]
-    if np.prod(dcn_mesh_shape) != len(granules):
-      raise ValueError(f"Number of slices {len(granules)} must equal the product of dcn_mesh_shape {dcn_mesh_shape}")
-    split = kwargs.get("allow_split_physical_axes", False)
-    per_granule = [mesh_utils.create_device_mesh(mesh_shape, g, allow_split_physical_axes=split) for g in granules]
-    granule_mesh = np.arange(len(granules)).reshape(dcn_mesh_shape)
-    return np.block(np.vectorize(lambda i: per_granule[i], otypes=[object])(granule_mesh).tolist())
-
-  mesh_utils.create_hybrid_device_mesh = create_hybrid_device_mesh
 
 
 def _field(text: str, name: str) -> str:

@@ -1,20 +1,19 @@
 """The GPUs a run can be planned for, each figure with where it came from.
 
-MaxText/plan/planner.py turns a compiled step into a verdict and a step time with these:
+MaxText/plan/planner.py turns a compiled step into a verdict, and MaxText/plan/schedule.py
+into a step time, with these:
   fits        compiler bytes per device <= HBM x XLA_PYTHON_CLIENT_MEM_FRACTION
-  compute     FLOPs per device / the measured dense bf16 GEMM rate; with
-              moe_fp8=blockwise the routed experts' GEMMs at the measured
-              FP8 rate instead (kernels and quantization passes together)
+  GEMMs       FLOPs / the measured dense bf16 GEMM rate; with moe_fp8=blockwise
+              our grouped GEMMs at the measured FP8 rate instead
+  attention   cuDNN flash attention's FLOPs / its measured rate
+  memory      bytes read and written by every other op / the HBM rate XLA's
+              fusions reach
   collectives wire bytes per device / the link's bandwidth (NVLink inside a
-              node, InfiniBand across), per kind where a kind was measured
-  step        compute + collectives, none overlapped (an upper bound; the
-              overlapped bound max(compute, collectives) is printed next to it)
-Simplifications, each an upper bound on time: a collective whose group spans
-nodes moves all its wire bytes at InfiniBand rate (NCCL's hierarchical
-algorithms send only part across); FLOPs are the larger of MaxText's model
-count and the HLO's dots, and the HLO's include what XLA expands (its
-ragged_dot becomes dense per-expert dots). Memory-bound kernels (norms,
-softmax, routing, optimizer) are not costed at all, which errs the other way.
+              node, InfiniBand across), per kind where a kind was measured;
+              host offload's copies at PCIe's
+Simplification, an upper bound on time: a collective whose group spans nodes
+moves all its wire bytes at InfiniBand rate (NCCL's hierarchical algorithms
+send only part across).
 """
 
 from __future__ import annotations
@@ -45,6 +44,9 @@ class Gpu:
     ragged_a2a_bytes: jax.lax.ragged_all_to_all, B/s (None: as all_to_all).
     fp8_grouped_flops: the routed experts' GEMMs under moe_fp8, FLOP/s, their quantization passes
       included (None: the kernel does not run on this GPU).
+    hbm_bandwidth: bytes read + written per second by memory-bound XLA fusions, B/s.
+    attention_flops: cuDNN flash attention, FLOP/s.
+    host_bytes: host offload's copies, one direction, B/s.
   """
 
   name: str
@@ -55,13 +57,16 @@ class Gpu:
   a2a_nvlink_bytes: Figure | None = None
   ragged_a2a_bytes: Figure | None = None
   fp8_grouped_flops: Figure | None = None
+  hbm_bandwidth: Figure | None = None
+  attention_flops: Figure | None = None
+  host_bytes: Figure | None = None
 
   def figures(self) -> dict[str, Figure]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
 
 
-# Measured on one H200 by tools/bench_train.py (BENCHMARKS.md, "End to end: the 1xH200
-# DeepSeek-V3 proxy", commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
+# Measured on one H200 by tools/bench_train.py (BENCHMARKS.md "End to end on one H200", its
+# calibration GEMM; commit 7dd98d6): dense bf16 GEMM 8192^3 at 648 TF/s (562-716 across runs).
 _H200_GEMM = Figure(648e12, "measured: dense bf16 GEMM 8192^3 on one H200, BENCHMARKS.md (7dd98d6)")
 _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/DGX), one direction")
 # Measured on 2xH200 (NVLink), jax 0.11.2, 0.47 GB per device, balanced: all_to_all 3 ms,
@@ -69,13 +74,28 @@ _IB_NDR = Figure(50 * GB, "datasheet: one 400 Gb/s NDR ConnectX-7 per GPU (HGX/D
 _A2A_H200 = Figure(150 * GB, "measured: jax.lax.all_to_all, 2xH200 NVLink, 0.47 GB/device")
 _RAGGED_H200 = Figure(5.3 * GB, "measured: jax.lax.ragged_all_to_all, 2xH200 NVLink, 0.47 GB/device")
 # What moe_fp8 costs end to end, on the scale of the bf16 rate above: what a step gains, not the kernels' rate
-# (820-915 TF/s alone promised 45 ms per step in session 13, where 6 came). The proxy's routed GEMMs take 219.5 ms
-# per step with our bf16 kernels (session 13's profile). Session 23 on one H200 (BENCHMARKS.md; bench_train.py
-# --variants ours,ours_fp8, 100 steps, the local dispatch moving e4m3 rows as uint32 words): 0.7666 -> 0.7086 s per
-# step, 58.0 ms saved, all of it charged to the routed GEMMs with the quantization passes FP8 adds.
+# (820-915 TF/s alone promised 45 ms per step on 2026-12-02, where 6 came). The proxy's routed GEMMs take 219.5 ms
+# per step with our bf16 kernels (its profile, tools/bench_train.py --profile). On one H200 at b891976 (2026-12-03;
+# bench_train.py --variants ours,ours_fp8, 100 steps, the local dispatch moving e4m3 rows as uint32 words;
+# BENCHMARKS.md "Planner accuracy"): 0.7666 -> 0.7086 s per step, 58.0 ms saved, all of it charged to the routed
+# GEMMs with the quantization passes FP8 adds.
 _H200_FP8_GROUPED = Figure(_H200_GEMM.value * 219.5 / (219.5 - 58.0), "measured: the routed GEMMs with their FP8 "
-                           "quantization at 1.36x our bf16 kernels on one H200 (the proxy step 1.082x, BENCHMARKS.md, "
-                           "session 23), on the dense bf16 rate's scale")
+                           "quantization at 1.36x our bf16 kernels on one H200 (the proxy step 1.082x, b891976; "
+                           "BENCHMARKS.md \"Planner accuracy\"), on the dense bf16 rate's scale")
+
+# Memory-bound work (every XLA fusion that is not a GEMM) at the rate XLA's own fusions reach on one H200:
+# bf16 x * 2 over [131072, K], 2 B read and 2 B written a value, 3.3 TB/s (tools/bench_quant.py's reference
+# pass, BENCHMARKS.md "FP8 kernels"); the datasheet's 4.8 TB/s HBM3e is a roof XLA's fusions do not reach.
+_H200_XLA_HBM = Figure(3.3e12, "measured: XLA's bf16 x * 2 over [131072, K] on one H200 (tools/bench_quant.py, "
+                       "BENCHMARKS.md FP8 kernels); datasheet 4.8 TB/s")
+_XLA_HBM_SHARE = 3.3 / 4.8
+# cuDNN flash attention in the 1xH200 proxy's step: 120.0 ms per step in its profile (BENCHMARKS.md, the op-by-op
+# table of ours against dense, efee304: `bench_train.py --variants ours,dense_equivalent --profile`, then
+# tools/diff_profiles.py) for the 47.83 TFLOP that schedule.attention_flops reads in the compiled step
+# (causal; batch 4, 128 heads, 4,096 tokens, Dqk 192, Dv 128; 7 forward and 4 backward calls).
+_H200_ATTENTION = Figure(47.83e12 / 0.1200, "measured: cuDNN flash attention in the 1xH200 proxy's profile, 120.0 ms "
+                         "per step for 47.83 TFLOP (causal, Dqk 192, Dv 128; BENCHMARKS.md, efee304)")
+_PCIE5 = Figure(64 * GB, "datasheet: PCIe Gen5 x16, 128 GB/s bidirectional (host offload's copies)")
 
 GPUS: dict[str, Gpu] = {
     "h100": Gpu(
@@ -87,6 +107,10 @@ GPUS: dict[str, Gpu] = {
         a2a_nvlink_bytes=Figure(150 * GB, "the H200's measured all_to_all (same NVLink 4)"),
         ragged_a2a_bytes=Figure(5.3 * GB, "the H200's measured ragged_all_to_all (same NVLink 4)"),
         fp8_grouped_flops=Figure(_H200_FP8_GROUPED.value, "the H200's measured moe_fp8 rate (same GH100 SMs and clocks)"),
+        hbm_bandwidth=Figure(3.35e12 * _XLA_HBM_SHARE, "not measured: datasheet 3.35 TB/s x the share of its datasheet "
+                             "the H200's XLA fusions reach (3.3 of 4.8 TB/s)"),
+        attention_flops=Figure(_H200_ATTENTION.value, "the H200's measured cuDNN attention rate (same GH100 SMs and clocks)"),
+        host_bytes=_PCIE5,
     ),
     "h200": Gpu(
         "H200 SXM 141 GB",
@@ -97,6 +121,9 @@ GPUS: dict[str, Gpu] = {
         a2a_nvlink_bytes=_A2A_H200,
         ragged_a2a_bytes=_RAGGED_H200,
         fp8_grouped_flops=_H200_FP8_GROUPED,
+        hbm_bandwidth=_H200_XLA_HBM,
+        attention_flops=_H200_ATTENTION,
+        host_bytes=_PCIE5,
     ),
     "b200": Gpu(
         "B200 180 GB",
@@ -104,6 +131,11 @@ GPUS: dict[str, Gpu] = {
         gemm_flops=Figure(2250e12 * 648 / 989, "not measured: datasheet 2,250 TF/s dense bf16 x the H200's measured/datasheet"),
         nvlink_bytes=Figure(900 * GB, "datasheet: NVLink 5, 1.8 TB/s bidirectional"),
         ib_bytes=_IB_NDR,
+        hbm_bandwidth=Figure(8e12 * _XLA_HBM_SHARE, "not measured: datasheet 8 TB/s x the share of its datasheet the "
+                             "H200's XLA fusions reach (3.3 of 4.8 TB/s)"),
+        attention_flops=Figure(_H200_ATTENTION.value * 2250 / 989, "not measured: the H200's cuDNN attention rate x "
+                               "the dense bf16 datasheets' ratio (2,250 / 989)"),
+        host_bytes=_PCIE5,
     ),
 }
 DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -146,25 +178,6 @@ def link_bytes(gpu: Gpu, kind: str, crosses_nodes: bool) -> Figure:
   return gpu.nvlink_bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class StepEstimate:
-  """Seconds per step and MaxText's TFLOP/s/device at that time."""
-
-  compute_s: float
-  collectives_s: float
-  flops_used: float
-  flops_from: str
-  fp8_flops: float = 0.0  # of flops_used, at the FP8 grouped-GEMM rate
-
-  @property
-  def step_s(self) -> float:
-    return self.compute_s + self.collectives_s
-
-  @property
-  def overlapped_s(self) -> float:
-    return max(self.compute_s, self.collectives_s)
-
-
 def _routed_forward_flops(config) -> float:
   """The routed experts' three GEMMs (wi_0, wi_1, wo) per device, forward only."""
   tokens = config.per_device_batch_size * config.max_target_length
@@ -197,7 +210,7 @@ def recompute_flops(config) -> tuple[float, str]:
   GEMMs when their up-projections (moe_mlpwi_0 and _1) are saved or offloaded:
   the backward then needs no expert GEMM again (wo's input is elementwise from
   them). Other policies save the matmul outputs: counted as no recompute.
-  The term the H200 honesty check found missing (BENCHMARKS.md, session 7).
+  The term the H200 honesty check found missing (tools/gpu_checks.sh plan-honesty; BENCHMARKS.md "Planner accuracy").
   """
   policy = getattr(config, "remat_policy", "full")
   tokens = config.per_device_batch_size * config.max_target_length
@@ -213,28 +226,3 @@ def recompute_flops(config) -> tuple[float, str]:
     flops -= _routed_forward_flops(config)
     note += ", less the routed experts' GEMMs (moe_mlpwi_0/1 kept)"
   return max(flops, 0.0), note
-
-
-def estimate_step(gpu: Gpu, model_flops: float, hlo_flops: float, collectives: list[dict],
-                  recompute: float = 0.0, recompute_note: str = "", fp8_flops: float = 0.0) -> StepEstimate:
-  """Compute at the GEMM rate plus each collective's wire bytes at its link's bandwidth.
-
-  FLOPs: the larger of MaxText's model count plus the remat policy's
-  recompute (`recompute_flops`), and the HLO's dots (recompute included, but
-  blind to custom kernels: our grouped GEMMs and cuDNN attention).
-  fp8_flops (moe_fp8: `routed_expert_flops`) of them run at the GPU's FP8
-  grouped-GEMM rate, the rest at the bf16 rate. FP8's quantization passes are
-  memory-bound and, like the other such kernels, not costed.
-  """
-  counted = model_flops + recompute
-  source = "MaxText's model count" + (f" + recompute ({recompute_note})" if recompute else "")
-  flops, source = (hlo_flops, "HLO dots") if hlo_flops > counted else (counted, source)
-  compute_s = flops / gpu.gemm_flops.value
-  if fp8_flops:
-    if gpu.fp8_grouped_flops is None:
-      raise ValueError(f"moe_fp8: no FP8 grouped-GEMM rate for the {gpu.name} (its kernel is Hopper's)")
-    fp8_flops = min(fp8_flops, flops)
-    compute_s = (flops - fp8_flops) / gpu.gemm_flops.value + fp8_flops / gpu.fp8_grouped_flops.value
-    source += f"; {fp8_flops / 1e12:.4g} T of it routed-expert GEMMs at the FP8 grouped rate (moe_fp8)"
-  comm = sum(row["wire_bytes"] / link_bytes(gpu, row["kind"], row["crosses_nodes"]).value for row in collectives)
-  return StepEstimate(compute_s, comm, flops, source, fp8_flops)

@@ -11,6 +11,11 @@ Walks the computations from ENTRY, multiplying by each while loop's
   hlo_dot_flops FLOPs of the dots and cuBLAS GEMM calls the HLO shows, per
                 device; kernels opaque to XLA (Mosaic GPU, cuDNN attention)
                 are not in it
+  pipeline_loops the while loops of upstream's pipeline: those whose body
+                (not a loop nested in it) permutes over the `stage` mesh axis;
+                each with its known trip count, its induction step (2 when XLA
+                double-buffered it), executions per step and the dot FLOPs
+                inside (MaxText/plan/bubble.py reads the bubble off them)
 Buffer bytes per kind, for a collective over n devices with result R bytes:
   all-gather R (gathered) wire R(n-1)/n;  reduce-scatter R*n, wire R(n-1);
   all-reduce R, wire 2R(n-1)/n;  all-to-all R, wire R(n-1)/n;
@@ -19,6 +24,12 @@ Buffer bytes per kind, for a collective over n devices with result R bytes:
 Replica groups name partition ids, which are positions in the jit's mesh
 (row-major over mesh_shape): a group's mesh axes are those its members'
 coordinates differ in; it crosses nodes when its members sit on two nodes.
+Inter-node bytes: the share of a device's wire bytes exchanged with members on
+other nodes, wire x (members on other nodes) / (n - 1), averaged over the
+groups' members; exact for an all-to-all (the blocks addressed to other nodes)
+and a permute (its pairs that cross), a flat ring's figure for the others. Two
+all-to-alls over subgroups of one mesh axis (a two-level dispatch: one between
+nodes, one inside them) are two rows of that axis, told apart by crosses_nodes.
 """
 
 from __future__ import annotations
@@ -116,6 +127,12 @@ def _called(instr: Instr) -> list[str]:
   return names
 
 
+def induction_step(instr: Instr) -> int:
+  """How far a while loop's induction variable moves a trip: 2 after XLA's double buffering unrolled it."""
+  match = re.search(r'"known_init_step":\{"init":"-?\d+","step":"(\d+)"', instr.attrs)
+  return int(match.group(1)) if match else 1
+
+
 def trip_count(instr: Instr) -> int | None:
   match = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
   return int(match.group(1)) if match else None
@@ -206,6 +223,15 @@ def _sizes(kind: str, result: float, n: int) -> tuple[float, float]:
   }[kind]
 
 
+def off_node_share(kind: str, groups: list[list[int]], nodes: list[int]) -> float:
+  """The share of a member's wire bytes exchanged with other nodes (see the module docstring)."""
+  node = lambda i: nodes[i] if i < len(nodes) else -1  # noqa: E731
+  if kind == "collective-permute":
+    return sum(node(a) != node(b) for a, b in groups) / len(groups) if groups else 0.0
+  shares = [sum(node(j) != node(i) for j in g) / (len(g) - 1) for g in groups if len(g) > 1 for i in g]
+  return sum(shares) / len(shares) if shares else 0.0
+
+
 def _dot_flops(instr: Instr, comp: Computation) -> float:
   out = arrays(instr.type_text)
   if not out:
@@ -222,14 +248,35 @@ def _dot_flops(instr: Instr, comp: Computation) -> float:
   return 2.0 * math.prod(out[0][1]) * k
 
 
+def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
+               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float] | None:
+  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes, wire bytes exchanged with other
+  nodes, per device) of one collective instruction (its -start for an async one); None for a group of one, which
+  moves nothing."""
+  kind = _kind(instr.opcode)
+  num_partitions = len(nodes)
+  groups = replica_groups(instr.attrs, num_partitions)
+  if groups is None:
+    notes.add(f"unreadable replica groups on {instr.opcode}: counted as all devices")
+    groups = [list(range(num_partitions))]
+  n = len(groups[0]) if kind != "collective-permute" else 2
+  if n <= 1 and kind != "collective-permute":
+    return None
+  axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
+  crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
+  buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
+  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes)
+
+
 def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[str, Any]:
   """Collectives and dot FLOPs of one execution of the module (see the module docstring)."""
   comps, entry = parse_module(text)
-  num_partitions = len(nodes)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
-      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "group_size": 0})
+      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
   flops = [0.0]
+  pipeline_loops: list[dict[str, Any]] = []
+  stage_axis = STAGE_AXIS if mesh_shape.get(STAGE_AXIS, 1) > 1 else None
 
   def visit(name: str, mult: int, depth: int = 0) -> None:
     comp = comps.get(name)
@@ -238,20 +285,15 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
     for instr in comp.instrs:
       kind = _kind(instr.opcode)
       if kind:
-        groups = replica_groups(instr.attrs, num_partitions)
-        if groups is None:
-          notes.add(f"unreadable replica groups on {instr.opcode}: counted as all devices")
-          groups = [list(range(num_partitions))]
-        n = len(groups[0]) if kind != "collective-permute" else 2
-        if n <= 1 and kind != "collective-permute":
+        described = collective(instr, mesh_shape, nodes, notes)
+        if described is None:
           continue  # a group of one moves nothing
-        axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
-        crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
-        buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
+        (kind, axes, crosses), n, buffer, wire, inter_node = described
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult
         row["wire_bytes"] += wire * mult
+        row["inter_node_bytes"] += inter_node * mult
         row["group_size"] = max(row["group_size"], n)
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult
@@ -260,7 +302,11 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
         if trips is None:
           notes.add("a while loop without a known trip count: its body counted once")
         for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
+          before = flops[0]
           visit(body, mult * (trips or 1), depth + 1)
+          if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
+            pipeline_loops.append({"trip_count": trips, "step": induction_step(instr), "count": mult,
+                                   "dot_flops": flops[0] - before})
         continue
       if instr.opcode == "conditional":
         notes.add("a conditional: every branch counted (an upper bound)")
@@ -272,7 +318,29 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
       {"kind": kind, "axes": list(axes), "crosses_nodes": crosses, **{k: v for k, v in row.items()}}
       for (kind, axes, crosses), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))
   ]
-  return {"collectives": collectives, "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes)}
+  return {"collectives": collectives, "inter_node_bytes": sum(r["inter_node_bytes"] for r in collectives),
+          "hlo_dot_flops": flops[0], "inventory_notes": sorted(notes), "pipeline_loops": pipeline_loops}
+
+
+# The mesh axis of upstream's pipeline stages (maxtext 0.2.5 configs/types.py: ici/dcn_pipeline_parallelism).
+STAGE_AXIS = "stage"
+
+
+def _permutes_over(comps: dict[str, Computation], name: str, axis: str, mesh_shape: dict[str, int],
+                   num_partitions: int, depth: int = 0) -> bool:
+  """Whether computation `name`, or one it calls other than a loop body, has a collective-permute over `axis`."""
+  comp = comps.get(name)
+  if comp is None or depth > 64:
+    return False
+  for instr in comp.instrs:
+    if _kind(instr.opcode) == "collective-permute":
+      groups = replica_groups(instr.attrs, num_partitions)
+      if groups and axis in group_axes(groups, mesh_shape):
+        return True
+    if instr.opcode != "while" and any(_permutes_over(comps, c, axis, mesh_shape, num_partitions, depth + 1)
+                                       for c in _called(instr)):
+      return True
+  return False
 
 
 def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:

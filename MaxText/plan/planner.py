@@ -3,6 +3,7 @@ estimated step time off the compiled program (`python -m MaxText.plan`, MaxText/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import aot, hardware
+from MaxText.plan import aot, bubble, hardware, schedule
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -24,7 +25,7 @@ HEARTBEAT_S = 30.0  # a line naming the compile's phase this often while the chi
 # How much lower a compile-only plan's memory has read than the same tree compiled on the GPU itself:
 # the 128 x H100 recipe, 65.55 GiB compile-only against 71.11 GiB mocked on an H200 scheduled against the
 # H100's memory (+8.5%), 1,024 x H100 +6.8%, the 128 x H200 recipe +7.0%, the 1-GPU proxy +0.4%
-# (2026-12-01, BENCHMARKS.md sessions 9-10). A compile-only verdict inside this margin is marginal.
+# (2026-12-01; BENCHMARKS.md "Compile proofs (mocked topology)"). A compile-only verdict inside this margin is marginal.
 COMPILE_ONLY_SHORTFALL = 0.09
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -60,12 +61,9 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
     out["moe_gmm_backend"] = "xla"  # GPU kernels; xla is the CPU stand-in
   if up.get("use_tokamax_gmm"):
     out["use_tokamax_gmm"] = False
-  ici, dcn = launch.mesh_axes(up, "ici_"), launch.mesh_axes(up, "dcn_")
-  for key, value in dcn.items():
-    if value > 1:  # one CPU "slice": node boundaries come from gpus_per_node instead
-      ici_key = "ici_" + key[len("dcn_"):]
-      out[ici_key] = ici[ici_key] * value
-      out[key] = 1
+  # dcn_* axes stay: plan() names num_slices, and patches/cpu_slices.py makes each gpus_per_node consecutive
+  # simulated devices a node, so the mesh is laid out as on the cluster (DCN-major axes, a two-level dispatch's
+  # node groups where they will be).
   return {k: v for k, v in out.items() if up.get(k) != v}
 
 
@@ -188,7 +186,7 @@ def analytic_cross_check(run: fork_config.RunConfig, num_gpus: int) -> dict[str,
   return {"device_total_bytes": est.device_total, "host_offloaded_bytes": est.host_offloaded, "lines": lines}
 
 
-def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
+def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> dict[str, Any]:
   """The plan as data: what was compiled, memory, verdict, collectives, estimate, constants."""
   from MaxText import train  # pylint: disable=import-outside-toplevel
 
@@ -196,9 +194,16 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   gpu = hardware.GPUS[gpu_key]
   prepared_env = train.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
-  fp8_flops = child.get("routed_expert_flops", 0.0) if run.fork.moe_fp8 != "none" else 0.0
-  est = hardware.estimate_step(gpu, child["model_tflops_per_device"] * 1e12, child["hlo_dot_flops"], child["collectives"],
-                               child.get("recompute_flops", 0.0), child.get("recompute_note", ""), fp8_flops)
+  model_flops, recompute = child["model_tflops_per_device"] * 1e12, child.get("recompute_flops", 0.0)
+  # The walk runs upstream's pipeline loop by its trip count, the bubble's iterations included (every stage computes
+  # at every iteration): the bubble is inside the path, and the term the schedule would add on top stays 0.
+  # MaxText/plan/bubble.py reports it, checked against the compiled loop.
+  bubble_fraction = 0.0
+  terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
+                            counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
+                            bubble_fraction=bubble_fraction)
+  pipeline = bubble.report(child.get("pipeline_schedule"), child.get("pipeline_loops", []),
+                           child.get("hlo_dot_flops", 0.0), terms.path_s, child.get("pipelined_layers_share", 1.0))
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -209,6 +214,7 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
   for row in child["collectives"]:
     row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
     row["seconds"] = row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value
+    row["exposed_s"] = terms.rows.get((row["kind"], tuple(row["axes"]), row["crosses_nodes"]), [0.0, 0.0])[1]
   constants = {f"{gpu_key}.{k}": {"value": f.value, "source": f.source} for k, f in gpu.figures().items()}
   constants["mem_fraction"] = {"value": fraction.value, "source": fraction.source}
   return {
@@ -218,15 +224,11 @@ def build_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any]:
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
-      "collectives": child["collectives"], "inventory_notes": child["inventory_notes"],
+      "collectives": child["collectives"], "inter_node_bytes": child.get("inter_node_bytes", 0.0),
+      "inventory_notes": child["inventory_notes"],
       "largest_buffers": child.get("largest_buffers", []),
-      "estimate": {
-          "compute_s": est.compute_s, "collectives_s": est.collectives_s, "step_s": est.step_s,
-          "overlapped_step_s": est.overlapped_s, "flops_per_device": est.flops_used, "flops_from": est.flops_from,
-          "model_tflops_per_device": child["model_tflops_per_device"], "hlo_dot_flops": child["hlo_dot_flops"],
-          "recompute_flops": child.get("recompute_flops", 0.0), "fp8_flops": est.fp8_flops,
-          "tflops_per_gpu": child["model_tflops_per_device"] / est.step_s if est.step_s else None,
-      },
+      "pipeline": pipeline,
+      "estimate": schedule.report(terms, model_flops, recompute, bubble_fraction),
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
   }
 
@@ -292,19 +294,27 @@ def print_report(r: dict[str, Any]) -> None:
     for b in r["largest_buffers"]:
       print(f"    {b['size']:>10} {b['values']:4d} values  {b['shapes'][:150]}")
   print("\ncollectives per step (per device):")
-  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'count':>7s} {'bytes':>12s} {'wire':>12s} {'est ms':>8s}")
+  print(f"  {'kind':19s} {'axes':18s} {'link':6s} {'group':>5s} {'count':>7s} {'bytes':>12s} {'wire':>12s} "
+        f"{'inter-node':>12s} {'est ms':>8s} {'exposed':>8s}")
   for c in r["collectives"]:
-    print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['count']:7d} "
-          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {c['seconds'] * 1e3:8.3f}")
+    print(f"  {c['kind']:19s} {','.join(c['axes']) or '-':18s} {c['link']:6s} {c['group_size']:5d} {c['count']:7d} "
+          f"{_gib(c['bytes'])} {_gib(c['wire_bytes'])} {_gib(c.get('inter_node_bytes', 0.0))} "
+          f"{c['seconds'] * 1e3:8.3f} {c['exposed_s'] * 1e3:8.3f}")
+  print(f"  inter-node bytes per step per device: {_gib(r.get('inter_node_bytes', 0.0)).strip()} (hlo_inventory.py: "
+        "what a device exchanges with other nodes)")
   for note in r["inventory_notes"]:
     print(f"  note: {note}")
-  e = r["estimate"]
-  print(f"\nestimate: step {e['step_s'] * 1e3:.2f} ms (compute {e['compute_s'] * 1e3:.2f} + collectives "
-        f"{e['collectives_s'] * 1e3:.2f}, none overlapped; fully overlapped {e['overlapped_step_s'] * 1e3:.2f} ms)")
-  print(f"  FLOPs/device {e['flops_per_device'] / 1e12:.4g} T from {e['flops_from']} (model "
-        f"{e['model_tflops_per_device']:.4g} T, recompute {e['recompute_flops'] / 1e12:.4g} T, "
-        f"HLO dots {e['hlo_dot_flops'] / 1e12:.4g} T)")
-  print(f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}")
+  p = r.get("pipeline")
+  if p:
+    print(f"\npipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} microbatches: "
+          f"{p['iterations']} iterations, bubble {p['bubble_fraction']:.1%} (delay x (stages - 1) / iterations)")
+    print(f"  compiled pipeline loops ({len(p['compiled_loops'])}): {'agree' if p['agrees'] else 'DISAGREE'}"
+          f"{' (' + p['note'] + ')' if p['note'] else ''}; pipelined share of the compute "
+          f"{p['pipelined_share']:.1%} ({p['pipelined_share_from']}); bubble {p['bubble_s'] * 1e3:.3f} ms of the step "
+          "(in the path: the loop runs its iterations)")
+  print()
+  for line in schedule.report_lines(r["estimate"]):
+    print(line)
   print("constants:")
   for k, c in r["constants"].items():
     print(f"  {k:28s} {c['value']:.4g}  ({c['source']})")
@@ -336,15 +346,20 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
 
     log(f"not compiling for compile-only {run.fork.target_gpu} devices: {gpu_target.unavailable_reason(run.fork.target_gpu)}")
   substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, lambda _: {})(run)
-  if topology.compiles_for_gpu and topology.nodes > 1 and "num_slices" not in run.explicit:
-    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none.
+  if topology.nodes > 1 and "num_slices" not in run.explicit:
+    # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none
+    # (and simulated CPU devices, which have none, are grouped into nodes by patches/cpu_slices.py).
     substitutes["num_slices"] = topology.nodes
   child_args = [*args, f"recipe_num_gpus={num_gpus}", *(f"{k}={json.dumps(v)}" for k, v in substitutes.items())]
   where = {"gpu_target": f"compile-only {topology.target_gpu} devices, no GPU used",
            "gpu": f"this machine's GPU, mock {topology.mock_spec}" if topology.mock_spec else "this machine's GPU",
            "cpu": "simulated CPU devices"}[topology.platform]
   log(f"compiling for {num_gpus} devices on {where}")
-  child = compile_in_child(child_args, topology, timeout_s, hlo_path, mock_memory_limit(run, topology), heartbeat_s)
+  with tempfile.TemporaryDirectory(prefix="maxtext-plan-hlo-") as kept:  # the estimate reads the scheduled HLO
+    step_hlo = Path(hlo_path or Path(kept, "step.hlo"))
+    child = compile_in_child(child_args, topology, timeout_s, str(step_hlo), mock_memory_limit(run, topology),
+                             heartbeat_s)
+    hlo_text = step_hlo.read_text() if step_hlo.exists() else ""
   if "config_error" in child:
     raise fork_config.ConfigError(child["config_error"])
   if "compile_error" in child:
@@ -352,4 +367,4 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
     raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
   if child.get("lowered_only"):
     return lowered_report(run, num_gpus, topology, child, substitutes)
-  return build_report(run, num_gpus, topology, child, substitutes)
+  return build_report(run, num_gpus, topology, child, substitutes, hlo_text)

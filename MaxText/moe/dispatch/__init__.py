@@ -31,6 +31,7 @@ Backend = Literal[
     "ring",  # ring-of-experts EP: all-gather tokens, local experts, reduce-scatter (runs on CPU)
     "ragged_a2a",  # EP via XLA ragged_all_to_all (GPU only; slow on H200, see a2a_padded)
     "a2a_padded",  # EP via counts all_to_all, then fixed-size all_to_all buffers (overflow checked)
+    "hierarchical",  # EP over nodes: one copy per (token, node) over the node axis, then a2a_padded inside the node
     "te_ncclep",  # EP via Transformer Engine's ep_dispatch/ep_combine (needs TE)
 ]
 BACKENDS: tuple[str, ...] = get_args(Backend)

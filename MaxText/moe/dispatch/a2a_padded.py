@@ -2,7 +2,7 @@
 
 Why not ragged_all_to_all: on 2xH200 (jax 0.11.2) it moved 0.47 GB per device
 in 88 ms (5.3 GB/s) while all_to_all of the same bytes took 3 ms (~150 GB/s);
-see UPSTREAM_SEAMS.md. all_to_all also runs on XLA:CPU, so this is tested in CI.
+BENCHMARKS.md "Dispatch and expert parallelism". all_to_all also runs on XLA:CPU, so this is tested in CI.
 
 Inside `shard_map` over the expert axis (n shards, E_l = E/n experts each):
 

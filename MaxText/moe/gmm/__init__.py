@@ -158,8 +158,8 @@ def _fp8_rhs_kw(rhs_blocks) -> dict:
 def _gmm_fwd(lhs_MK, lhs_tiles, rhs_GKN, group_sizes_G, group_offset, static: _Static):
   # FP8 backends: the weight's blocks, quantized once for the forward and kept for dlhs, which multiplies the
   # same 128x128 blocks transposed and had quantized the bf16 weight again (the expert FFN 24.70 -> 24.01 ms on
-  # the H200, BENCHMARKS.md session 25). The residual is the e4m3 copy dlhs reads, half the weight's bytes: not
-  # the forward's transposed one, which `quantize_weight` may have written beside it.
+  # the H200, tools/bench_gmm.py --ffn-only, 2026-12-04). The residual is the e4m3 copy dlhs reads, half the
+  # weight's bytes: not the forward's transposed one, which `quantize_weight` may have written beside it.
   backend = _import_backend(static.backend)
   rhs_blocks = backend.quantize_weight(rhs_GKN) if static.backend in FP8_BACKENDS else None
   out_MN = backend.gmm(
@@ -276,7 +276,7 @@ def gmm(
       output; the combine's cotangent). FP8 backends leave those to XLA's quantization, which fuses the
       gather and reads the compact token rows (each routed k times), wherever they are quantized (the
       forward's lhs, dlhs's dout, dW's operands), and quantize the others, materialized rows, in one pass
-      (`mgpu_fp8_quant`). dW requantizes lhs from lhs_tiles where given, in one pass. No effect on the values.
+      (`mgpu/fp8_quant_kernels.py`). dW requantizes lhs from lhs_tiles where given, in one pass. No effect on the values.
 
   Returns:
     out_MN: [M, N]; zero in rows outside the local groups.

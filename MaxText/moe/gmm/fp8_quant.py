@@ -6,15 +6,15 @@
 A value is stored as q = x * (1 / s) in float8_e4m3fn with s = amax(tile) / 448 (448: e4m3's largest
 finite value), so each tile uses the format's whole range and an outlier spoils only its own
 128 values. One f32 reciprocal per tile, then a product per value, which the one-pass kernels
-(mgpu_fp8_quant.py) compute exactly: an f32 division per value is a multi-instruction sequence on a
+(mgpu/fp8_quant_kernels.py) compute exactly: an f32 division per value is a multi-instruction sequence on a
 GPU. Measured on the H200 at the proxy's shapes, the kernels ran 1.00-1.05x faster than dividing, with
-the same e4m3 bytes there (tools/bench_quant.py, BENCHMARKS.md session 25): the division was not what
+the same e4m3 bytes there (tools/bench_quant.py; BENCHMARKS.md "FP8 kernels"): the division was not what
 limits them. The GEMM multiplies e4m3 products exactly into an f32 partial sum per 128 of the
 contraction and applies s_row * s_block to it before adding it to the f32 accumulator:
 DeepSeek's promotion interval (N_C = 128), one scale pair per partial.
 
 Scales are float32. Row-tile scales are stored transposed, [K/128, M]: the kernel loads one
-contiguous row of block_m scales per 128-column step (`mgpu_fp8.py`). An all-zero tile gets
+contiguous row of block_m scales per 128-column step (`mgpu/fp8.py`). An all-zero tile gets
 scale 1 (its q is zero either way), never 0 or NaN.
 """
 
@@ -62,8 +62,8 @@ def kept(quantized):
   Under jit, XLA's GPU pipeline drops an f32 -> e4m3 -> f32 convert pair as "excess precision"
   (SimplifyFPConversions, on by default through xla_allow_excess_precision): quantize-then-dequantize
   lost its e4m3 rounding, and xla_fp8 on a GPU multiplied the unquantized values (the self-test's FP8
-  reference, 3.7e-2 from mgpu_fp8, session 13). The barrier keeps the rounding. Only the emulation
-  needs it: the kernels take the e4m3 arrays themselves, and the FP8 dispatch's tiles come from
+  reference, 3.7e-2 from mgpu_fp8: tools/gpu_selftest.py on the H200, 2026-12-02). The barrier keeps the
+  rounding. Only the emulation needs it: the kernels take the e4m3 arrays themselves, and the FP8 dispatch's tiles come from
   memory. There it would cost a copy: the moved tiles' e4m3 bytes sliced out of the exchanged
   buffer, 0.9 GiB more on the 1-GPU proxy's compiled step."""
   return jax.lax.optimization_barrier(quantized)
@@ -205,7 +205,7 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: GroupBlocks) -> tuple[jax
   block. Gap rows are zeros (scale 1 where a whole block is empty).
 
   Blocks, not one [K, P] transpose: XLA writes this layout in the quantizing pass itself, and made
-  [K, P] from it with a second pass over the e4m3 bytes (session 13's compiled HLO; one read and
+  [K, P] from it with a second pass over the e4m3 bytes (the compiled HLO of the H200 step; one read and
   one write of every byte, dW's operands being 20,480 columns per MoE layer). The dW kernel reads a
   block's [128, 128] tile as one contiguous 16 KiB TMA box."""
   rows_PK = jnp.take(x_MK, layout.src_P, axis=0, mode="fill", fill_value=0)

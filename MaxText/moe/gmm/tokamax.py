@@ -3,7 +3,8 @@
 On Hopper tokamax runs its Pallas Mosaic GPU kernels: the plain layout for the
 forward, the transposed-rhs layout for dlhs (tokamax transposes the weights
 itself) and its ragged-contracting kernel for dW. Measured on H200 at
-DeepSeek-V3 expert shapes: 272-281 TF/s up-proj, 293-307 down-proj (issue 6).
+DeepSeek-V3 expert shapes: 272-281 TF/s up-proj, 293-307 down-proj (tools/bench_gmm.py, 2026-11-30;
+BENCHMARKS.md "Grouped GEMM (bf16)" has it against ours).
 tokamax has no group_offset on GPU, so ring EP goes through _rows's row window.
 Shapes the kernels cannot take (K=8, N=6, M=37...) are zero-padded by _pad (see _align).
 """

@@ -3,8 +3,8 @@
 On CPU, JAX lowers ragged_dot by expanding the ragged operand to one masked
 dense copy per group ([G, M, K]); that is fine at CI sizes and is why this is
 not the GPU default (ragged_dot measured 23 TF/s on H200 against 272-281 for
-tokamax, issue 6). Accumulation is always float32; the result is cast to
-out_dtype afterwards.
+tokamax: tools/bench_gmm.py; BENCHMARKS.md "Grouped GEMM (bf16)"). Accumulation is
+always float32; the result is cast to out_dtype afterwards.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Grouped-GEMM backend "mgpu": Pallas Mosaic-GPU kernels for Hopper (see GMM protocol in
 `MaxText/moe/gmm/__init__.py`).
 
-  gmm  -> `mgpu_kernels.grouped_matmul` (warp-specialized, work-table scheduled, zero-fills
+  gmm  -> `kernels.grouped_matmul` (warp-specialized, work-table scheduled, zero-fills
           rows outside the local groups, rhs optionally transposed for dlhs), or with
-          `FwdTiling.pingpong` -> `mgpu_pingpong.grouped_matmul_pingpong` (the same contract,
-          compute warpgroups on alternate tiles; off: slower on the H200, BENCHMARKS run 7)
-  tgmm -> `mgpu_tgmm.transposed_grouped_matmul` (dW over the local groups only)
+          `FwdTiling.pingpong` -> `pingpong.grouped_matmul_pingpong` (the same contract,
+          compute warpgroups on alternate tiles; off: slower on the H200, docs/kernels.md, "Tried, and why it did not help")
+  tgmm -> `tgmm.transposed_grouped_matmul` (dW over the local groups only)
 
-Tilings come from `mgpu_tiling.TABLE`, keyed by the per-group product's (K, N).
+Tilings come from `tiling.TABLE`, keyed by the per-group product's (K, N).
 `jax_ragged_dot` / `jax_transposed_ragged_dot` expose JAX's own kernels with the same
 tilings, as the baseline `tools/bench_gmm.py` measures ours against.
 

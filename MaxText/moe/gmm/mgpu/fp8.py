@@ -21,7 +21,8 @@ the same work table, ZERO rows written as zeros) with what e4m3 needs:
   scales are one contiguous row for TMA; rhs_scale is read as a scalar, a step ahead of its use.
 
 Shapes: K and N multiples of 128, M of 8 (TMA rows). DeepSeek-V3's expert shapes need no
-padding. Measured on the H200 (BENCHMARKS.md, sessions 11 and 18).
+padding. Measured on the H200 by tools/bench_fp8.py (BENCHMARKS.md "FP8 kernels"); the designs
+tried and dropped: docs/kernels.md, "Tried, and why it did not help".
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ class Fp8Tiling:
   stages: int = 4
   # A multiple of 128 B per row (mgpu_tiling.check_epilogue_rows).
   epi_n: int = 64
-  # Measured on the H200 (BENCHMARKS.md, session 13): a band of 16 column tiles was +3% on the balanced
-  # cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the previous step's partial while this step's
-  # wgmma ran (a third 64x128 f32 array in registers) was 7-11% slower on every case and was removed.
+  # Measured on the H200 (tools/bench_fp8.py --tilings; docs/kernels.md, "Tried, and why it did not help"): a
+  # band of 16 column tiles was +3% on the balanced cases and -1 to -4% on Zipf-1.2, so 4 stays. Promoting the
+  # previous step's partial while this step's wgmma ran (a third 64x128 f32 array in registers) was 7-11% slower
+  # on every case and was removed.
   # A 128x256 tile (each warpgroup multiplying two 128-column weight blocks one after the other into the
-  # same partial, 4 stages) was 4-12% slower on every case (session 16) and was removed.
+  # same partial, 4 stages) was 4-12% slower on every case and was removed.
   grid_block_n: int = 4
-  # Loading each weight scale two steps ahead instead of one was 1-6% slower on every case (session 18), and
-  # was removed.
+  # Loading each weight scale two steps ahead instead of one was 1-6% slower on every case, and was removed.
   # A diagnostic, never a product setting (bench_fp8.py --tilings promote=0): False drops DeepSeek-V3's promotion.
   # The wgmmas accumulate the whole contraction in one f32 accumulator, unscaled, as a per-tensor FP8 GEMM does, on
   # the same tiles, stages and loads. Its values are wrong by design. Its time is the kernel's data path (TMA,
@@ -69,12 +70,12 @@ class Fp8Tiling:
   promote: bool = True
   # Issuing the compute warpgroups' wgmmas in turn (a ring of barriers: wait for the turn, issue, hand it on before
   # the wgmma's wait), so that their MMAs finish apart and each promotion runs under the others' MMAs, was 5-12%
-  # slower on every case (session 20, ab3ae0d) and was removed: three barrier hand-offs per step cost more than the
+  # slower on every case (ab3ae0d) and was removed: three barrier hand-offs per step cost more than the
   # promotions they would hide.
 
   # Three compute warpgroups of 64 rows. A warpgroup's tensor-core work stops from its wgmma wait to its
   # next MMA (the promotion, the stage barrier): with two, the other's one MMA must cover that; with three,
-  # two others' do. Against two (128-row tiles, 5 stages), measured on the H200 (session 18): -10% on the
+  # two others' do. Against two (128-row tiles, 5 stages), measured on the H200 (tools/bench_fp8.py): -10% on the
   # up-projection (0.71 -> 0.79 of dense FP8), -6% on the down-projection balanced, equal on its Zipf-1.2
   # case; the two-warpgroup option was removed. Four would leave (512 - 24) / 4 -> 120 registers per
   # thread, less than the running sum and the partial (128).
@@ -87,7 +88,7 @@ class Fp8Tiling:
   memory_registers = 24
   # Clusters of two SMs on neighbouring column tiles, each loading half of every lhs slot (and its row scales)
   # and multicasting it to both (12 + 16 KiB per SM per step instead of 24 + 16), were 2-4% slower on every case
-  # (session 19, c5910b3) and were removed: the L2 fill rate is not what limits a tile.
+  # (c5910b3) and were removed: the L2 fill rate is not what limits a tile.
 
   def smem_bytes(self, out_itemsize: int) -> int:
     """Our buffers plus what Mosaic GPU adds (barriers, alignment)."""
@@ -199,7 +200,7 @@ def grouped_matmul_fp8(lhs_q_MK, lhs_scale_KbM, rhs_q_GNK, rhs_scale_GNbKb, tabl
 
             # This step's weight scale came with the carry; the next step's is loaded from global memory
             # now, a whole step before its use. Loaded in the step that uses it, the SASS consumed it
-            # right after the wgmma's wait, and the tile was 4% slower (BENCHMARKS.md, session 16).
+            # right after the wgmma's wait, and the tile was 4% slower (tools/bench_fp8.py on the H200, 2026-12-02).
             # The row scales are read from the stage before the MMA, not after its wait, for the same reason.
             acc, w_scale = carry
             w_scale_next = rhs_scale_Kb[jnp.minimum(ki + 1, k_steps - 1)]
@@ -266,7 +267,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
   (the FP8 dispatch moved lhs already quantized) the kernel reads those and lhs_MK only gives the shape.
   lhs_gathered: lhs is a gather of token rows (tgmm's `gathered`), quantized by XLA through the gather;
   otherwise it is materialized rows, quantized in one pass (`mgpu_fp8_quant.quantize_row_tiles`, the same
-  bytes: 0.36 against XLA's 0.82 ms at 65,536 x 7,168 on the H200, session 21). rhs_blocks: rhs already
+  bytes: 0.36 against XLA's 0.82 ms at 65,536 x 7,168 on the H200; BENCHMARKS.md "FP8 kernels"). rhs_blocks: rhs already
   quantized (`quantize_weight(rhs)`: the forward's, which dlhs reuses), else quantized here."""
   out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
   tiling = tiling.fit_output(out_dtype.itemsize)
@@ -297,7 +298,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 def quantize_weight(rhs_GKN) -> fp8_quant.WeightBlocks:
   """The weight's blocks, once for the forward and dlhs (gmm's custom VJP), in both layouts from one pass over the
   bf16 weight (`mgpu_fp8_quant.quantize_weight_blocks_both`), where XLA's amax, quantize and transpose read it
-  twice and the e4m3 blocks once more (the expert FFN's compiled HLO, session 25)."""
+  twice and the e4m3 blocks once more (the expert FFN's compiled HLO, tools/hlo_ffn_fp8.py)."""
   q_GKN, q_GNK, scale_GKbNb = mgpu_fp8_quant.quantize_weight_blocks_both(fp8_quant.pad_weight(rhs_GKN))
   return fp8_quant.WeightBlocks(q_GKN, scale_GKbNb, q_GNK)
 

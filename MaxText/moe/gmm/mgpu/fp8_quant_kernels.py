@@ -5,8 +5,8 @@ multiples of 128 (`fp8_quant.group_blocks`), quantized in 128x1 tiles along the 
 128-row block stored transposed, [P/128, K, 128]. XLA compiles it to two fusions, each reading
 every row: a column reduction (the tiles' amax) and the transposing quantize. Measured on the
 H200 at M = 65,536, K = 7,168: 1.10 ms, where a plain bf16 copy of x takes 0.57 ms; this kernel
-0.456 ms (3.1 TB/s of reads and writes), and 0.150 against 0.325 ms at K = 2,048 (session 14,
-BENCHMARKS.md). Which operands it takes in a step is mgpu_fp8_tgmm.tgmm's `gathered`.
+0.456 ms (3.1 TB/s of reads and writes), and 0.150 against 0.325 ms at K = 2,048 (tools/bench_fp8.py;
+BENCHMARKS.md "FP8 kernels"). Which operands it takes in a step is `fp8_tgmm.tgmm`'s `gathered`.
 
 This kernel reads each [128 rows, 128 columns] tile once: TMA brings it into shared memory, one
 warpgroup takes its columns' amax over the block's valid rows, scales, converts to e4m3 and
@@ -35,7 +35,8 @@ from MaxText.moe.gmm.mgpu import kernels as mgpu_kernels
 
 BLOCK = fp8_quant.BLOCK
 # Column tiles per block of the grid: each block pipelines this many tiles of one 128-row block.
-# Measured on the H200 (session 14): 4, 8 and 16 within 2% at K = 7,168; 16 was 12% slower at 2,048.
+# Measured on the H200 (a scratch A/B, 2026-12-02; docs/kernels.md, "Tried, and why it did not help"): 4, 8 and 16
+# within 2% at K = 7,168; 16 was 12% slower at 2,048.
 CHUNK = 8
 STAGES = 2
 
@@ -56,7 +57,7 @@ def quantize_group_row_blocks(x_MK: jax.Array, layout: fp8_quant.GroupBlocks) ->
 
 # A jit of its own: wi_0's and wi_1's dW requantize the same tiles, and only one traced kernel (one Mosaic module)
 # lets XLA merge the two calls. Each call site's own trace gave two modules that differ in their source locations,
-# and the compiled proxy step ran the kernel twice per layer (compile-only HLO, session 21).
+# and the compiled proxy step ran the kernel twice per layer (the compile-only H200 HLO of the 1-GPU proxy).
 @functools.partial(jax.jit, static_argnums=2)
 def requantize_group_row_blocks(tiles: fp8_quant.RowTiles, layout: fp8_quant.GroupBlocks,
                                 dtype) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +75,7 @@ def requantize_group_row_blocks(tiles: fp8_quant.RowTiles, layout: fp8_quant.Gro
 # The tile scales' box: a block's 128 rows x 8 columns of the row-major [M, K'/128] scales (32 B a row). A box of
 # the transposed [K'/128, M] scales would start at the block's first row in its minor dimension, any row, and a
 # TMA box whose start there is not 16-byte aligned stopped the H200 with CUDA_ERROR_ILLEGAL_INSTRUCTION (a group
-# from row 501, session 21). Rows are the major dimension here: any start is fine, as for x's own box.
+# from row 501, 2026-12-03). Rows are the major dimension here: any start is fine, as for x's own box.
 SCALE_COLS = 8
 
 
@@ -150,8 +151,9 @@ def _group_row_blocks(x_MK, scale_MKb, layout: fp8_quant.GroupBlocks, value_dtyp
 # --- 1x128 row tiles (the forward's and dlhs's lhs) ---
 #
 # `fp8_quant.quantize_row_tiles` in one pass: XLA reads x twice (the tiles' amax, then the quantize), 0.81 ms at
-# M = 65,536, K = 7,168 and 0.24 ms at K = 2,048 on the H200 (session 20), where the column kernel above moves the
-# same bytes in 0.46 and 0.15. Each [128 rows, 128 columns] tile is loaded once by TMA; one warpgroup takes each
+# M = 65,536, K = 7,168 and 0.24 ms at K = 2,048 on the H200 (tools/bench_fp8.py; BENCHMARKS.md "FP8 kernels"),
+# where the column kernel above moves the same bytes in 0.46 and 0.15. Each [128 rows, 128 columns] tile is
+# loaded once by TMA; one warpgroup takes each
 # row's amax (a row of the WGMMA register layout lives in four threads of a quad: a cross-lane max), scales,
 # converts to e4m3 and writes the tile back unchanged in shape, with its 128 row scales as one row of scale_KbM.
 # Row blocks start at multiples of 128; the last one's box runs past M, where TMA reads zeros (scale 1) and
@@ -210,13 +212,13 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
 #
 # `fp8_quant.quantize_weight_blocks` and the forward's transposed copy, in one pass. XLA compiles the pair to an
 # amax pass over the bf16 weight, a quantizing pass that reads it again, and a transpose of the e4m3 blocks (the
-# FFN's compiled HLO, session 25): per weight 2 + 3 + 2 bytes a value, where this reads 2 and writes 2. Each
+# FFN's compiled HLO, tools/hlo_ffn_fp8.py): per weight 2 + 3 + 2 bytes a value, where this reads 2 and writes 2. Each
 # [128, 128] block is loaded once by TMA; one warpgroup takes its amax (each row's, then the rows' across warps),
-# scales, converts, and stores the block as is and transposed. mgpu_fp8.quantize_weight calls it for the forward.
+# scales, converts, and stores the block as is and transposed. `fp8.quantize_weight` calls it for the forward.
 #
 # One shared-memory buffer per output layout: a tile's stores wait for the previous tile's to have read it. Two
 # (129 KB a grid block, one block per SM) ran at 3.0 TB/s; one (97 KB, two blocks per SM) at 3.8 TB/s, 1.85x XLA's
-# passes, on the H200 at DeepSeek-V3's shapes (tools/bench_quant.py, BENCHMARKS.md session 26). Four column blocks
+# passes, on the H200 at DeepSeek-V3's shapes (tools/bench_quant.py; BENCHMARKS.md "FP8 kernels"). Four column blocks
 # per grid block measured 3-5% faster than eight.
 WEIGHT_CHUNK = 4
 

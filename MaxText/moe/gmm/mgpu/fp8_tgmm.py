@@ -9,33 +9,34 @@ contraction-major. So
       (lhs_q[b, k, :] . dout_q[b, n, :]) * lhs_scale[b, k] * dout_scale[b, n]
 
 and each step's partial is promoted with an outer product of two scale vectors: one value per
-output row (k), one per output column (n). The structure is `mgpu_fp8.grouped_matmul_fp8`'s: a
+output row (k), one per output column (n). The structure is `fp8.grouped_matmul_fp8`'s: a
 TMA warpgroup and three wgmma warpgroups per SM, an output tile of 192 x 128 whose rows the three
 warpgroups split (64 each), a fresh f32 partial per 128-row step, the scales pipelined beside
 the operands. A tile's step count is its group's block count (none for an empty group: zeros).
 K is rarely a multiple of 192 (7,168 and 2,048 are not), so the last row tile is shifted back to end
 at K: it computes again the rows the tile before it has (1.8% more MMAs at K = 7,168, 3% at 2,048) and
 stores only the others, whole warpgroups' rows since K and 192 are multiples of 64.
-Against two warpgroups on 128 x 128 tiles, measured on the H200 (session 20, ab3ae0d): 8-9% faster on
-every case (up balanced 2.445 -> 2.240 ms), the forward's session-18 change. Issuing the warpgroups' wgmmas
-in turn around a ring of barriers was 3-6% slower, on two warpgroups or three, and was removed.
-2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (session 19, c5910b3), about the spread
+Against two warpgroups on 128 x 128 tiles, measured on the H200 (tools/bench_fp8.py, ab3ae0d): 8-9% faster on
+every case (up balanced 2.445 -> 2.240 ms), the same change as the forward's three warpgroups. Issuing the
+warpgroups' wgmmas in turn around a ring of barriers was 3-6% slower, on two warpgroups or three, and was removed.
+2-SM clusters sharing the lhs blocks by multicast were 0-2.5% faster (c5910b3), about the spread
 between runs: not kept, for the six warpgroups a cluster must co-schedule (and its tests' own processes).
+Both are in docs/kernels.md, "Tried, and why it did not help".
 
-One pipeline runs through all of an SM's tiles (session 27): the memory warpgroup loads the SM's next tile
+One pipeline runs through all of an SM's tiles: the memory warpgroup loads the SM's next tile
 while the compute warpgroups finish this one and store it. The ring's barriers are the ping-pong kernel's
-(`mgpu_pingpong`): `full[s]` counts slot s's four loads, `empty[s]` the three compute warpgroups' releases, and
+(`pingpong.py`): `full[s]` counts slot s's four loads, `empty[s]` the three compute warpgroups' releases, and
 each compute warpgroup releases a slot as soon as it has read it (before its promotion). JAX's
 `emit_pipeline_warp_specialized` ran one pipeline per tile, which drains at the tile's end and fills again at
 the next (its `pipeline_state` chaining needs a static step count). The compute warpgroups also start in
 turn, each once the one before has finished its first MMA. Measured on the H200 against the per-tile
-pipelines, bit for bit the same output: 1.01-1.05x (session 27, BENCHMARKS.md).
+pipelines, bit for bit the same output: 1.01-1.05x (an A/B in one process, 227d6f6, 2026-12-04).
 
-What limits it (session 27): a step takes about the three warpgroups' MMAs (768 cycles at the FP8 peak) plus
+What limits it (BENCHMARKS.md "FP8 kernels"; docs/kernels.md, "FP8 dW"): a step takes about the three warpgroups' MMAs (768 cycles at the FP8 peak) plus
 every compute warp's other instructions, issued one after another (190 a warp a step in the SASS: 64 FMUL and
 64 FFMA for the promotion, 18 scale loads, the rest addressing, barriers and the branch). Without the column
 scale (64 FFMA, as the forward) the kernel ran 1.25x faster, and with no promotion at all 1.34x; that model
-gives 1.22x and 1.24x (BENCHMARKS.md, session 27).
+gives 1.22x and 1.24x.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def transposed_grouped_matmul_fp8(lhs_q_PbKB, lhs_scale_PbK, dout_q_PbNB, dout_s
         for s in range(stages):  # every slot starts free: the memory warpgroup's first waits pass
           plgpu.barrier_arrive(empty.at[s])
         # The warpgroups start in turn, w once w - 1 has finished its first MMA: they are then out of step, and
-        # one promotes while the tensor cores run the others' MMAs (+0-3% measured, session 27).
+        # one promotes while the tensor cores run the others' MMAs (+0-3% measured on the H200, 2026-12-04).
         @pl.when(wg > 0)
         def _():
           plgpu.barrier_wait(go.at[wg])
@@ -228,7 +229,7 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, group_offset=0, num_local_groups, ou
   gathered (lhs, dout): an operand that is a gather of token rows is quantized by XLA, which fuses the
   gather (and the FP8 dispatch's dequantization) into its two passes and so reads the compact token
   rows: the proxy's compiled step reads x and the combine's cotangent from [16384, 7392]-byte e4m3
-  buffers, never materializing the [131072, 7168] rows (session 14). The kernel would need them
+  buffers, never materializing the [131072, 7168] rows (the compiled H200 step's HLO). The kernel would need them
   materialized. Other operands (the SwiGLU's output and its gradients) are materialized rows, and the
   one-pass kernel reads them once where XLA reads them twice (0.15 against 0.32 ms at 65,536 x 2,048).
 

@@ -1,7 +1,7 @@
-"""Pallas Mosaic-GPU grouped-GEMM kernels for Hopper (sm_90a), used by `mgpu.py`, and what
+"""Pallas Mosaic-GPU grouped-GEMM kernels for Hopper (sm_90a), used by `bf16.py`, and what
 they share (profiling parameters, shared-memory transforms, the epilogue's stores).
 
-Two kernels (the second in `mgpu_tgmm.py`), written after JAX's `pallas/ops/gpu/
+Two kernels (the second in `tgmm.py`), written after JAX's `pallas/ops/gpu/
 {ragged_dot_mgpu,transposed_ragged_dot_mgpu,hopper_matmul_mgpu}.py` (jax 0.11.2), with what
 the MoE layer needs and they lack:
 
@@ -14,7 +14,7 @@ the MoE layer needs and they lack:
     - empty groups and tile-aligned boundaries cost no tile (JAX's kernel spends a full
       tile on each),
   and rhs may be used transposed ([G, N, K], the dlhs product).
-* `mgpu_tgmm.transposed_grouped_matmul`: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g],
+* `tgmm.transposed_grouped_matmul`: drhs[g]_KN = lhs[rows of g]^T @ dout[rows of g],
   for the local groups only (start/end per group passed in, so ring EP computes no foreign
   rows).
 
@@ -116,7 +116,7 @@ def store_tile(chunk, out_smem, out_gmem, rows, col0, row0, size, *, epi_n: int,
   """Stores rows [row0, row0+size) of window `rows`, columns col0.., width/epi_n chunks of
   chunk(c) ([tile_rows, epi_n] in registers) through this warpgroup's buffer out_smem.
 
-  Per 128x64 chunk of a down-proj tile (BENCHMARKS run 7, profiled with a named scope around
+  Per 128x64 chunk of a down-proj tile (tools/tune_gmm.py --profile-dir on the H200, with a named scope around
   each step at commit 5e9e2df): the wait 0.06 kc, the write to SMEM 0.23 (its bandwidth),
   the TMA store issue 0.50."""
   for c in range(width // epi_n):
@@ -206,7 +206,7 @@ def grouped_matmul(lhs_MK, rhs, table, *, tiling: FwdTiling, transpose_rhs: bool
             def _acc(acc_ref):
               run_pipeline(acc_ref)
               acc = acc_ref[...].astype(out_dtype)
-              # Its own scope: ~1.9 kc of the ~3 kc per tile outside the K loop (BENCHMARKS run 6).
+              # Its own scope: ~1.9 kc of the ~3 kc per tile outside the K loop (tools/tune_gmm.py --profile-dir).
               with jax.named_scope("epilogue"):
                 epilogue(lambda c: acc[:, c * t.epi_n:(c + 1) * t.epi_n], tile_rows)
 

@@ -1,9 +1,9 @@
 """Ping-pong variant of the forward grouped GEMM (`FwdTiling.pingpong`), for Hopper.
 
-`mgpu_kernels.grouped_matmul` runs both compute warpgroups on one block_m x 2*block_n tile:
-they finish its K loop together and both run the epilogue while the tensor cores idle. Run
-6 measured that loss (BENCHMARKS.md): the K loop is at the tensor cores' peak and ~3k cycles
-per tile sit outside it, 8% of a 32-step (K=2048) tile.
+`kernels.grouped_matmul` runs both compute warpgroups on one block_m x 2*block_n tile:
+they finish its K loop together and both run the epilogue while the tensor cores idle. The
+on-device profile measured that loss (BENCHMARKS.md "Grouped GEMM (bf16)"): the K loop is at
+the tensor cores' peak and ~3k cycles per tile sit outside it, 8% of a 32-step (K=2048) tile.
 
 Here each compute warpgroup owns its own block_m x block_n tiles, and the two take an SM's
 tiles in turn (local tile j goes to warpgroup j % 2), so one's epilogue runs while the other
@@ -19,7 +19,7 @@ release lags one step (wgmma_wait(1)): the tensor cores always have the next MMA
 
 The cost, and why this is a tiling option and not the default: each step loads 32 KiB for a
 128x128x64 MMA, against 48 KiB for 128x256x64 in the shared-tile kernel (1.33x the operand
-bytes per FLOP): 13-29% slower on the H200 (BENCHMARKS run 7). Not for the L2's bandwidth
+bytes per FLOP): 13-29% slower on the H200 (docs/kernels.md, "Tried, and why it did not help"). Not for the L2's bandwidth
 (multicast, below, halves the reads and is no faster): a warpgroup alone on the tensor cores
 consumes a slot every ~0.5 kc, so a ring of 3 slots runs ~1.5 kc ahead of the loads' latency,
 where the shared-tile kernel's 4 slots run ~4 kc ahead; twice the slots do not fit in 227 KiB.

@@ -1,4 +1,4 @@
-"""Schedules of the Mosaic-GPU grouped GEMMs (`mgpu_kernels.py`): which rows each tile of the
+"""Schedules of the Mosaic-GPU grouped GEMMs (`kernels.py`, `tgmm.py`, `fp8.py`): which rows each tile of the
 persistent loops covers and in what order, as small int32 arrays computed by XLA before the
 kernel runs. Pure jnp, so that they are tested exactly on CPU.
 
@@ -106,7 +106,7 @@ def dw_windows(starts_G, ends_G, t: TgmmTiling):
   its start aligned down to block_k (JAX's scheme) or, with t.exact_start, only to the 8
   rows TMA needs, so that the first step holds < 8 rows of the previous group, not < 64.
   `order` lists the groups to visit: largest first with t.largest_first (see
-  `mgpu_tgmm._dw_tile`)."""
+  `tgmm._dw_tile`)."""
   starts = starts_G.astype(jnp.int32)
   ends = ends_G.astype(jnp.int32)
   first = starts // t.window_align * t.window_align

@@ -3,7 +3,7 @@
 Written after JAX's `pallas/ops/gpu/transposed_ragged_dot_mgpu.py` (jax 0.11.2), for the
 local groups only (start/end per group passed in, so ring EP computes no foreign rows), on a
 persistent grid, in one warpgroup per block or warp-specialized (`TgmmTiling`). The forward
-kernel and the helpers both use are in `mgpu_kernels.py`.
+kernel and the helpers both use are in `kernels.py`.
 """
 
 from __future__ import annotations

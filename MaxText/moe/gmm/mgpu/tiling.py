@@ -27,7 +27,7 @@ BF16_BYTES = 2
 TMA_ROW_ALIGN = 8
 # Rows per compute warpgroup: one m64 wgmma. Its 64x128 f32 running sum and the 64x128 partial
 # of the current step are 64 registers per thread each. A warpgroup of 128 rows (the bf16 kernel's
-# tile) would hold 256 and spill: measured on the H200, 0.27-0.30 of a dense FP8 GEMM (session 11).
+# tile) would hold 256 and spill: measured on the H200, 0.27-0.30 of a dense FP8 GEMM (docs/kernels.md, "Tried, and why it did not help").
 FP8_WG_ROWS = 64
 # The widest TMA swizzle: 16-byte chunks permuted within each 128-byte row, by row mod 8.
 EPI_SWIZZLE_BYTES = 128
@@ -36,7 +36,7 @@ EPI_SWIZZLE_BYTES = 128
 # A TMA store reads shared memory from a 128-byte aligned address, and a piece of a tile window can start at any row
 # of an epilogue buffer, so the buffer's rows must be a multiple of 128 B. 64-byte rows (epi_n=32 with a bf16 output)
 # stopped the H200 with "misaligned address" twice: in a profile run of this kernel (tools/tune_gmm.py) and in the
-# FP8 kernel on a group of odd size (BENCHMARKS.md, session 18).
+# FP8 kernel on a group of odd size (tools/bench_fp8.py, 2026-12-03).
 TMA_SMEM_ALIGN_BYTES = 128
 
 
@@ -82,18 +82,18 @@ class FwdTiling:
              rows of the buffer all start in the same four banks, so each 8x8 stmatrix of the
              accumulator's layout takes 8 shared-memory wavefronts instead of 1. The TMA
              store reads the swizzled rows back from any row (it unswizzles by address).
-             Measured (BENCHMARKS run 6): no faster, the epilogue was not bank-bound; off.
+             Measured (tools/tune_gmm.py; docs/kernels.md, "Tried, and why it did not help"): no faster, the epilogue was not bank-bound; off.
   pingpong:  each compute warpgroup computes its own block_m x block_n tiles, the two taking
              an SM's tiles in turn, so one's epilogue runs under the other's MMAs
-             (`mgpu_pingpong.py`); stages is then per warpgroup (two rings). Off: 13-29%
-             slower on the H200 (BENCHMARKS run 7): a ring's slots run too little ahead of
+             (`pingpong.py`); stages is then per warpgroup (two rings). Off: 13-29%
+             slower on the H200 (tools/tune_gmm.py): a ring's slots run too little ahead of
              the load latency.
   multicast: with pingpong, a 2-SM cluster takes neighbouring column tiles of the same row
              window; each SM TMA-loads half of every lhs slot and multicasts it to both, so
              an SM reads 24 KiB per 128x128x64 step, the shared-tile kernel's bytes per FLOP.
-             Off: no faster than pingpong alone (run 7), so L2 traffic was not its limit.
+             Off: no faster than pingpong alone, so L2 traffic was not its limit.
   group_aligned is on by default; half_tiles, chain, epi_swizzle, pingpong and multicast
-  are off (measured: TABLE note and BENCHMARKS).
+  are off (measured: the TABLE note and docs/kernels.md, "Tried, and why it did not help").
   """
 
   block_m: int = 128
@@ -241,17 +241,17 @@ DEFAULTS = {
 #   dW exact_start + largest_first (the TgmmTiling defaults): up 3.412 -> 3.116, down
 #     3.357 -> 3.158.
 #   fwd group_aligned + half_tiles: up 3.052 -> 3.035, down 2.975 -> 3.186, single samples
-#     inside the drift of back-to-back timings (BENCHMARKS.md, grouped GEMM run 4). Re-timed
+#     inside the drift of back-to-back timings. Re-timed
 #     in 7 interleaved rounds at commit 1aa745a (median ms, table -> group_aligned -> both
 #     -> chain): down 3.273 -> 3.200 -> 3.203 -> 3.278; dlhs of up (K=2048, N=7168
 #     transposed) 3.077 -> 3.000 -> 3.030 -> 3.100; round spreads 1.6-6.1%. The profile
-#     (run 5) says why: every tile costs ~36 kc (SM kilocycles) whatever its group, so time follows the
+#     (tools/tune_gmm.py --profile-dir) says why: every tile costs ~36 kc (SM kilocycles) whatever its group, so time follows the
 #     tile count, 543 -> 528 row pieces (x28 column tiles) with group-aligned cuts (-2.8%).
 #     Hence group_aligned on; half tiles and chain gained nothing and stay off.
 #   fwd epi_swizzle / epi_n=128 with 3 stages / epi_swizzle + chain, 5 interleaved rounds at
 #     1056e03 (down, dlhs of up (K=2048, N=7168 transposed), up; ms): table 3.206, 3.206,
 #     3.046 -> 3.201, 3.183, 3.026 / 3.254, 3.237, 3.072 / 3.233, 3.258, 3.083; spreads
-#     1.8-5.0%. None is a gain (run 6: the K loop is at the tensor cores' peak; the loss is
+#     1.8-5.0%. None is a gain (the profile: the K loop is at the tensor cores' peak; the loss is
 #     the ~3 kc per tile outside it). At M=16384 G=64: half_tiles 1.118 vs 1.104 ms.
 # (op, K, N) -> tiling. DeepSeek-V3 expert shapes: hidden 7168, expert width 2048
 # (4096 with w0/w1 fused); the dlhs products appear as fwd with K and N swapped.

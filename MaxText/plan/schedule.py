@@ -1,0 +1,491 @@
+"""The step as its scheduled HLO runs it: every op costed, and each async collective hidden behind the work XLA
+put between its start and its done (MaxText/plan/planner.py prints the terms; alone:
+`python -m MaxText.plan.schedule HLO.txt h200 '{"fsdp": 8}' [gpus_per_node]`).
+
+  terms = schedule.estimate(hlo_text, hardware.GPUS["h200"], mesh_shape={"fsdp": 8}, nodes=[0] * 8)
+
+Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/hardware.py's, each with its source):
+  GEMM         dots, convolutions, cuBLAS custom calls, fusions holding a dot (Triton/cuBLAS/cuDNN GEMM
+               fusions), our Mosaic GPU grouped GEMMs: FLOPs at the dense GEMM rate (with FP8 experts,
+               the grouped GEMMs at the FP8 grouped rate, whose measurement includes the quantization
+               passes that are also costed as memory-bound: an upper bound by a few ms)
+  attention    cuDNN flash attention: FLOPs from Q, K, V and the mask, at its own rate
+  memory-bound every other fusion and op (norms, softmax, routing, optimizer, elementwise, copies,
+               gathers): bytes read and written at XLA's HBM rate
+  collectives  wire bytes (hlo_inventory.collective) at their link's rate; host offload copies at PCIe's
+The walk, a critical path: ops on the compute stream run one after another in schedule order. An async
+collective (`*-start`/`*-done`, or `async-start` wrapping one) runs on its link's stream from its start,
+after that link's previous transfer; its done waits for it, and the wait is the exposed part. A sync
+collective waits for its link and blocks the stream. A while loop runs its body trip-count times (XLA's
+known_trip_count, else its condition's bound): two trips are walked and the second repeated, so a transfer
+started in one trip and awaited in the next counts as pipelined. A conditional takes its slowest branch. The
+step ends when the stream and every transfer have. A pipeline's bubble, a fraction b of the step, adds
+path * b / (1 - b). Not modelled: launch gaps between kernels, GEMMs below the dense rate at small shapes,
+NCCL's kernels taking SMs from compute, two links' transfers sharing a GPU's copy engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import re
+import sys
+from typing import Any
+
+from MaxText.plan import hardware, hlo_inventory, op_cost
+from MaxText.plan.hlo_inventory import Computation, Instr, nbytes
+
+# Ops that move no bytes of their own: structure, aliases, and the waits handled by the walk.
+FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "add-dependency", "opt-barrier",
+        "partition-id", "replica-id", "domain", "copy-done", "fusion-done", "async-done", "async-update"}
+RowKey = tuple[str, tuple[str, ...], bool]  # (kind, mesh axes, crosses nodes), as hlo_inventory's rows
+
+
+@dataclasses.dataclass
+class Terms:
+  """Seconds and counts per step, summed over the walk.
+
+  Attributes:
+    seconds: gemm_s, fp8_gemm_s, attention_s, memory_s, collectives_s (every collective's transfer time),
+      exposed_s (what the stream waited for them), offload_s and offload_exposed_s (host offload's copies).
+    counts: gemm_flops, fp8_flops (of them, grouped_flops: our grouped GEMMs'), attention_flops,
+      memory_bytes, kernels (ops with a cost).
+    rows: per collective row key (and ("host-offload", (), False)): [seconds, exposed seconds, count].
+  """
+
+  seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
+      ("gemm_s", "fp8_gemm_s", "attention_s", "memory_s", "collectives_s", "exposed_s", "offload_s",
+       "offload_exposed_s"), 0.0))
+  counts: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
+      ("gemm_flops", "fp8_flops", "grouped_flops", "attention_flops", "memory_bytes", "kernels"), 0.0))
+  rows: dict[RowKey, list[float]] = dataclasses.field(default_factory=dict)
+
+  def add_scaled(self, later: Terms, earlier: Terms, times: int) -> None:
+    """self += times * (later - earlier): a loop trip's terms repeated."""
+    for mine, a, b in ((self.seconds, later.seconds, earlier.seconds), (self.counts, later.counts, earlier.counts)):
+      for k in mine:
+        mine[k] += times * (a[k] - b.get(k, 0.0))
+    for key, row in later.rows.items():
+      before = earlier.rows.get(key, [0.0, 0.0, 0.0])
+      mine_row = self.rows.setdefault(key, [0.0, 0.0, 0.0])
+      for i in range(3):
+        mine_row[i] += times * (row[i] - before[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Transfer:
+  begin: float
+  finish: float
+  key: RowKey
+
+
+@dataclasses.dataclass
+class _State:
+  clock: float = 0.0  # the compute stream's time
+  link_free: dict[str, float] = dataclasses.field(default_factory=dict)
+  pending: dict[str, _Transfer] = dataclasses.field(default_factory=dict)  # value -> its transfer in flight
+  tuples: dict[str, dict[int, _Transfer]] = dataclasses.field(default_factory=dict)  # tuple value -> elements in flight
+  terms: Terms = dataclasses.field(default_factory=Terms)
+
+  def shift_from(self, since: float, by: float) -> None:
+    """Transfers begun at or after `since` (and the links they hold) move `by` seconds later."""
+    moved = lambda t: dataclasses.replace(t, begin=t.begin + by, finish=t.finish + by) if t.begin >= since else t  # noqa: E731
+    self.pending = {k: moved(t) for k, t in self.pending.items()}
+    self.tuples = {k: {i: moved(t) for i, t in v.items()} for k, v in self.tuples.items()}
+    self.link_free = {k: v + by if v > since else v for k, v in self.link_free.items()}
+
+
+class _Walk:
+  """One module's walk (see the module docstring); `run` returns the entry's terms and critical path."""
+
+  def __init__(self, text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool,
+               grouped_scale: float = 1.0):
+    self.comps, self.entry = hlo_inventory.parse_module(text)
+    self.gpu, self.mesh_shape, self.nodes, self.fp8 = gpu, mesh_shape, nodes, fp8_experts
+    self.grouped_scale = grouped_scale  # our grouped GEMMs' rows that hold tokens, of their buffers' (see estimate)
+    # What hlo_inventory's parse leaves out, per computation: integer scalar constants, parameter numbers, roots.
+    self.constants: dict[tuple[str, str], int] = {}
+    self.param_index: dict[tuple[str, str], int] = {}
+    roots: dict[str, str] = {}
+    current = ""
+    for line in text.splitlines():
+      if (header := hlo_inventory._HEADER.match(line)) and not line.startswith(" "):  # pylint: disable=protected-access
+        current = header[2]
+      elif m := re.match(r"\s*(ROOT )?%?([\w.\-]+) = (?:[su]\d+\[\]\S* constant\((-?\d+)\)|.*? parameter\((\d+)\))?", line):
+        if m[3] is not None:
+          self.constants[(current, m[2])] = int(m[3])
+        if m[4] is not None:
+          self.param_index[(current, m[2])] = int(m[4])
+        if m[1]:
+          roots[current] = m[2]
+    self.roots = {c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
+                  for c in self.comps.values()}
+    self.gemm_cache: dict[str, tuple[float, float]] = {}
+    self.opaque: set[str] = set()  # custom-call targets whose FLOPs the walk cannot read
+    self.started: set[str] = set()  # every collective start seen, those that move nothing included
+    self.notes: set[str] = set()
+
+  def run(self) -> tuple[_State, float]:
+    state = _State()
+    self.walk(self.entry, state, None)
+    last = max(state.pending.values(), key=lambda t: t.finish, default=None)
+    if last is not None and last.finish > state.clock:  # awaited by nothing: the step ends after it
+      self._wait(last, state)
+    return state, state.clock
+
+  # --- the walk ---------------------------------------------------------------------------
+
+  def walk(self, name: str, state: _State, carried: dict[int, _Transfer] | None) -> dict[int, _Transfer]:
+    """Runs computation `name` on `state`; `carried`: its tuple parameter's elements in flight. Returns the
+    root tuple's elements in flight (a loop body's carry into its next trip)."""
+    comp = self.comps[name]
+    for instr in comp.instrs:
+      op = instr.opcode
+      if op == "parameter" and carried:
+        state.tuples[instr.name] = carried
+      elif op == "get-tuple-element" and instr.operands and instr.operands[0] in state.tuples:
+        index = int(re.search(r"index=(\d+)", instr.attrs)[1])
+        if index in state.tuples[instr.operands[0]]:
+          state.pending[instr.name] = state.tuples[instr.operands[0]][index]
+      elif op == "tuple":
+        inflight = {i: state.pending[o] for i, o in enumerate(instr.operands) if o in state.pending}
+        if inflight:
+          state.tuples[instr.name] = inflight
+      elif op.endswith("-done") or op == "async-done":
+        self._await(instr, state)
+      elif op == "while":
+        self._loop(instr, state)
+      elif op == "conditional":
+        self._branches(instr, state)
+      elif op == "call":
+        self.walk(re.search(r"to_apply=%?([\w.\-]+)", instr.attrs)[1], state, None)
+      elif (inner := self._collective_of(instr)) is not None:
+        self._transfer(instr, inner, state)
+      elif op in ("copy-start", "fusion-start") and "S(5)" in instr.type_text:  # host offload: PCIe, beside the stream
+        self._host_copy(instr, state)
+      elif op == "async-start":
+        for called in re.findall(r"calls=%?([\w.\-]+)", instr.attrs):
+          self.walk(called, state, None)
+      elif op not in FREE:
+        self._compute(instr, comp, state)
+    root = self.roots[name]
+    return state.tuples.get(root.name, {}) if root is not None else {}
+
+  def _compute(self, instr: Instr, comp: Computation, state: _State) -> None:
+    kind, amount, grouped = self._cost(instr, comp)
+    state.terms.counts["grouped_flops"] += grouped
+    rate = {"gemm_s": self.gpu.gemm_flops, "attention_s": self.gpu.attention_flops,
+            "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
+    seconds = amount / rate
+    state.clock += seconds
+    state.terms.seconds[kind] += seconds
+    state.terms.counts[{"gemm_s": "gemm_flops", "fp8_gemm_s": "fp8_flops", "attention_s": "attention_flops",
+                        "memory_s": "memory_bytes"}[kind]] += amount
+    state.terms.counts["kernels"] += 1
+
+  def _collective_of(self, instr: Instr) -> Instr | None:
+    """The collective an instruction starts or is (an async-start's wrapped one); None for anything else."""
+    if hlo_inventory._kind(instr.opcode):  # pylint: disable=protected-access
+      return instr
+    if instr.opcode == "async-start":
+      for called in re.findall(r"calls=%?([\w.\-]+)", instr.attrs):
+        wrapped = self.comps[called].instrs if called in self.comps else []
+        inner = [i for i in wrapped if hlo_inventory._kind(i.opcode)]  # pylint: disable=protected-access
+        if inner:
+          return inner[0]
+    return None
+
+  def _transfer(self, instr: Instr, inner: Instr, state: _State) -> None:
+    self.started.add(instr.name)
+    described = hlo_inventory.collective(inner, self.mesh_shape, self.nodes, self.notes)
+    if described is None:
+      return
+    key, _, _, wire, _ = described
+    link = "ib" if key[2] else "nvlink"
+    seconds = wire / hardware.link_bytes(self.gpu, key[0], key[2]).value
+    self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
+
+  def _host_copy(self, instr: Instr, state: _State) -> None:
+    """A copy to or from host memory (memory space S(5)): a whole array (copy-start), or the slice an async
+    fusion reads from or writes into a host buffer (the layer scan's offloaded activations)."""
+    self.started.add(instr.name)
+    if instr.opcode == "fusion-start":
+      fused = self.comps[re.search(r"calls=%?([\w.\-]+)", instr.attrs)[1]]
+      moved = op_cost.written_bytes(self.roots[fused.name], fused)
+    else:
+      moved = max((nbytes(t) for t in re.findall(r"[a-z0-9]+\[[\d,]*\]\{[^}]*S\(5\)[^}]*\}", instr.type_text)), default=0.0)
+    self._start(instr, state, ("host-offload", (), False), "host", moved / self.gpu.host_bytes.value, asynchronous=True)
+
+  def _start(self, instr: Instr, state: _State, key: RowKey, link: str, seconds: float, asynchronous: bool) -> None:
+    begin = max(state.clock, state.link_free.get(link, 0.0))
+    transfer = _Transfer(begin, begin + seconds, key)
+    state.link_free[link] = transfer.finish
+    row = state.terms.rows.setdefault(key, [0.0, 0.0, 0.0])
+    row[0] += seconds
+    row[2] += 1
+    state.terms.seconds["offload_s" if link == "host" else "collectives_s"] += seconds
+    if asynchronous:
+      state.pending[instr.name] = transfer
+    else:
+      self._wait(transfer, state)
+
+  def _await(self, instr: Instr, state: _State) -> None:
+    transfer = state.pending.pop(instr.operands[0], None) if instr.operands else None
+    if transfer is not None:
+      self._wait(transfer, state)
+    elif instr.operands and instr.operands[0] not in self.started and instr.opcode not in FREE:
+      self.notes.add(f"{instr.opcode} whose start the walk did not follow: its transfer counted as overlapped")
+
+  def _wait(self, transfer: _Transfer, state: _State) -> None:
+    state.pending = {k: t for k, t in state.pending.items() if t != transfer}  # every name it went by
+    waited = max(0.0, transfer.finish - state.clock)
+    state.clock += waited
+    state.terms.seconds["offload_exposed_s" if transfer.key[0] == "host-offload" else "exposed_s"] += waited
+    state.terms.rows[transfer.key][1] += waited
+
+  def _loop(self, instr: Instr, state: _State) -> None:
+    body = re.search(r"body=%?([\w.\-]+)", instr.attrs)[1]
+    trips = self._trips(instr)
+    carried = state.tuples.get(instr.operands[0]) if instr.operands else None
+    for trip in range(min(trips, 2)):
+      if trip == 1:
+        clock, terms = state.clock, copy.deepcopy(state.terms)
+      carried = self.walk(body, state, carried)
+    if trips > 2:
+      repeat, trip_s = trips - 2, state.clock - clock
+      state.shift_from(clock, repeat * trip_s)
+      state.terms.add_scaled(copy.deepcopy(state.terms), terms, repeat)
+      state.clock += repeat * trip_s
+    if carried:
+      state.tuples[instr.name] = carried
+
+  def _trips(self, instr: Instr) -> int:
+    known = hlo_inventory.trip_count(instr)
+    if known is not None:
+      return known
+    bound = self._condition_bound(re.search(r"condition=%?([\w.\-]+)", instr.attrs)[1])
+    if bound is None:
+      self.notes.add("a while loop without a known trip count or a readable bound: its body walked once")
+      return 1
+    return bound
+
+  def _condition_bound(self, name: str) -> int | None:
+    """`i < N` (or `i <= N`) in a loop's condition, through the fusions it calls: N (N + 1) trips."""
+    seen, comps, compare = set(), [name], None
+    while comps:
+      comp = self.comps.get(comps.pop())
+      if comp is None or comp.name in seen:
+        continue
+      seen.add(comp.name)
+      for i in comp.instrs:
+        if i.opcode == "compare" and (d := re.search(r"direction=(LT|LE)", i.attrs)):
+          compare = d[1]
+        comps += re.findall(r"calls=%?([\w.\-]+)", i.attrs)
+    bounds = {v for c in seen for i in self.comps[c].instrs if (v := self.constants.get((c, i.name))) not in (None, 0, 1)}
+    if compare is None or len(bounds) != 1:
+      return None
+    return bounds.pop() + (compare == "LE")
+
+  def _branches(self, instr: Instr, state: _State) -> None:
+    names = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", instr.attrs)
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", instr.attrs):
+      names += re.findall(r"%?([\w.\-]+)", group)
+    outcomes = []
+    for name in names:
+      branch = copy.deepcopy(state)
+      self.walk(name, branch, None)
+      outcomes.append(branch)
+    if outcomes:
+      slowest = max(outcomes, key=lambda s: s.clock)
+      state.__dict__.update(slowest.__dict__)
+
+  # --- one op's cost ----------------------------------------------------------------------
+
+  def _cost(self, instr: Instr, comp: Computation) -> tuple[str, float, float]:
+    """("gemm_s" | "fp8_gemm_s" | "attention_s" | "memory_s", FLOPs or bytes, of the FLOPs our grouped GEMMs')
+    of one op on the stream."""
+    target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+    if instr.opcode == "custom-call" and target and target[1].startswith("__cudnn$fmha"):
+      return "attention_s", op_cost.attention_flops(instr, comp), 0.0
+    self._note_opaque(instr)
+    called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs) if instr.opcode in ("fusion", "fusion-start") else []
+    if called:
+      other, grouped = self._gemm_flops(called[0])
+    else:
+      flops, is_grouped = op_cost.gemm_flops_of(instr, comp)
+      other, grouped = (0.0, flops) if is_grouped else (flops, 0.0)
+    grouped *= self.grouped_scale
+    if other or grouped:
+      return ("fp8_gemm_s" if grouped and self.fp8 else "gemm_s"), other + grouped, grouped
+    if called:
+      return "memory_s", self._fusion_bytes(instr, comp, self.comps[called[0]]), 0.0
+    return "memory_s", op_cost.op_bytes(instr, comp), 0.0
+
+  def _note_opaque(self, instr: Instr) -> None:
+    target = re.search(r'custom_call_target="([^"]+)"', instr.attrs) if instr.opcode == "custom-call" else None
+    if target and not op_cost.READ_TARGETS.search(target[1]):
+      self.opaque.add(target[1])
+
+  def _gemm_flops(self, name: str) -> tuple[float, float]:
+    """FLOPs of the dots and GEMM calls inside a fused computation (and fusions nested in it): (others, our
+    grouped GEMMs')."""
+    if name not in self.gemm_cache:
+      comp, other, grouped = self.comps[name], 0.0, 0.0
+      for i in comp.instrs:
+        self._note_opaque(i)
+        if i.opcode == "fusion":
+          inner = self._gemm_flops(re.search(r"calls=%?([\w.\-]+)", i.attrs)[1])
+          other, grouped = other + inner[0], grouped + inner[1]
+          continue
+        flops, is_grouped = op_cost.gemm_flops_of(i, comp)
+        other, grouped = (other, grouped + flops) if is_grouped else (other + flops, grouped)
+      self.gemm_cache[name] = (other, grouped)
+    return self.gemm_cache[name]
+
+  def _fusion_bytes(self, instr: Instr, comp: Computation, fused: Computation) -> float:
+    """Bytes a memory-bound fusion reads (its operands, or the slices it takes of them) and writes (its
+    output, or the update it writes in place)."""
+    uses = op_cost.users_of(fused)
+    params = {self.param_index.get((fused.name, i.name)): i.name for i in fused.instrs if i.opcode == "parameter"}
+    read = 0.0
+    for index, operand in enumerate(instr.operands):
+      full = nbytes(comp.shapes.get(operand, ""))
+      read += min(full, op_cost.read_bytes(params[index], fused, uses)) if index in params else full
+    return read + op_cost.written_bytes(self.roots[fused.name], fused)
+
+
+# --- the estimate --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTerms:
+  """One step by its schedule (seconds unless named otherwise).
+
+  compute_s = gemm_s + fp8_gemm_s + attention_s + hidden_flops_s; memory_s: memory-bound ops;
+  collectives_s = exposed_s + overlapped_s, and host offload's copies apart (offload_s, offload_exposed_s);
+  path_s, the critical path, = compute_s + memory_s + exposed_s + offload_exposed_s (a transfer that
+  outlives the stream's last op is exposed); bubble_s = path_s b / (1 - b); step_s = path_s + bubble_s."""
+
+  gemm_s: float
+  fp8_gemm_s: float
+  attention_s: float
+  hidden_flops_s: float
+  memory_s: float
+  collectives_s: float
+  exposed_s: float
+  offload_s: float
+  offload_exposed_s: float
+  path_s: float
+  bubble_s: float
+  counts: dict[str, float]
+  rows: dict[RowKey, list[float]]
+  notes: list[str]
+
+  @property
+  def compute_s(self) -> float:
+    return self.gemm_s + self.fp8_gemm_s + self.attention_s + self.hidden_flops_s
+
+  @property
+  def overlapped_s(self) -> float:
+    return self.collectives_s - self.exposed_s
+
+  @property
+  def step_s(self) -> float:
+    return self.path_s + self.bubble_s
+
+
+def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool = False,
+             counted_flops: float = 0.0, routed_flops: float = 0.0, bubble_fraction: float = 0.0) -> StepTerms:
+  """The step's terms from its scheduled HLO text (see the module docstring).
+
+  counted_flops: what the step multiplies by MaxText's count (plus the remat policy's recompute). Only where
+  the HLO holds a custom call the walk cannot read (a Triton or Transformer Engine kernel), the FLOPs this
+  count has beyond the HLO's GEMMs and attention run at the GEMM rate after the stream (`hidden_flops_s`).
+  Otherwise the HLO's count stands: it is what runs (the proxy's is 424 T against MaxText's 441 T, whose
+  recompute includes a dense layer's forward that XLA does not run twice).
+  routed_flops: the routed experts' GEMM FLOPs per device by the config (hardware.routed_expert_flops, routing
+  balanced). Our grouped GEMMs multiply only the rows their group sizes hold; where their buffers are padded
+  (a2a_padded's receive buffer holds the worst case), their shapes overcount, and every grouped GEMM is
+  scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways. Widths
+  below a tile, as the tiny test model's, are padded and computed: there the scaling reads low.)
+  bubble_fraction: a pipeline's idle share of the step, (stages - 1) / (repeats x microbatches + stages - 1).
+  """
+  if not 0.0 <= bubble_fraction < 1.0:
+    raise ValueError(f"bubble_fraction={bubble_fraction}: must be in [0, 1)")
+  if fp8_experts and gpu.fp8_grouped_flops is None:
+    raise ValueError(f"moe_fp8: no FP8 grouped-GEMM rate for the {gpu.name} (its kernel is Hopper's)")
+  walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts)
+  state, path = walk.run()
+  shapes_flops = state.terms.counts["grouped_flops"]
+  if routed_flops and shapes_flops > routed_flops:
+    walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=routed_flops / shapes_flops)
+    state, path = walk.run()
+    walk.notes.add(f"our grouped GEMMs' shapes hold {shapes_flops / routed_flops:.3g}x the routed experts' FLOPs "
+                   f"(padded buffers): scaled to their {routed_flops / 1e12:.4g} T")
+  s, c = state.terms.seconds, state.terms.counts
+  seen = c["gemm_flops"] + c["fp8_flops"] + c["attention_flops"]
+  hidden = max(0.0, counted_flops - seen) / gpu.gemm_flops.value if walk.opaque else 0.0
+  if walk.opaque:
+    walk.notes.add(f"custom calls the walk cannot read ({', '.join(sorted(walk.opaque))}): costed by their bytes, "
+                   "and MaxText's FLOPs beyond the HLO's at the GEMM rate")
+  path += hidden
+  return StepTerms(gemm_s=s["gemm_s"], fp8_gemm_s=s["fp8_gemm_s"], attention_s=s["attention_s"], hidden_flops_s=hidden,
+                   memory_s=s["memory_s"], collectives_s=s["collectives_s"], exposed_s=s["exposed_s"],
+                   offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
+                   bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
+                   rows=state.terms.rows, notes=sorted(walk.notes))
+
+
+def report(t: StepTerms, model_flops: float, recompute_flops: float, bubble_fraction: float = 0.0) -> dict[str, Any]:
+  """The planner report's "estimate": every term in seconds, what each counted, and MaxText's TFLOP/s at the step."""
+  return {
+      "step_s": t.step_s, "critical_path_s": t.path_s, "compute_s": t.compute_s, "gemm_s": t.gemm_s,
+      "fp8_gemm_s": t.fp8_gemm_s, "attention_s": t.attention_s, "hidden_flops_s": t.hidden_flops_s,
+      "memory_s": t.memory_s, "collectives_s": t.collectives_s, "exposed_collectives_s": t.exposed_s,
+      "overlapped_collectives_s": t.overlapped_s, "offload_s": t.offload_s, "offload_exposed_s": t.offload_exposed_s,
+      "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
+      "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.offload_s + t.bubble_s,
+      "flops_per_device": t.counts["gemm_flops"] + t.counts["fp8_flops"] + t.counts["attention_flops"],
+      "gemm_flops": t.counts["gemm_flops"], "fp8_flops": t.counts["fp8_flops"], "grouped_flops": t.counts["grouped_flops"],
+      "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
+      "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
+      "recompute_flops": recompute_flops, "notes": t.notes,
+      "tflops_per_gpu": model_flops / 1e12 / t.step_s if t.step_s else None,
+  }
+
+
+def report_lines(e: dict[str, Any]) -> list[str]:
+  """The estimate as the planner prints it."""
+  ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
+  compute = f"GEMMs {e['gemm_flops'] / 1e12:.4g} T {e['gemm_s'] * 1e3:.2f}"
+  if e["fp8_flops"]:
+    compute += f", FP8 grouped GEMMs {e['fp8_flops'] / 1e12:.4g} T {e['fp8_gemm_s'] * 1e3:.2f}"
+  compute += f", attention {e['attention_flops'] / 1e12:.4g} T {e['attention_s'] * 1e3:.2f}"
+  if e["hidden_flops_s"]:
+    compute += f", FLOPs the HLO hides {e['hidden_flops_s'] * 1e3:.2f}"
+  return [
+      f"estimate: step {e['step_s'] * 1e3:.2f} ms, the critical path through the scheduled step (MaxText/plan/schedule.py)",
+      f"  compute         {ms(e['compute_s'])}  {compute}",
+      f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
+      f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
+      f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
+      *([f"  host offload    {ms(e['offload_s'])}  exposed {e['offload_exposed_s'] * 1e3:.2f} (PCIe, beside the stream)"]
+        if e["offload_s"] else []),
+      f"  pipeline bubble {ms(e['bubble_s'])}  (bubble fraction {e['bubble_fraction']:.3g})",
+      f"  nothing overlapped {e['serial_step_s'] * 1e3:.2f} ms; FLOPs/device: the HLO's {e['flops_per_device'] / 1e12:.4g} T, "
+      f"MaxText's count {e['model_tflops_per_device']:.4g} T + recompute {e['recompute_flops'] / 1e12:.4g} T",
+      f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}",
+      *(f"  note: {n}" for n in e["notes"]),
+  ]
+
+
+if __name__ == "__main__":  # python -m MaxText.plan.schedule HLO.txt h200 '{"fsdp": 8}' [gpus_per_node]
+  shape = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {"data": 1}
+  per_node = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+  devices = math.prod(shape.values())
+  result = estimate(open(sys.argv[1]).read(), hardware.GPUS[sys.argv[2]], shape, [i // per_node for i in range(devices)])
+  print(json.dumps({**{k: v for k, v in dataclasses.asdict(result).items() if k != "rows"},
+                    "compute_s": result.compute_s, "overlapped_s": result.overlapped_s, "step_s": result.step_s,
+                    "rows": [[*k, *v] for k, v in result.rows.items()]}, indent=2, default=list))
