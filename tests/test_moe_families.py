@@ -1,11 +1,13 @@
 """Upstream's other MoE families on our block (MaxText/moe/families.py, patches/routed_moe.py).
 
-Fast: each family's new pieces (GPT-OSS's clamped GLU and expert biases, Llama 4's token weighting, the clamped
-GLU) against a float32 dense reference, forward and gradients; that every upstream import of RoutedMoE is
-rebound; that every upstream model file with experts either runs on our block or is refused naming a key.
-Slow: per family, upstream's own RoutedMoE against our block on the same parameters in float32 (outputs, aux
-loss, bias update, every gradient), tiny models of each family trained on both blocks (loss and gradient norm
-per step), and the new pieces on 4 simulated devices with expert parallelism.
+Fast: that every upstream import of RoutedMoE is rebound; that every upstream model file with experts either
+runs on our block or is refused naming a key; each family's routing and GLU as read from upstream's file; the
+configs a user starts from.
+Slow: each family's new pieces (GPT-OSS's clamped GLU and expert biases, Llama 4's token weighting, the clamped
+GLU) against a float32 dense reference, forward and gradients, on one device and on 4 simulated devices with
+expert parallelism; per family, upstream's own RoutedMoE against our block on the same parameters in float32
+(outputs, aux loss, bias update, every gradient); tiny models of each family trained on both blocks (loss and
+gradient norm per step).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def _softmax_router(top_k=2, experts=8):
                               deepseek_weights=False)
 
 
+@pytest.mark.slow  # jit compiles of the block and its reference, value and gradients
 @pytest.mark.parametrize("glu,activation", [("gpt_oss", "sigmoid"), ("clamped_glu", "silu"), ("glu", "silu")])
 def test_glu_forms_with_expert_biases_match_the_dense_reference(glu, activation):
   cfg = block.BlockConfig(router=_softmax_router(), activation=activation, glu=glu, activation_limit=LIMIT)
@@ -116,6 +119,7 @@ def test_glu_forms_with_expert_biases_match_the_dense_reference(glu, activation)
   assert len(jax.tree.leaves(got[1][2])) == 6  # the three biases got gradients too
 
 
+@pytest.mark.slow  # jit compiles of the block and its reference, value and gradients
 def test_expert_biases_leave_empty_and_padding_rows_alone():
   """Two experts take every token: the other six get no rows, and their biases no gradient."""
   cfg = block.BlockConfig(router=_softmax_router(), activation="sigmoid", glu="gpt_oss", activation_limit=LIMIT)
@@ -128,6 +132,7 @@ def test_expert_biases_leave_empty_and_padding_rows_alone():
     assert np.all(np.asarray(getattr(dex, name))[idle] == 0), name
 
 
+@pytest.mark.slow  # jit compiles of the block and its reference, value and gradients
 def test_llama4_weighs_the_token_before_its_one_expert():
   router = routing.RouterConfig(num_experts=8, top_k=1, score_func="", bias_selects_only=False,
                                 deepseek_weights=False, weigh_input=True)
