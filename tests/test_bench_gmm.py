@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 
 bench = load_script("bench_gmm", "tools/bench_gmm.py")
 
@@ -120,3 +120,18 @@ def test_family_runs_its_expert_shapes_and_ffn(monkeypatch, tmp_path):
         assert (f"qwen3-moe_{side} M=256 G=16 {dist}", "xla_vjp", p) in cases
   assert ("ffn 128->48 M=256 G=16 zipf1.2", "xla_vjp", "ffn") in cases
   assert all(float(r["err"]) < bench.TOL for r in rows if r["backend"] == "xla_vjp"), rows
+
+
+def test_tune_gmm_family_problems_are_the_six_products_at_its_expert_shape():
+  """tools/tune_gmm.py --family: up, down, both dlhs (transposed) and both dW at the family's (D, F)."""
+  import sys
+
+  sys.path.insert(0, str(REPO / "tools"))
+  tune = load_script("tune_gmm", "tools/tune_gmm.py")
+  d, f, _, _ = bench.FAMILIES["qwen3-moe"]
+  got = tune.family_problems("qwen3-moe")
+  base = {name: (op, k, n, t) for name, (op, k, n, t) in tune.PROBLEMS.items()}  # DeepSeek-V3's six, 7168 -> 2048
+  assert {name.removeprefix("qwen3-moe_") for name in got} == set(base)
+  for name, (op, k, n, transpose) in got.items():
+    op0, k0, n0, t0 = base[name.removeprefix("qwen3-moe_")]
+    assert (op, transpose) == (op0, t0) and (k, n) == ((d, f) if (k0, n0) == (7168, 2048) else (f, d)), name
