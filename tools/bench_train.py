@@ -93,18 +93,23 @@ def model_view(config_path: str) -> dict:
 
 def dense_equivalent(c: dict) -> list[str]:
   """Overrides that make a model dense at its MoE layers' active width: the K routed and the shared experts of
-  width F become one MLP of (K + shared) x F, with the same attention, the FLOPs its MoE should cost. Upstream
-  has a dense layer of each family's attention but GPT-OSS's, whose stand-in is one expert of that width that
-  every token takes (the dispatch still sorts, an identity)."""
+  width F become one MLP of (K + shared) x F, with the same attention, the FLOPs its MoE should cost (every layer
+  at that width: the proxies have an MoE in every layer past DeepSeek's leading dense ones). Each family's dense
+  sibling in upstream, one expert (num_experts 1) so that upstream checks no MoE widths: Qwen3's dense layer (the
+  same QK-norm attention), Mistral's for Mixtral, Llama's for Llama 4 (its NoPE layers and chunked attention
+  differ in no FLOP at the proxy's 4096 tokens, under its 8192 window: a Llama 4 layer cannot be dense in every
+  layer, upstream makes the last of each interleave step MoE). GPT-OSS has no dense layer upstream: its stand-in
+  is one expert of that width that every token takes (the dispatch still sorts, an identity)."""
   block, layers = c.get("decoder_block", "default"), c["base_num_decoder_layers"]
   k, shared = c["num_experts_per_tok"], c.get("shared_experts", 0)
   width = (k + shared) * c["base_moe_mlp_dim"]
+  one_expert = ["num_experts=1", "num_experts_per_tok=1"]
   per_family = {
       "deepseek": [f"first_num_dense_layers={layers}"],  # DeepSeek-V2/V3, Kimi-K2: its leading dense layers
-      "qwen3_moe": ["decoder_block=qwen3"],  # Qwen3's dense layer: the same attention (QK-norm)
-      "mixtral": ["decoder_block=mistral"],  # Mixtral's attention with Mistral's dense MLP
-      "llama4": [f"interleave_moe_layer_step={layers + 1}"],  # no layer is an MoE layer
-      "gpt_oss": ["num_experts=1", "num_experts_per_tok=1", f"base_moe_mlp_dim={width}"],  # its MoE reads mlp_dim
+      "qwen3_moe": ["decoder_block=qwen3", *one_expert],
+      "mixtral": ["decoder_block=mistral", *one_expert],
+      "llama4": ["decoder_block=llama2", *one_expert],
+      "gpt_oss": [*one_expert, f"base_moe_mlp_dim={width}"],  # its MoE reads moe_mlp_dim
   }
   if block not in per_family:
     raise ValueError(f"no dense equivalent known for decoder_block {block!r}; one of {', '.join(per_family)}")
