@@ -97,6 +97,29 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   check_run_name(str(config.run_name), Path(config.base_output_directory))
   check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
+  if run.fork.moe_block == "ours" and config.num_experts > 1:
+    check_our_block(run, config)
+
+
+def check_our_block(run: RunConfig, config: Any) -> None:
+  """moe_block=ours on a model whose MoE our block cannot express (MaxText/moe/families.py): one line naming the
+  key, never a silent fallback to upstream's block."""
+  from MaxText.moe import families  # pylint: disable=import-outside-toplevel
+
+  def origin(key: str) -> str:
+    if key in run.explicit:
+      return run.origins.get(key, "as set")
+    return f"model_name {config.model_name}" if config.model_name != "default" else "upstream default"
+
+  refused = families.refusals(config)
+  if refused:
+    key, value, why = refused[0]
+    more = f" (also {', '.join(k for k, _, _ in refused[1:])})" if refused[1:] else ""
+    raise ConfigError(f"config key '{key}' = {value!r} ({origin(key)}): moe_block=ours cannot run it: {why}{more}; "
+                      "use moe_block=upstream for this model")
+  if run.fork.moe_fp8 != "none" and config.mlp_bias:
+    raise ConfigError(f"config keys 'moe_fp8' = {run.fork.moe_fp8!r} and 'mlp_bias' = True ({origin('mlp_bias')}) "
+                      "contradict each other: the FP8 experts have no expert biases; use moe_fp8=none")
 
 
 def upstream_error(run: RunConfig, e: Exception) -> ConfigError:

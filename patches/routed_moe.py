@@ -1,10 +1,12 @@
 """Seam: maxtext.layers.moe.RoutedMoE (maxtext 0.2.5) -> a subclass running our MoE block.
 
-Upstream's `RoutedAndSharedMoE.__init__` (~4777; DeepSeek's MoE layers) and the
-Mixtral/GPT-OSS/Qwen3-custom layers construct `moe.RoutedMoE(...)` by looking
-the name up in the module at construction time, so rebinding it reaches every
-MoE layer built afterwards. (models/qwen3.py ~59 imports the class by name at
-import time; its `RoutedMoE(` at ~2156 keeps upstream's class.)
+Upstream's `RoutedAndSharedMoE.__init__` (~4777; the DeepSeek, Kimi-K2, Llama 4
+and Gemma 4 layers) and the Mixtral, GPT-OSS, Switch (envy), Qwen3-custom and
+Qwen3-Next layers construct `moe.RoutedMoE(...)` by looking the name up in the
+module at construction time, so rebinding it reaches every MoE layer built
+afterwards. models/qwen3.py (~59) bound the class by name at import, for
+Qwen3-MoE's layer (~2156): IMPORTED_BY rebinds it there too, so Qwen3-MoE runs
+our block rather than silently keeping upstream's.
 
 The subclass adds no parameters and changes no `__init__`: the parameter tree
 (gate.kernel, gate.bias, wi_0, wi_1, wo, their names, shapes and logical
@@ -21,10 +23,13 @@ changes, by `moe_block`:
   upstream  (only with moe_metrics_every_n_steps > 0) upstream's block unchanged,
             after sowing the MoE statistics from its own gate and get_topk.
 
-Settings that our block does not implement (quantization, hash or random
-routing, forced experts, biases in the expert MLPs, per-expert scales,
-prefused weights, clipped activations, Llama4/Gemma4/GPT-OSS routing) are
-refused with a message naming them, never silently sent to upstream.
+Each family's routing and expert GLU (Qwen3, Mixtral, GPT-OSS with its expert
+biases and clamped GLU, Llama 4, DeepSeek-V2/V3, Kimi-K2) come from
+MaxText/moe/families.py. What our block does not implement (quantization, hash
+or random routing, Gemma 4's router, FP8-stored or prefused weights, forced
+experts, weight sparsity) is refused with a message naming it, never silently
+sent to upstream; MaxText/config_checks.py refuses the config-level ones before
+anything compiles.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ SEAM = Seam(
     attr="RoutedMoE",
     sha256="43ef2fb72f8a621d",
 )
+# Upstream modules that bound the class by name at import (`from maxtext.layers.moe import RoutedMoE`), which
+# the rebinding above cannot reach: the same class, so the same source hash. tests/test_moe_families.py scans
+# upstream's package for every such import.
+IMPORTED_BY = (
+    Seam(name="routed_moe", module="maxtext.models.qwen3", attr="RoutedMoE", sha256=SEAM.sha256),  # Qwen3-MoE
+)
 
 # Traces through our block per dispatch backend (instrumentation read by tests).
 _CALLS: collections.Counter[str] = collections.Counter()
@@ -60,42 +71,29 @@ def _log(msg: str) -> None:
 
 
 def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:
-  """Upstream settings our block does not implement, as key=value strings."""
-  cfg = layer.config
+  """Upstream settings our block does not implement, as key=value strings: the config's (families.refusals)
+  and this layer's own."""
+  from MaxText.moe import families  # pylint: disable=import-outside-toplevel
+
   checks = {
-      "quantization": layer.quant is not None or cfg.quantization not in ("", None),
-      "prefuse_moe_weights=true": cfg.prefuse_moe_weights,
-      "mlp_bias=true": cfg.mlp_bias,
+      "quantization": layer.quant is not None,
       "hash routing": layer.is_hash_routing,
-      "use_random_routing=true": cfg.use_random_routing,
       "forced_routed_experts": forced_routed_experts is not None,
       "gate_inputs": gate_inputs is not None,
-      f"decoder_block={cfg.decoder_block.value}": cfg.decoder_block.value in ("llama4", "gemma4", "gpt_oss"),
-      "mlp_activations_limit>0": cfg.mlp_activations_limit > 0,
       "weight sparsity": layer.wi_0_sparsity_module is not None,
       "per-expert scales": layer.per_expert_scale is not None,
       "expert parallelism over several mesh axes": not isinstance(
           layer._expert_parallelism_name, str),  # pylint: disable=protected-access
   }
-  return [name for name, bad in checks.items() if bad]
+  return [f"{key}={value}" for key, value, _ in families.refusals(layer.config)] + [
+      name for name, bad in checks.items() if bad]
 
 
 def _router_config(layer):
-  from MaxText.moe import routing  # pylint: disable=import-outside-toplevel
+  """The layer's routing as our RouterConfig (MaxText/moe/families.py reads upstream's keys)."""
+  from MaxText.moe import families  # pylint: disable=import-outside-toplevel
 
-  cfg = layer.config
-  return routing.RouterConfig(
-      num_experts=layer.num_experts,
-      top_k=layer.num_experts_per_tok,
-      score_func=cfg.routed_score_func or "",
-      # get_topk ~1335: bias only selects for these model names; ~1350 DeepSeek weights.
-      bias_selects_only=cfg.model_name.startswith(("deepseek3", "deepseek4", "kimi-k2")),
-      deepseek_weights=cfg.decoder_block.value in ("deepseek", "deepseek4"),
-      routed_scaling_factor=cfg.routed_scaling_factor,
-      n_groups=cfg.n_routing_groups,
-      topk_groups=cfg.topk_routing_group,
-      norm_topk_prob=cfg.norm_topk_prob,
-  )
+  return families.router_config(layer.config, layer.num_experts, layer.num_experts_per_tok)
 
 
 def _sharding(layer, num_tokens: int, ep_size: int):
@@ -149,7 +147,7 @@ def _aux_outputs(layer, r, batch: int):
 
 def _ours(layer, inputs, settings: dict):
   """Our block on upstream's parameters; returns upstream's (output, lb_loss, bias_updates)."""
-  from MaxText.moe import block, dispatch, routing  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import block, dispatch, families, routing  # pylint: disable=import-outside-toplevel
   from MaxText.moe import gmm as moe_gmm  # pylint: disable=import-outside-toplevel
 
   cfg = layer.config
@@ -167,7 +165,7 @@ def _ours(layer, inputs, settings: dict):
   disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
   block_cfg = block.BlockConfig(
       router=router_cfg,
-      activation=cfg.mlp_activations[0],
+      **families.glu(cfg),
       gmm_backend=moe_gmm.resolve_backend(settings["gmm"]).NAME,  # "auto" resolved (and logged) once
       dtype=jnp.dtype(cfg.dtype),
       gate_dtype=jnp.float32 if cfg.float32_gate_logits else jnp.dtype(cfg.dtype),
@@ -178,7 +176,9 @@ def _ours(layer, inputs, settings: dict):
                                   and not getattr(disp, "global_view", False))
   router = block.Router(kernel_DE=layer.gate.kernel[...],
                         bias_E=None if layer.gate.bias is None else layer.gate.bias[...])
-  experts = block.Experts(w0_EDF=layer.wi_0[...], w1_EDF=layer.wi_1[...], wo_EFD=layer.wo[...])
+  biases = {} if layer.wi_0_bias is None else {  # mlp_bias (GPT-OSS): upstream's own [experts, width] params
+      "b0_EF": layer.wi_0_bias[...], "b1_EF": layer.wi_1_bias[...], "bo_ED": layer.wo_bias[...]}
+  experts = block.Experts(w0_EDF=layer.wi_0[...], w1_EDF=layer.wi_1[...], wo_EFD=layer.wo[...], **biases)
   x_TD = inputs.reshape(batch * seq, hidden)
   sharding = _sharding(layer, batch * seq, ep_size)
   _CALLS[backend] += 1
@@ -324,8 +324,14 @@ def apply(fork, hooks=None) -> None:
   if fork.moe_block == "ours" and fork.moe_dispatch_backend == "te_ncclep":
     _check_te_ncclep_runs_here()
   settings = settings_from(fork, hooks)
+  for alias in IMPORTED_BY:  # all checked before anything is patched
+    alias.check()
   SEAM.apply(lambda upstream_cls: _subclass(upstream_cls, settings))
+  for alias in IMPORTED_BY:
+    alias.apply(lambda _: SEAM.target())  # the subclass just bound in maxtext.layers.moe
 
 
 def undo() -> None:
+  for alias in IMPORTED_BY:
+    alias.undo()
   SEAM.undo()

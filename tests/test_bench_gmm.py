@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from conftest import load_script
+from conftest import REPO, load_script
 
 bench = load_script("bench_gmm", "tools/bench_gmm.py")
 
@@ -94,3 +94,44 @@ def test_float32_references_per_group_with_empty_groups_and_rows_past_the_groups
   y, pull = jax.vjp(ffn, x, w, w2)
   for got, ref in zip(bench.ffn_reference(x, w, w2, dy, sizes), (y,) + pull(dy)):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-3)
+
+
+@pytest.mark.slow  # compiles a family's GEMMs and FFN on CPU
+def test_family_runs_its_expert_shapes_and_ffn(monkeypatch, tmp_path):
+  """--family: the family's up (D -> F) and down at M = tokens x top-k and its G, balanced and zipf1.2, fwd and
+  bwd, and the FFN at those dims; each against the dense GEMM and within the error bound."""
+  import json
+  import sys
+
+  # The plumbing at CPU size: qwen3-moe's entry shrunk (its real shape is a GPU's: tests/test_moe_families.py checks
+  # FAMILIES against the proxies), M = 32 tokens x top-8 = 256 rows.
+  monkeypatch.setitem(bench.FAMILIES, "qwen3-moe", (128, 48, 16, 8))
+  monkeypatch.setitem(bench.SHAPES, "qwen3-moe_up", (128, 48))
+  monkeypatch.setitem(bench.SHAPES, "qwen3-moe_down", (48, 128))
+  monkeypatch.setattr(bench, "PROXY_TOKENS", 32)
+  monkeypatch.setattr(sys, "argv", ["bench_gmm.py", "--family", "qwen3-moe", "--backends", "xla_vjp",
+                                    "--out", str(tmp_path)])
+  bench.main()
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  cases = {(r["case"], r["backend"], r["pass_"]) for r in rows}
+  for side in ("up", "down"):
+    for dist in ("balanced", "zipf1.2"):
+      for p in ("fwd", "bwd"):
+        assert (f"qwen3-moe_{side} M=256 G=16 {dist}", "xla_vjp", p) in cases
+  assert ("ffn 128->48 M=256 G=16 zipf1.2", "xla_vjp", "ffn") in cases
+  assert all(float(r["err"]) < bench.TOL for r in rows if r["backend"] == "xla_vjp"), rows
+
+
+def test_tune_gmm_family_problems_are_the_six_products_at_its_expert_shape():
+  """tools/tune_gmm.py --family: up, down, both dlhs (transposed) and both dW at the family's (D, F)."""
+  import sys
+
+  sys.path.insert(0, str(REPO / "tools"))
+  tune = load_script("tune_gmm", "tools/tune_gmm.py")
+  d, f, _, _ = bench.FAMILIES["qwen3-moe"]
+  got = tune.family_problems("qwen3-moe")
+  base = {name: (op, k, n, t) for name, (op, k, n, t) in tune.PROBLEMS.items()}  # DeepSeek-V3's six, 7168 -> 2048
+  assert {name.removeprefix("qwen3-moe_") for name in got} == set(base)
+  for name, (op, k, n, transpose) in got.items():
+    op0, k0, n0, t0 = base[name.removeprefix("qwen3-moe_")]
+    assert (op, transpose) == (op0, t0) and (k, n) == ((d, f) if (k0, n0) == (7168, 2048) else (f, d)), name

@@ -106,7 +106,8 @@ def test_tune_gmm_attributes_forward_tiles_to_their_pieces():
 
 @pytest.mark.parametrize("argv,named", [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
                                         (["--problems", "down,dwn"], "'dwn'"),
-                                        (["--profile-variants", "0,x"], "'x' is not a variant index")])
+                                        (["--profile-variants", "0,x"], "'x' is not a variant index"),
+                                        (["--family", "qwen3"], "unknown --family 'qwen3'")])
 def test_tune_gmm_names_a_bad_argument(monkeypatch, capsys, argv, named):
   import sys
   from conftest import REPO

@@ -3,6 +3,7 @@ measured in the same run, after a correctness check against a float32 reference.
 
   python tools/bench_gmm.py --quick --out /tmp/gmm        # the recorded DeepSeek-V3 set
   python tools/bench_gmm.py --shapes up,down --m 16384,131072 --g 8,64 --dists all
+  python tools/bench_gmm.py --family all --out /tmp/gmm  # each MoE family's expert shapes (FAMILIES)
 
 Rows per case: backend, pass (fwd = out = x @ w[g]; bwd = dlhs + dW; ffn = up(w0|w1 fused),
 SwiGLU, down, forward + backward), median ms, TF/s, ratio to dense. Correctness: fresh
@@ -44,6 +45,22 @@ SHAPES = {  # name -> (K, N) of one expert's product
     "down": (2048, 7168),
     "tiny": (256, 512),  # CPU smoke test of the script itself
 }
+# Each MoE family's experts as its one-GPU proxy runs them (configs/bench/<family>-proxy-1xh200.yml): hidden D,
+# expert width F, experts G on the GPU, top-k K. --family benchmarks up (D -> F) and down (F -> D) at
+# M = PROXY_TOKENS x K rows, and the whole expert FFN. Kimi-K2's G is 48, what a GPU holds of its 384 experts
+# under the one-node recipe's EP 8 (its 1-GPU proxy keeps 32, DeepSeek-V3's shape).
+FAMILIES = {
+    "deepseek3": (7168, 2048, 32, 8),
+    "qwen3-moe": (2048, 768, 128, 8),
+    "mixtral": (4096, 14336, 8, 2),
+    "gpt-oss": (2880, 2880, 32, 4),
+    "llama4": (5120, 8192, 16, 1),
+    "kimi-k2": (7168, 2048, 48, 8),
+    "deepseek2": (2048, 1408, 64, 6),
+}
+PROXY_TOKENS = 4 * 4096  # the proxies' batch: 4 sequences of 4,096 tokens
+for _family, (_d, _f, _, _) in FAMILIES.items():
+  SHAPES[f"{_family}_up"], SHAPES[f"{_family}_down"] = (_d, _f), (_f, _d)
 DISTS = ("balanced", "zipf1.2", "one90", "some_empty")
 TOL = 1e-2
 # Two e4m3 roundings of ~2.5% rms each: 3.6-3.7% Frobenius per product on Gaussian operands, bound 5%
@@ -309,9 +326,10 @@ def run_gemm_case(shape, m, g, dist, bks, passes, seed, rows, check=True):
             f"x{row['ratio']:.2f} err {row['err']}", flush=True)
 
 
-def run_ffn_case(m, g, dist, bks, seed, rows):
-  """Expert FFN: y = (silu(x@w0) * (x@w1)) @ w2, w0|w1 fused, forward + backward."""
-  d, f = map(int, ARGS.ffn_dims.split(","))
+def run_ffn_case(m, g, dist, bks, seed, rows, dims=None):
+  """Expert FFN: y = (silu(x@w0) * (x@w1)) @ w2, w0|w1 fused, forward + backward. dims: (model dim, expert dim),
+  named in the row (a family's); default --ffn-dims."""
+  d, f = dims or map(int, ARGS.ffn_dims.split(","))
   rng = np.random.default_rng(seed)
   sizes = group_sizes(dist, m, g, rng)
   kx, k1, k2, kd = jax.random.split(jax.random.key(seed), 4)
@@ -321,7 +339,7 @@ def run_ffn_case(m, g, dist, bks, seed, rows):
   dy = jax.random.normal(kd, (m, d), jnp.bfloat16)
   gs = jnp.asarray(sizes)
   flops = 3 * 2.0 * m * d * 3 * f
-  label = f"ffn M={m} G={g} {dist}"
+  label = f"ffn{f' {d}->{f}' if dims else ''} M={m} G={g} {dist}"
 
   def swiglu(h):
     return jax.nn.silu(h[:, :f]) * h[:, f:]
@@ -491,6 +509,9 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--quick", action="store_true",
                   help="DeepSeek-V3: up, down at M=65536 G=32 balanced+zipf1.2, fwd+bwd; FFN zipf1.2")
+  ap.add_argument("--family", default=None,
+                  help=f"comma-separated, or all: each family's up and down at its proxy's M and G, balanced+zipf1.2, "
+                       f"fwd+bwd, and its FFN ({', '.join(FAMILIES)}); replaces --shapes/--m/--g/--ffn-dims")
   ap.add_argument("--shapes", default="up_fused,up,down")
   ap.add_argument("--m", default="16384,65536,131072")
   ap.add_argument("--g", default="8,32,64")
@@ -517,6 +538,18 @@ def main():
   if ARGS.quick:
     ARGS.shapes, ARGS.m, ARGS.g, ARGS.dists = "up,down", "65536", "32", "balanced,zipf1.2"
     ARGS.ffn, ARGS.ffn_dists = True, "zipf1.2"
+  gemm_list = [(shape, m, g) for shape in ARGS.shapes.split(",") for m in map(int, ARGS.m.split(","))
+               for g in map(int, ARGS.g.split(","))]
+  ffn_list = [(m, g, None) for m in map(int, ARGS.m.split(",")) for g in map(int, ARGS.g.split(","))]
+  if ARGS.family:
+    names = list(FAMILIES) if ARGS.family == "all" else ARGS.family.split(",")
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+      ap.error(f"unknown family {unknown}; valid: all, {', '.join(FAMILIES)}")
+    rows_of = {n: (PROXY_TOKENS * FAMILIES[n][3], FAMILIES[n][2]) for n in names}
+    gemm_list = [(f"{n}_{side}", *rows_of[n]) for n in names for side in ("up", "down")]
+    ffn_list = [(*rows_of[n], FAMILIES[n][:2]) for n in names]
+    ARGS.dists, ARGS.ffn = ("balanced,zipf1.2" if ARGS.dists == "all" else ARGS.dists), True
   dists = DISTS if ARGS.dists == "all" else ARGS.dists.split(",")
   if ARGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", ARGS.cache_dir)
@@ -538,28 +571,25 @@ def main():
   rows, seed = [], 0
   def gemm_cases():
     nonlocal seed
-    for shape in ARGS.shapes.split(","):
-      for m in map(int, ARGS.m.split(",")):
-        for g in map(int, ARGS.g.split(",")):
-          for dist in dists:
-            seed += 1
-            if out_of_time():
-              raise KeyboardInterrupt
-            run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
-                          check=not ARGS.no_check)
-            save(rows, meta)
+    for shape, m, g in gemm_list:
+      for dist in dists:
+        seed += 1
+        if out_of_time():
+          raise KeyboardInterrupt
+        run_gemm_case(shape, m, g, dist, bks, ARGS.passes.split(","), seed, rows,
+                      check=not ARGS.no_check)
+        save(rows, meta)
 
   def ffn_cases():
     nonlocal seed
     ffn_dists = dists if ARGS.ffn_dists is None else ARGS.ffn_dists.split(",")
-    for m in map(int, ARGS.m.split(",")):
-      for g in map(int, ARGS.g.split(",")):
-        for dist in ffn_dists:
-          seed += 1
-          if out_of_time():
-            raise KeyboardInterrupt
-          run_ffn_case(m, g, dist, bks, seed, rows)
-          save(rows, meta)
+    for m, g, dims in ffn_list:
+      for dist in ffn_dists:
+        seed += 1
+        if out_of_time():
+          raise KeyboardInterrupt
+        run_ffn_case(m, g, dist, bks, seed, rows, dims)
+        save(rows, meta)
 
   order = [gemm_cases] + ([ffn_cases] if ARGS.ffn else [])
   if ARGS.ffn_first:

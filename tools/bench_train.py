@@ -9,6 +9,8 @@ on. A dense bf16 GEMM timed at the start calibrates MFU for this GPU.
   python3 tools/bench_train.py --steps 12 --out outputs/bench_train \
       --variants upstream_tokamax,ours,dense_equivalent
   python3 tools/bench_train.py --steps 200 --variants ours_load,ours_load_no_bias_update
+  python3 tools/bench_train.py --config configs/bench/mixtral-proxy-1xh200.yml \
+      --variants upstream_tokamax,ours,dense_equivalent      # another family's proxy: the same variants
 
 Prints one table last: median step time after warm-up, TFLOP/s/device as
 MaxText counts it, MFU against the measured dense-GEMM peak and against the
@@ -35,19 +37,22 @@ import time
 from pathlib import Path
 
 import profile_breakdown  # tools/ is sys.path[0] when run as a script
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, NVIDIA datasheet
 DEFAULT_CONFIG = "configs/bench/proxy-1xh200.yml"
 
 # name -> (overrides, dropless?). Upstream keys are maxtext 0.2.5's; ours are
-# MaxText/config.py's. "dense_equivalent" makes every layer a dense MLP of the
-# same active width (18432 = 8 routed x 2048 + 1 shared x 2048): the FLOPs the
-# MoE should cost.
+# MaxText/config.py's. The upstream variants name moe_block=upstream: the family
+# proxies' run configs run ours. "dense_equivalent" makes every layer a dense MLP
+# of the same active width (here the DeepSeek-V3 proxy's 18432 = 8 routed x 2048
+# + 1 shared x 2048): the FLOPs the MoE should cost; for another config it is
+# computed from its model (dense_equivalent below).
 VARIANTS: dict[str, tuple[list[str], bool]] = {
-    "upstream_ragged": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false"], True),
-    "upstream_tokamax": (["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
-    "upstream_capacity": (["sparse_matmul=false", "capacity_factor=1.0"], False),
+    "upstream_ragged": (["moe_block=upstream", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false"], True),
+    "upstream_tokamax": (["moe_block=upstream", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
+    "upstream_capacity": (["moe_block=upstream", "sparse_matmul=false", "capacity_factor=1.0"], False),
     # moe_block=ours alone: grouped GEMM auto (mgpu on Hopper), dispatch auto (local without EP).
     "ours": (["moe_block=ours"], True),
     # The cost of the in-step MoE statistics (moe_metrics_every_n_steps, default 1): "ours" has them on.
@@ -55,7 +60,8 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # The proxy config pins remat_policy=full, which would win over the preset's custom.
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
-    "ours_gmm_seam": (["moe_gmm_backend=auto"], True),
+    # Upstream's block with our grouped GEMM behind its gmm seam (patches/megablox_gmm.py).
+    "ours_gmm_seam": (["moe_block=upstream", "moe_gmm_backend=auto"], True),
     # FP8 end to end (BENCHMARKS.md "FP8 end to end"): our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
     # against "ours" in bf16 in the same invocation. TFLOP/s counts the same (bf16-equivalent) FLOPs.
     "ours_fp8": (["moe_block=ours", "moe_fp8=blockwise"], True),
@@ -63,7 +69,8 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # Upstream's own DeepSeek-V3 routing (its model_name check, none of our seams), on its best
     # grouped GEMM: the reference for our V3 router's loss curve. override_model_config keeps our
     # keys; upstream's 671B file adds only YaRN keys that plain RoPE ignores.
-    "upstream_deepseek3": (["model_name=deepseek3-671b", "override_model_config=true", "moe_router=upstream",
+    "upstream_deepseek3": (["moe_block=upstream", "model_name=deepseek3-671b", "override_model_config=true",
+                            "moe_router=upstream",
                             "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], True),
     # Expert load (max/mean tokens per expert) with and without V3's bias update, on our block. The
     # load callback syncs the host once per MoE layer call: take step times from "ours".
@@ -72,6 +79,48 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "ours_load_no_bias_update": (["moe_block=ours", "moe_dispatch_backend=local", "moe_gmm_backend=auto",
                                   "moe_log_expert_load=true", "routed_bias_update_rate=0"], True),
 }
+
+
+def model_view(config_path: str) -> dict:
+  """The model keys a run config resolves to: upstream's model file (model_name) under the run's own keys."""
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+
+  up = fork_config.load([config_path]).upstream
+  name = up.get("model_name", "default")
+  model_file = fork_config.upstream_configs_dir() / "models" / f"{name}.yml"
+  return {**(yaml.safe_load(model_file.read_text()) if name != "default" else {}), **up}
+
+
+def dense_equivalent(c: dict) -> list[str]:
+  """Overrides that make a model dense at its MoE layers' active width: the K routed and the shared experts of
+  width F become one MLP of (K + shared) x F, with the same attention, the FLOPs its MoE should cost (every layer
+  at that width: the proxies have an MoE in every layer past DeepSeek's leading dense ones). Each family's dense
+  sibling in upstream, one expert (num_experts 1) so that upstream checks no MoE widths: Qwen3's dense layer (the
+  same QK-norm attention), Mistral's for Mixtral, Llama's for Llama 4 (its NoPE layers and chunked attention
+  differ in no FLOP at the proxy's 4096 tokens, under its 8192 window: a Llama 4 layer cannot be dense in every
+  layer, upstream makes the last of each interleave step MoE). GPT-OSS has no dense layer upstream: its stand-in
+  is one expert of that width that every token takes (the dispatch still sorts, an identity)."""
+  block, layers = c.get("decoder_block", "default"), c["base_num_decoder_layers"]
+  k, shared = c["num_experts_per_tok"], c.get("shared_experts", 0)
+  width = (k + shared) * c["base_moe_mlp_dim"]
+  one_expert = ["num_experts=1", "num_experts_per_tok=1"]
+  per_family = {
+      "deepseek": [f"first_num_dense_layers={layers}"],  # DeepSeek-V2/V3, Kimi-K2: its leading dense layers
+      "qwen3_moe": ["decoder_block=qwen3", *one_expert],
+      "mixtral": ["decoder_block=mistral", *one_expert],
+      "llama4": ["decoder_block=llama2", *one_expert],
+      "gpt_oss": [*one_expert, f"base_moe_mlp_dim={width}"],  # its MoE reads moe_mlp_dim
+  }
+  if block not in per_family:
+    raise ValueError(f"no dense equivalent known for decoder_block {block!r}; one of {', '.join(per_family)}")
+  return [*per_family[block], f"base_mlp_dim={width}"]
+
+
+def variant_overrides(name: str, config_path: str) -> list[str]:
+  """VARIANTS[name]'s overrides; the dense equivalent is computed from the config's model."""
+  if name == "dense_equivalent":
+    return ["moe_block=upstream", *dense_equivalent(model_view(config_path))]
+  return VARIANTS[name][0]
 
 
 def dense_gemm_peak_tflops(size: int = 8192, reps: int = 20) -> float | None:
@@ -241,7 +290,7 @@ def main() -> int:
   peak = dense_gemm_peak_tflops()
   rows = []
   for name in names:
-    overrides, dropless = VARIANTS[name]
+    overrides, dropless = variant_overrides(name, args.config), VARIANTS[name][1]
     print(f"[bench_train] {name}: {' '.join(overrides)}", flush=True)
     row = run_variant(name, overrides, args)
     row["dropless"] = dropless

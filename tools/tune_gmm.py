@@ -2,6 +2,7 @@
 entries for `MaxText/moe/gmm/mgpu/tiling.TABLE` (copy them there; comments cite this run).
 
   python tools/tune_gmm.py --m 65536 --g 32 --dist zipf1.2 --out /tmp/tune
+  python tools/tune_gmm.py --family qwen3-moe --dist zipf1.2   # a family's six products at its proxy's M and G
 
 Each variant is checked against a float32 reference (rel err < 1e-2) before it is timed;
 variants that exceed shared memory or fail to compile are reported and skipped.
@@ -39,6 +40,15 @@ PROBLEMS = {
     "dw_up": ("tgmm", 7168, 2048, False),
     "dw_down": ("tgmm", 2048, 7168, False),
 }
+
+
+def family_problems(family: str) -> dict[str, tuple[str, int, int, bool]]:
+  """The same six products at a family's expert shape (bench_gmm.FAMILIES: hidden D, expert width F), named
+  <family>_<product>."""
+  d, f, _, _ = bench.FAMILIES[family]
+  return {f"{family}_up": ("fwd", d, f, False), f"{family}_down": ("fwd", f, d, False),
+          f"{family}_dlhs_down": ("fwd", d, f, True), f"{family}_dlhs_up": ("fwd", f, d, True),
+          f"{family}_dw_up": ("tgmm", d, f, False), f"{family}_dw_down": ("tgmm", f, d, False)}
 # Variants, as changes to the table's current entry for the problem (`mgpu_tiling.lookup`).
 # The on-device profile (--profile-dir) found the forward's K loop at the tensor cores' peak and ~3 kc
 # (thousands of SM cycles) per tile outside it, ~1.9 kc of which is the epilogue, and split a 128x64
@@ -225,7 +235,10 @@ def main():
   ap.add_argument("--m", type=int, default=65536)
   ap.add_argument("--g", type=int, default=32)
   ap.add_argument("--dist", default="zipf1.2")
-  ap.add_argument("--problems", default=",".join(PROBLEMS))
+  ap.add_argument("--problems", default=None, help="default: DeepSeek-V3's six (up ... dw_down)")
+  ap.add_argument("--family", default=None,
+                  help=f"one of {', '.join(bench.FAMILIES)}: its six products at its proxy's M and G "
+                       "(tools/bench_gmm.py FAMILIES); replaces --problems, --m and --g")
   ap.add_argument("--out", default=None)
   ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per problem")
   ap.add_argument("--profile-dir", default=None,
@@ -239,6 +252,13 @@ def main():
   args = ap.parse_args()
   if args.rounds < 1:
     ap.error(f"--rounds must be >= 1, got {args.rounds}")
+  if args.family is not None:
+    if args.family not in bench.FAMILIES:
+      ap.error(f"unknown --family {args.family!r}; valid: {', '.join(bench.FAMILIES)}")
+    _, _, args.g, top_k = bench.FAMILIES[args.family]
+    PROBLEMS.update(family_problems(args.family))
+    args.m, args.problems = bench.PROXY_TOKENS * top_k, ",".join(family_problems(args.family))
+  args.problems = args.problems or "up,down,dlhs_down,dlhs_up,dw_up,dw_down"
   unknown = [p for p in args.problems.split(",") if p not in PROBLEMS]
   if unknown:
     ap.error(f"unknown --problems {unknown}; valid: {', '.join(PROBLEMS)}")

@@ -2,7 +2,7 @@
 
     routing = route(x, router)                       # which K experts, what weights
     x_MD, meta = dispatcher.dispatch(x, routing.ids) # rows grouped by expert
-    y_MD = expert_ffn(x_MD, meta, experts)           # three grouped GEMMs
+    y_MD = expert_ffn(x_MD, meta, experts)           # three grouped GEMMs (+ expert biases), a GLU
     y = dispatcher.combine(y_MD, routing.weights, meta)
 
 With FP8 experts the tokens cross the dispatch already quantized, and so does the combine's cotangent on
@@ -34,7 +34,30 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu": jax.nn.gelu,
     "relu": jax.nn.relu,
+    "sigmoid": jax.nn.sigmoid,  # GPT-OSS's gate, inside its own GLU form ("gpt_oss" below)
     "linear": lambda x: x,
+}
+
+
+def _glu(h0, h1, act, limit):
+  return act(h0) * h1
+
+
+def _clamped_glu(h0, h1, act, limit):
+  return act(jnp.minimum(h0, limit)) * jnp.clip(h1, -limit, limit)
+
+
+def _gpt_oss_glu(h0, h1, act, limit):
+  h0 = jnp.minimum(h0, limit)
+  return h0 * act(h0 * 1.702) * (jnp.clip(h1, -limit, limit) + 1)
+
+
+# How the gate (h0 = x @ w0) and up (h1 = x @ w1) projections combine, as upstream's
+# RoutedMoE.apply_ffn_activation (layers/moe.py ~1441) does per decoder block.
+GLUS: dict[str, Callable] = {
+    "glu": _glu,  # act(h0) * h1: SwiGLU with silu (DeepSeek, Qwen3, Mixtral, Llama 4)
+    "clamped_glu": _clamped_glu,  # act(min(h0, L)) * clip(h1, +-L): DeepSeek-V4 (mlp_activations_limit L)
+    "gpt_oss": _gpt_oss_glu,  # h0' * act(1.702 h0') * (clip(h1, +-L) + 1), h0' = min(h0, L): GPT-OSS
 }
 
 
@@ -48,14 +71,18 @@ class Router:
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
-  """SwiGLU expert weights of the experts this shard holds (all without EP).
+  """GLU expert weights of the experts this shard holds (all without EP).
 
-  E is the number of local experts; F the expert MLP width.
+  E is the number of local experts; F the expert MLP width. The biases (upstream's
+  mlp_bias: GPT-OSS) are None for models without them.
   """
 
   w0_EDF: jax.Array  # gate projection (activation applied)
   w1_EDF: jax.Array  # up projection (linear)
   wo_EFD: jax.Array  # down projection
+  b0_EF: jax.Array | None = None  # gate projection's bias
+  b1_EF: jax.Array | None = None  # up projection's bias
+  bo_ED: jax.Array | None = None  # down projection's bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +92,8 @@ class BlockConfig:
   Attributes:
     router: routing hyper-parameters.
     activation: name in ACTIVATIONS for the gate projection.
+    glu: name in GLUS: how the activated gate and the up projection combine.
+    activation_limit: GLUS' clamp L (the clamped forms only).
     gmm_backend: MaxText.moe.gmm backend name.
     dtype: compute dtype of the grouped GEMMs and the output.
     gate_dtype: dtype of the router matmul (upstream: float32_gate_logits).
@@ -78,6 +107,8 @@ class BlockConfig:
 
   router: routing_lib.RouterConfig
   activation: str = "silu"
+  glu: str = "glu"
+  activation_limit: float = 0.0
   gmm_backend: str = "xla"
   dtype: jnp.dtype = jnp.float32
   gate_dtype: jnp.dtype | None = None
@@ -85,23 +116,51 @@ class BlockConfig:
   overlap_chunks: int = 1
 
 
-def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None, output=None):
-  """SwiGLU of each row with its expert: act(x @ w0) * (x @ w1) @ wo. x_tiles: x_MD's rows already
-  quantized (the FP8 dispatch), which both up-projections multiply. output(h_MF, wo_EFD): the last
-  product, where it is not wo's grouped GEMM alone (the FP8 dispatch's, with the combine)."""
+def expert_ffn(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
+  """GLU of each row with its expert: glu(x @ w0 + b0, x @ w1 + b1) @ wo + bo (biases where the model has
+  them). x_tiles: x_MD's rows already quantized (the FP8 dispatch), which both up-projections multiply."""
+  return _down(_up_glu(x_MD, meta, experts, cfg, x_tiles), meta, experts, cfg)
+
+
+def _gmm_kw(meta, cfg: BlockConfig):
+  return dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
+
+
+def _up_glu(x_MD, meta, experts: Experts, cfg: BlockConfig, x_tiles=None):
+  """The up-projections, their biases and the GLU: h_MF."""
   with jax.named_scope("gmm"):
-    kw = dict(backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype)
     # Inside shard_map the weights are shared by every token shard: gmm's VJP sums their dW over the
     # token axes (MaxText/moe/vma.py).
-    w0, w1, wo = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF, experts.wo_EFD))
+    w0, w1 = (w.astype(cfg.dtype) for w in (experts.w0_EDF, experts.w1_EDF))
     # The operands that are gathers of token rows: x_MD (the dispatch's output) and the combine's
     # cotangent of wo's output. FP8 backends let XLA quantize those through the gather (gmm's doc).
-    h0_MF = _tag(gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_0")
-    h1_MF = _tag(gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **kw), "mlpwi_1")
-    h_MF = (ACTIVATIONS[cfg.activation](h0_MF) * h1_MF).astype(cfg.dtype)
-    if output is not None:
-      return output(h_MF, wo)
-    return _tag(gmm(h_MF, wo, meta.group_sizes_G, gathered=(False, True), **kw), "mlpwo")
+    h0_MF = gmm(x_MD, w0, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **_gmm_kw(meta, cfg))
+    h1_MF = gmm(x_MD, w1, meta.group_sizes_G, lhs_tiles=x_tiles, gathered=(True, False), **_gmm_kw(meta, cfg))
+    h0_MF, h1_MF = (_tag(_plus_row_bias(h, b, meta, cfg.dtype), name)
+                    for h, b, name in ((h0_MF, experts.b0_EF, "mlpwi_0"), (h1_MF, experts.b1_EF, "mlpwi_1")))
+    return GLUS[cfg.glu](h0_MF, h1_MF, ACTIVATIONS[cfg.activation], cfg.activation_limit).astype(cfg.dtype)
+
+
+def _down(h_MF, meta, experts: Experts, cfg: BlockConfig):
+  """wo's grouped GEMM and its bias: y_MD."""
+  with jax.named_scope("gmm"):
+    y_MD = gmm(h_MF, experts.wo_EFD.astype(cfg.dtype), meta.group_sizes_G, gathered=(False, True),
+               **_gmm_kw(meta, cfg))
+    return _tag(_plus_row_bias(y_MD, experts.bo_ED, meta, cfg.dtype), "mlpwo")
+
+
+def _plus_row_bias(h_MN, bias_EN, meta, dtype):
+  """h_MN + the bias of each row's expert; rows of experts this shard does not hold and padding rows stay
+  as the grouped GEMM left them (zeros), as upstream masks them (layers/moe.py ~2925)."""
+  if bias_EN is None:
+    return h_MN
+  num_rows, num_local = h_MN.shape[0], bias_EN.shape[0]
+  # Row m belongs to (global) group g(m): the first whose cumulative size exceeds m; rows past the last are padding.
+  group_M = jnp.searchsorted(jnp.cumsum(meta.group_sizes_G), jnp.arange(num_rows), side="right")
+  local_M = group_M - meta.group_offset
+  held_M = (local_M >= 0) & (local_M < num_local)
+  bias_MN = jnp.where(held_M[:, None], bias_EN.astype(dtype)[jnp.clip(local_M, 0, num_local - 1)], 0)
+  return h_MN + bias_MN.astype(h_MN.dtype)
 
 
 def _tag(y, name: str):
@@ -140,23 +199,22 @@ def _dispatch(x_TD, ids_TK, cfg: BlockConfig, dispatcher: Dispatcher):
 def _up(moved, experts: Experts, cfg: BlockConfig):
   """The up-projections and the activation: h_MF."""
   x_MD, x_tiles, meta = moved
-  return expert_ffn(x_MD, meta, experts, cfg, x_tiles, output=lambda h_MF, wo_EFD: h_MF)
+  return _up_glu(x_MD, meta, experts, cfg, x_tiles)
 
 
 def _output(h_MF, moved, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher):
   """wo's product and the combine: y_TD."""
   meta = moved[2]
   if cfg.fp8_dispatch:
+    if experts.bo_ED is not None:  # MaxText/config_checks.py refuses moe_fp8 with mlp_bias first
+      raise ValueError("expert biases (mlp_bias) with the FP8 dispatch's fused output and combine: not implemented")
     # wo's product and the combine in one VJP: the combine's backward moves the cotangent to the experts as
     # FP8 tiles, which wo's dlhs and dW take as they are (its combine's ops in a "combine" scope of their own).
     with jax.named_scope("gmm"):
       return fp8_dispatch.expert_output_combine(dispatcher, h_MF, experts.wo_EFD.astype(cfg.dtype), meta,
                                                 weights_TK, ids_TK, backend=cfg.gmm_backend, dtype=cfg.dtype,
                                                 tag=_tag_mlpwo)
-  with jax.named_scope("gmm"):
-    y_MD = _tag(gmm(h_MF, experts.wo_EFD.astype(cfg.dtype), meta.group_sizes_G, gathered=(False, True),
-                    backend=cfg.gmm_backend, group_offset=meta.group_offset, preferred_element_type=cfg.dtype),
-                "mlpwo")
+  y_MD = _down(h_MF, meta, experts, cfg)
   with jax.named_scope("combine"):
     return dispatcher.combine(y_MD, weights_TK, meta)
 
@@ -243,11 +301,16 @@ def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts,
   with jax.named_scope("dispatch"):
     x_PRD, meta = dispatcher.dispatch(pin(x_TD.astype(cfg.dtype)), pin(ids_TK), pin(weights_TK))
   ffn = lambda x_1RD, meta_1, e: expert_ffn(x_1RD[0], meta_1, e, cfg)[None]  # noqa: E731
-  exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
+  exp = _expert_specs(experts, sharding)
   y_PRD = jax.shard_map(ffn, mesh=sharding.mesh, in_specs=(tok, tok, exp), out_specs=tok)(x_PRD, meta, experts)
   with jax.named_scope("combine"):
     y_TD = dispatcher.combine(y_PRD, weights_TK, meta)
   return y_TD, meta.overflow_P
+
+
+def _expert_specs(experts: Experts, sharding: Sharding) -> Experts:
+  """Every expert tensor (weights and biases) split over the expert axis by its leading E dim."""
+  return jax.tree.map(lambda _: P(sharding.expert_axis), experts)
 
 
 def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
@@ -266,21 +329,25 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
   capacity, max over shards), rows beyond capacity, i.e. dropped (sum over shards)]; zeros when unbounded."""
   with jax.named_scope("route"):
     r = routing_lib.route(x_TD, router.kernel_DE, router.bias_E, cfg.router, dtype=cfg.gate_dtype)
+  weights_TK = r.weights_TK
+  if cfg.router.weigh_input:  # Llama 4: the score scales the token before its (one) expert; combine with 1
+    x_TD, weights_TK = x_TD * weights_TK, jnp.ones_like(weights_TK)
   if getattr(dispatcher, "global_view", False):
-    y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, r.weights_TK, experts, cfg, dispatcher,
+    y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, weights_TK, experts, cfg, dispatcher,
                                                       sharding)
     return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jnp.zeros((2,), jnp.float32)
   body = lambda x, ids, w, e: chunked(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
-    exp = Experts(*(P(sharding.expert_axis) for _ in range(3)))
+    exp = _expert_specs(experts, sharding)
     # One overflow flag per device (per stage: the pipeline's vmap adds its own axis).
     every_shard = P(tuple(a for a in sharding.mesh.axis_names if a != sharding.vmapped_axis))
     body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp),
                          out_specs=(tok, every_shard, every_shard), check_vma=sharding.vmapped_axis is None)
-  y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, r.weights_TK, experts)
+  y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, weights_TK, experts)
   buffer_2 = jnp.stack([jnp.max(buffer_S2[:, 0]), jnp.sum(buffer_S2[:, 1])])
   return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jax.lax.stop_gradient(buffer_2)
 
 
-jax.tree_util.register_dataclass(Experts, data_fields=["w0_EDF", "w1_EDF", "wo_EFD"], meta_fields=[])
+jax.tree_util.register_dataclass(Experts, data_fields=["w0_EDF", "w1_EDF", "wo_EFD", "b0_EF", "b1_EF", "bo_ED"],
+                                 meta_fields=[])

@@ -18,6 +18,9 @@ the configs we ship, so that swapping our block in leaves the numbers alone:
     normalized to sum 1 for sigmoid/sqrtsoftplus, then times
     routed_scaling_factor. Otherwise (Mixtral, Qwen3...): a softmax over the k
     weights, optionally renormalized (norm_topk_prob).
+  weigh_input (upstream: decoder_block llama4, `permute` ~1545): the weight is
+    the sigmoid of the chosen logit, and it scales the token going into its one
+    expert (top-1), not the expert's output; the block combines with 1.
 
 Also the two side outputs upstream's block returns: the Switch-style load
 balance loss (`load_balance_loss` ~3857) and the expert counts that drive the
@@ -49,6 +52,8 @@ class RouterConfig:
     n_groups: expert groups for group-limited routing (-1 = off).
     topk_groups: groups kept per token when n_groups > 0.
     norm_topk_prob: renormalize the softmax top-k weights (Qwen3).
+    weigh_input: Llama 4's weights: sigmoid of the chosen logit, applied to the
+      token before its expert (needs top_k 1; MaxText/moe/block.py applies it).
   """
 
   num_experts: int
@@ -60,6 +65,12 @@ class RouterConfig:
   n_groups: int = -1
   topk_groups: int = -1
   norm_topk_prob: bool = False
+  weigh_input: bool = False
+
+  def __post_init__(self):
+    if self.weigh_input and self.top_k != 1:
+      raise ValueError(f"weigh_input (Llama 4's router) scales a token by its one expert's score: needs top_k 1, "
+                       f"got {self.top_k}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +151,9 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
     select_TE = jnp.where(_group_mask_TE(select_TE, cfg), select_TE, -jnp.inf)
   _, ids_TK = jax.lax.top_k(select_TE, cfg.top_k)
   weights_TK = jnp.take_along_axis(scores_TE if cfg.bias_selects_only else select_TE, ids_TK, axis=-1)
-  if cfg.deepseek_weights:
+  if cfg.weigh_input:
+    weights_TK = jax.nn.sigmoid(weights_TK.astype(jnp.float32))  # upstream's sigmoid of the raw top-1 logit
+  elif cfg.deepseek_weights:
     if cfg.score_func in ("sigmoid", "sqrtsoftplus"):
       weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
     weights_TK = weights_TK * cfg.routed_scaling_factor
