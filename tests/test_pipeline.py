@@ -394,7 +394,7 @@ def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():
 
 def test_a_resume_onto_another_pipeline_layout_names_the_keys(tmp_path):
   """The record written at a run's start against the config of the resume; no checkpoint or no record: no check."""
-  from MaxText import checkpoint_compat, config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpoint_compat, checkpoint_records, config as fork_config  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/deepseek3-tiny.yml", f"base_output_directory={tmp_path}", "run_name=r"])
   layout = lambda stages, repeats, per_stage=1: types.SimpleNamespace(  # noqa: E731
@@ -402,8 +402,11 @@ def test_a_resume_onto_another_pipeline_layout_names_the_keys(tmp_path):
       num_layers_per_pipeline_stage=per_stage, scan_layers_per_stage=per_stage > 1, pipeline_parallel_layers=4)
   checkpoint_compat.record_pipeline_layout(run, layout(2, 2))
   checkpoint_compat.check_pipeline_resume(run, layout(4, 1))  # nothing saved yet: nothing to refuse
+  # A complete step: orbax's commit marker and metadata, and our record of it (MaxText/checkpoint_records.py).
   (run.run_dir / "checkpoints" / "3" / "items").mkdir(parents=True)
   (run.run_dir / "checkpoints" / "3" / "items" / "_METADATA").write_text("{}")
+  (run.run_dir / "checkpoints" / "3" / checkpoint_records.COMMIT_MARKER).write_text("")
+  checkpoint_records.write_record(run.run_dir, 3, [], [])
   checkpoint_compat.check_pipeline_resume(run, layout(2, 2))
   with pytest.raises(fork_config.ConfigError, match=r"repeats 2 -> 1, num_layers_per_pipeline_stage 1 -> 2"):
     checkpoint_compat.check_pipeline_resume(run, layout(2, 1, 2))  # the same shapes, the layers in another order

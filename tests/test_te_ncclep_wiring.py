@@ -29,7 +29,8 @@ import pytest  # noqa: E402
 
 from conftest import REPO, run_rejected  # noqa: E402
 
-TE_ERROR = "maxtext-moe: config error: moe_dispatch_backend=te_ncclep cannot run here: transformer_engine.jax.ep"
+TE_ERROR = ("maxtext-moe: config error: config key 'moe_dispatch_backend' = 'te_ncclep' (as set) cannot run on this CPU "
+            "machine: transformer_engine.jax.ep")
 TINY_EP4 = ("moe_block=ours", "moe_dispatch_backend=te_ncclep", "ici_expert_parallelism=4", "steps=2",
             "enable_checkpointing=false", "base_num_decoder_layers=4", "max_target_length=64")
 
