@@ -232,6 +232,7 @@ print("RESULT", bool(overflow), float(buf[0]), float(buf[1]))
   assert overflow == "True" and float(fill) == pytest.approx(4.0) and float(dropped) == 24.0
 
 
+@pytest.mark.slow  # 14 s: upstream's block compiled; the fast tier checks ours
 def test_upstream_block_sows_the_statistics_of_its_own_routing():
   """moe_block=upstream with statistics on: counts from upstream's gate and get_topk, the block's output unchanged."""
   import jax
