@@ -107,6 +107,25 @@ def test_inventory_reads_every_replica_group_spelling_and_multiplies_loops():
   assert inv["inter_node_bytes"] == pytest.approx(5 * 512 / 2 + 48 + 12 + 5 * 64)
 
 
+def test_off_node_share_is_linear_in_the_group_and_matches_the_pairwise_count():
+  """A 1,024-GPU all-to-all group reads each member's node once (a pairwise count read it a million times)."""
+
+  class CountedNodes(list):
+    reads = 0
+
+    def __getitem__(self, i):
+      CountedNodes.reads += 1
+      return list.__getitem__(self, i)
+
+  nodes = CountedNodes([i // 8 for i in range(1024)])
+  assert hlo_inventory.off_node_share("all-to-all", [list(range(1024))], nodes) == pytest.approx(1016 / 1023)
+  assert CountedNodes.reads <= 2 * 1024
+  groups, few_nodes = [[0, 1, 2, 5], [3, 4], [6]], [0, 0, 1, 1, 2]  # member 5 and 6 past `nodes`: one unknown node
+  node = lambda i: few_nodes[i] if i < len(few_nodes) else -1  # noqa: E731
+  pairwise = [sum(node(j) != node(i) for j in g) / (len(g) - 1) for g in groups if len(g) > 1 for i in g]
+  assert hlo_inventory.off_node_share("all-gather", groups, few_nodes) == pytest.approx(sum(pairwise) / len(pairwise))
+
+
 def test_inventory_flags_a_loop_without_trip_count():
   inv = hlo_inventory.inventory(HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""), MESH_2x4, [0] * 8)
   assert _rows(inv)[("all-gather", ("fsdp", "expert"))]["count"] == 1

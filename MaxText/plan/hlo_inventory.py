@@ -39,7 +39,7 @@ import glob
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +228,12 @@ def off_node_share(kind: str, groups: list[list[int]], nodes: list[int]) -> floa
   node = lambda i: nodes[i] if i < len(nodes) else -1  # noqa: E731
   if kind == "collective-permute":
     return sum(node(a) != node(b) for a, b in groups) / len(groups) if groups else 0.0
-  shares = [sum(node(j) != node(i) for j in g) / (len(g) - 1) for g in groups if len(g) > 1 for i in g]
-  return sum(shares) / len(shares) if shares else 0.0
+  off_node, members = 0.0, 0
+  for g in (g for g in groups if len(g) > 1):  # members per node: linear in the group, not pairwise
+    per_node = Counter(node(i) for i in g)
+    off_node += sum(c * (len(g) - c) for c in per_node.values()) / (len(g) - 1)
+    members += len(g)
+  return off_node / members if members else 0.0
 
 
 def _dot_flops(instr: Instr, comp: Computation) -> float:
