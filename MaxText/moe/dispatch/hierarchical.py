@@ -20,9 +20,11 @@ Inside `shard_map` over the expert axis (this shard: node v, local rank l):
     partial per (token, node), float32 sums cast to the rows' dtype: what crosses InfiniBand back is a
     row per node, as DeepEP's combine); stage 1 backwards; each token's partials summed.
 
-Every move of rows is a gather by a map whose inverse is known, and each is a custom VJP whose
-backward is the gather by the inverse (`spread` and `collect` are each other's transpose): no sort,
-scatter or [T, E] one-hot in the backward, as in MaxText/moe/dispatch/local.py.
+The moves of rows in and out of the two exchange buffers are gathers by a map whose inverse is known,
+each a custom VJP whose backward is the gather by the inverse (`spread` and `collect` are each other's
+transpose): no sort or [T, E] one-hot in the backward, as in MaxText/moe/dispatch/local.py. Two moves
+are plain gathers, as in a2a_padded: the expert-major regroup after stage 2 (`src_R`) and its undoing
+at the start of the combine (`dest_R`); JAX transposes each into a scatter-add of the R2 rows.
 
 Why axis_index_groups: the two exchanges are all_to_alls over subgroups of the one `expert` mesh axis.
 jax 0.11.2 lowers `all_to_all(..., axis_index_groups=...)` inside shard_map on XLA:CPU and XLA:GPU (an
