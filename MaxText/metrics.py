@@ -22,6 +22,7 @@ class StepRecord:
   tflops_per_device: float | None
   tokens_per_s_per_device: float | None
   moe: dict[str, float] = field(default_factory=dict)  # MOE_SCALARS this step logged
+  grad_norm: float | None = None  # upstream's learning/raw_grad_norm: the backward's, before clipping
 
 
 # Upstream's per-step MoE scalars kept in the summary (the diag/ ones need log_step_diagnostics=true):
@@ -59,6 +60,7 @@ class ProgressTracker:
         tflops_per_device=scalar("perf/per_device_tflops_per_sec"),
         tokens_per_s_per_device=scalar("perf/per_device_tokens_per_sec"),
         moe={name: scalar(name) for name in MOE_SCALARS if scalars.get(name) is not None},
+        grad_norm=scalar("learning/raw_grad_norm"),
     )
     self.records.append(record)
     self._on_moe_stats(step, scalars)
@@ -148,6 +150,7 @@ class ProgressTracker:
         "checkpoints": str(run_dir / "checkpoints") if upstream.get("enable_checkpointing", True) else None,
         "tensorboard": str(run_dir / "tensorboard"),
         "losses": {r.step: r.loss for r in self.records},
+        "grad_norms": {r.step: r.grad_norm for r in self.records if r.grad_norm is not None},
         "moe_scalars": {r.step: r.moe for r in self.records if r.moe},
         "expert_load": self.expert_load_summary(),
         "moe_load": self.moe_load,

@@ -60,6 +60,11 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # The proxy config pins remat_policy=full, which would win over the preset's custom.
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
+    # The offload drift split (BENCHMARKS.md "Host offload"): "ours" run twice is the run-to-run floor on this GPU;
+    # custom remat keeping host_offload's saved names on the device separates what is recomputed from the host copy.
+    "ours_repeat": (["moe_block=ours"], True),
+    "ours_custom": (["moe_block=ours", "remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=device",
+                     "moe_mlpwi_1=device"], True),
     # Upstream's block with our grouped GEMM behind its gmm seam (patches/megablox_gmm.py).
     "ours_gmm_seam": (["moe_block=upstream", "moe_gmm_backend=auto"], True),
     # FP8 end to end (BENCHMARKS.md "FP8 end to end"): our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
@@ -226,19 +231,25 @@ def format_table(rows: list[dict], peak: float | None, tokens_per_step: int | No
   return "\n".join(lines)
 
 
-def format_losses(rows: list[dict]) -> str:
+def format_losses(rows: list[dict], loss_ref: str | None = None) -> str:
   """Per-step losses of every variant that trained, and each one's largest |difference| from
-  the first upstream variant in the run (same data and seed; dense_equivalent is another
-  model, so its difference is not a correctness figure)."""
+  `loss_ref` (default: the first upstream variant in the run; same data and seed; dense_equivalent is
+  another model, so its difference is not a correctness figure). Gradient norms, where the runs logged
+  them, follow the losses: a difference at step 0 is the backward's, before any update compounds it."""
   trained = [r for r in rows if r.get("losses")]
   if not trained:
     return ""
-  ref = next((r for r in trained if r["variant"].startswith("upstream")), trained[0])
+  ref = next((r for r in trained if r["variant"] == loss_ref), None) or next(
+      (r for r in trained if r["variant"].startswith("upstream")), trained[0])
   steps = sorted({int(s) for r in trained for s in r["losses"]})
   lines = ["loss by step " + " ".join(f"{r['variant']:>17}" for r in trained)]
   for step in steps:
     cells = (r["losses"].get(str(step)) for r in trained)
     lines.append(f"{step:>12} " + " ".join(f"{v:>17.4f}" if v is not None else f"{'-':>17}" for v in cells))
+  if ref.get("grad_norms"):
+    first = min(ref["grad_norms"], key=int)
+    lines.append(f"gradient norm at step {first}: " + ", ".join(
+        f"{r['variant']} {r['grad_norms'][first]:.6g}" for r in trained if first in r.get("grad_norms", {})))
   for r in trained:
     if r is ref:
       continue
@@ -278,6 +289,8 @@ def main() -> int:
                            "tokens/s/device")
   parser.add_argument("--profile", action="store_true", help="trace late steps and print each variant's step breakdown")
   parser.add_argument("--profile-steps", type=int, default=3, help="steps traced per variant with --profile")
+  parser.add_argument("--loss-ref", default=None, help="the variant the losses are compared with (default: the first "
+                      "upstream variant)")
   parser.add_argument("extra", nargs="*", help="key=value overrides applied to every variant")
   args = parser.parse_args()
   args.out = str(Path(args.out).absolute())
@@ -305,7 +318,7 @@ def main() -> int:
         print(profile_breakdown.format_breakdown(row["breakdown"], title=row["variant"]) + "\n")
       else:
         print(f"step breakdown {row['variant']}: none ({row.get('breakdown_error') or row.get('error', 'run failed')})\n")
-  print(format_losses(rows) + "\n")
+  print(format_losses(rows, args.loss_ref) + "\n")
   if format_expert_load(rows):
     print(format_expert_load(rows) + "\n")
   print(format_table(rows, peak, args.tokens_per_step))

@@ -1,0 +1,61 @@
+"""tools/bench_families.py: the family table's arithmetic, its budget rule, and that every family it times has a
+run config, a planner estimate to hold to the step and a grouped-GEMM shape in tools/bench_gmm.py. The whole
+script ran on CPU through the tiny configs (its docstring's --configs); the GPU run's table is in BENCHMARKS."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO, load_script
+
+sys.path.insert(0, str(REPO / "tools"))  # bench_families imports bench_train as a sibling script
+families = load_script("bench_families", "tools/bench_families.py")
+bench_gmm = load_script("bench_gmm", "tools/bench_gmm.py")
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILY_CONFIGS))
+def test_every_family_has_a_run_config_an_estimate_and_gemm_shapes(family):
+  config = REPO / families.FAMILY_CONFIGS[family]
+  assert config.is_file()
+  assert families.planner_estimate_ms(config) > 0  # the header the measured step is held to
+  assert family in bench_gmm.FAMILIES
+
+
+def test_ratios_take_upstreams_fastest_variant():
+  rows = [{"variant": "upstream_ragged", "median_step_time_s": 2.0},
+          {"variant": "upstream_tokamax", "median_step_time_s": 1.5},
+          {"variant": "ours", "median_step_time_s": 1.0},
+          {"variant": "dense_equivalent", "median_step_time_s": 0.9},
+          {"variant": "ours_fp8", "returncode": "timeout"}]
+  s = families.family_row("mixtral", rows, estimate_ms=1100.0)
+  assert s["best_upstream"] == "upstream_tokamax"
+  assert s["ours_over_upstream"] == pytest.approx(1.5)
+  assert s["ours_over_dense"] == pytest.approx(0.9)
+  assert s["estimate_over_measured"] == pytest.approx(1.1)
+
+
+def test_a_family_without_ours_has_no_ratios():
+  s = families.family_row("llama4", [{"variant": "upstream_tokamax", "median_step_time_s": 1.0}], None)
+  assert set(s) == {"family", "estimate_ms"}
+  assert "-" in families.format_tables([{"family": "llama4", "rows": [], "summary": s}], None)
+
+
+def test_budget_starts_a_run_only_when_the_longest_so_far_fits():
+  assert families.fits_budget(0, None, [])  # no budget: everything runs
+  assert families.fits_budget(0, 300, [])  # the first run is bounded by a third of the budget
+  assert not families.fits_budget(250, 300, [])
+  assert families.fits_budget(200, 300, [60, 90, 40])
+  assert not families.fits_budget(220, 300, [60, 90, 40])
+
+
+def test_drift_split_variants_differ_only_in_remat():
+  """The offload drift split (BENCHMARKS.md "Host offload"): ours twice, custom remat with the offload preset's
+  saved names kept on the device, then offloaded; only remat keys differ from ours."""
+  bench_train = sys.modules["bench_train"]
+  ours = set(bench_train.VARIANTS["ours"][0])
+  assert set(bench_train.VARIANTS["ours_repeat"][0]) == ours
+  custom = set(bench_train.VARIANTS["ours_custom"][0]) - ours
+  assert {kv.split("=")[0] for kv in custom} == {"remat_policy", "decoder_layer_input", "moe_mlpwi_0", "moe_mlpwi_1"}
+  assert all(kv.endswith(("=device", "=custom")) for kv in custom)
