@@ -192,8 +192,8 @@ def _ours(layer, inputs, settings: dict):
     from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
 
     bias_E = None if layer.gate.bias is None else layer.gate.bias[...]
-    for name, value in stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, layer.num_experts, overflow,
-                                              buffer_2).items():
+    for name, value in stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, layer.num_experts, overflow, buffer_2,
+                                         score_func=router_cfg.score_func).items():
       layer.sow(nnx.Intermediate, name, jax.lax.stop_gradient(value))
   if settings["on_expert_counts"] is not None:  # moe_log_expert_load: global counts, outside the shard_map
     jax.debug.callback(settings["on_expert_counts"], routing.expert_counts_E(r.ids_TK, layer.num_experts))
@@ -240,12 +240,10 @@ def _sow_upstream_stats(layer, inputs, input_ids, gate_inputs, forced_routed_exp
   logits, pre_bias_logits = layer.gate(x)
   _, ids_BSK = layer.get_topk(logits, pre_bias_logits, None, input_ids, forced_routed_experts)
   scores = pre_bias_logits if pre_bias_logits is not None else logits
-  if not layer.gate.score_func:  # raw logits: upstream's softmax in get_topk makes them a distribution
-    scores = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
   bias_E = None if layer.gate.bias is None else layer.gate.bias[...]
   num_experts = layer.num_experts
   for name, value in stats.layer_stats(ids_BSK.reshape(-1, ids_BSK.shape[-1]), scores.reshape(-1, num_experts),
-                                       bias_E, num_experts).items():
+                                       bias_E, num_experts, score_func=layer.gate.score_func or "").items():
     layer.sow(nnx.Intermediate, name, jax.lax.stop_gradient(value))
 
 

@@ -269,6 +269,60 @@ def test_each_family_reads_its_routing_and_glu_from_upstreams_file(family, want)
   assert {k: got[k] for k in want} == want
 
 
+def _np_router_stats(x_TD, w_DE, bias_E, view: dict, groups: tuple[int, int] | None):
+  """float64 reference of a family's routing statistics, from its upstream model file's keys: (counts_E, entropy).
+
+  Scores by routed_score_func ("": raw logits); the bias selects only at V3's model names, else it is part of the
+  logits. The router's distribution: the softmax of raw logits over every expert (Qwen3, Mixtral, GPT-OSS and
+  Llama 4 take their softmax after the top-k, of these same logits), other scores over their sum."""
+  logits = np.asarray(x_TD, np.float64) @ np.asarray(w_DE, np.float64)
+  func = view["routed_score_func"] or ""
+  scores = {"": logits, "sigmoid": 1 / (1 + np.exp(-logits)), "softmax": np.exp(logits) / np.exp(logits).sum(-1)[:, None],
+            "sqrtsoftplus": np.sqrt(np.log1p(np.exp(logits)))}[func]
+  selects_only = str(view["model_name"]).startswith(families.V3_ROUTER_MODEL_PREFIXES)
+  biased = scores if bias_E is None else scores + np.asarray(bias_E, np.float64)
+  own = scores if selects_only else biased
+  probs = np.exp(own - own.max(-1, keepdims=True)) if func == "" else own
+  probs = probs / probs.sum(-1, keepdims=True)
+  entropy = float(np.mean(-np.sum(probs * np.log(probs), axis=-1)))
+  select = biased.copy()
+  if groups:  # V3's group-limited routing: a group scored by its two best biased scores, the best kept
+    n_groups, kept = groups
+    per = select.reshape(len(select), n_groups, -1)
+    best = np.argsort(-np.sort(per, axis=-1)[..., -2:].sum(-1), axis=-1, kind="stable")[:, :kept]
+    mask = np.zeros(per.shape[:2], bool)
+    np.put_along_axis(mask, best, True, axis=-1)
+    select = np.where(np.repeat(mask, per.shape[-1], axis=-1), select, -np.inf)
+  ids = np.argsort(-select, axis=-1, kind="stable")[:, :view["num_experts_per_tok"]]
+  return np.bincount(ids.reshape(-1), minlength=view["num_experts"]), entropy
+
+
+@pytest.mark.parametrize("model,groups", [("qwen3-30b-a3b", None), ("mixtral-8x7b", None), ("gpt-oss-20b", None),
+                                          ("llama4-17b-16e", None), ("kimi-k2-1t", None), ("deepseek2-16b", None),
+                                          ("deepseek3-671b", (8, 4))])
+def test_each_family_routing_statistics_match_a_numpy_reference(model, groups):
+  """Tokens per expert and router entropy, as our block sows them (routing.route -> stats.layer_stats with the
+  family's score function), for each family's upstream model file against float64 NumPy. The entropy lies in
+  [0, ln E]; Qwen3's and Mixtral's raw logits read as probabilities gave -4136 and -144."""
+  from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
+
+  view = _upstream_view(fork_config.upstream_configs_dir() / "models" / f"{model}.yml")
+  if groups:
+    view = {**view, "n_routing_groups": groups[0], "topk_routing_group": groups[1]}
+  num_experts, top_k = view["num_experts"], view["num_experts_per_tok"]
+  cfg = families.router_config(view, num_experts, top_k)
+  kx, kw, kb = jax.random.split(jax.random.key(0), 3)
+  x_TD = jax.random.normal(kx, (64, 8), jnp.float32)
+  w_DE = jax.random.normal(kw, (8, num_experts), jnp.float32)
+  bias_E = jax.random.normal(kb, (num_experts,), jnp.float32) * 0.3 if view["routed_bias"] else None
+  r = routing.route(x_TD, w_DE, bias_E, cfg, dtype=jnp.float32)
+  got = stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, num_experts, score_func=cfg.score_func)
+  want_counts, want_entropy = _np_router_stats(x_TD, w_DE, bias_E, view, groups)
+  np.testing.assert_array_equal(np.asarray(got[stats.COUNTS]), want_counts)
+  assert float(got[stats.ENTROPY]) == pytest.approx(want_entropy, rel=1e-5)
+  assert 0.1 < want_entropy < np.log(num_experts)
+
+
 @pytest.mark.parametrize("model,key", [("gemma4-26b", "decoder_block"), ("qwen3.5-35b-a3b-fp8", "weight_dtype")])
 def test_a_refused_model_is_one_config_error_naming_the_key(model, key, tmp_path, monkeypatch):
   from MaxText import train  # pylint: disable=import-outside-toplevel
@@ -350,6 +404,7 @@ def test_family_layer_matches_upstreams_in_float32(family, tmp_path, monkeypatch
     (got, got_update), (got_dlayer, got_dx) = loss_and_grads(ours)
     assert routed_moe.call_counts().get("local", 0) > calls  # our block ran
   assert_close(got, want, 1e-4, "loss (with the load-balance loss)")
+  _assert_sown_stats_match_the_reference(run, cfg, mesh, ours, x)
   assert (got_update is None) == (want_update is None) == (family != "kimi-k2")
   if want_update is not None:
     assert_close(got_update, want_update, 0, "routing-bias update")
@@ -360,6 +415,35 @@ def test_family_layer_matches_upstreams_in_float32(family, tmp_path, monkeypatch
     assert {("wi_0_bias",), ("wi_1_bias",), ("wo_bias",), ("gate", "bias")} <= set(want_grads)
   for path, want_g in want_grads.items():
     assert_close(got_grads[path].get_value(), want_g.get_value(), 1e-4, "/".join(map(str, path)))
+
+
+def _assert_sown_stats_match_the_reference(run, cfg, mesh, ours, x):
+  """What each block sows for the `moe/` statistics (ours, and upstream's with the statistics on: patches/
+  routed_moe.py's global-view copy of its routing) on the same parameters, against the float64 reference."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
+  from patches import routed_moe  # pylint: disable=import-outside-toplevel
+
+  try:
+    routed_moe.apply(run.fork.model_copy(update={"moe_block": "upstream"}))
+    theirs = _routed_layer(moe.RoutedMoE, cfg, mesh)
+  finally:
+    routed_moe.undo()
+  nnx.update(theirs, nnx.state(ours, nnx.Param))
+  nnx.update(theirs, nnx.state(ours, moe.MoEBiasVar))
+  bias = None if ours.gate.bias is None else np.asarray(ours.gate.bias[...])
+  want_counts, want_entropy = _np_router_stats(np.asarray(x).reshape(-1, x.shape[-1]), np.asarray(ours.gate.kernel[...]),
+                                               bias, cfg.get_keys(), (cfg.n_routing_groups, cfg.topk_routing_group)
+                                               if cfg.n_routing_groups > 0 else None)
+  for layer in (ours, theirs):
+    nnx.pop(layer, nnx.Intermediate)
+    with jax.set_mesh(mesh):
+      layer(x)
+    sown = {str(path[-1]): v.get_value() for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Intermediate))}
+    np.testing.assert_array_equal(np.asarray(sown[stats.COUNTS][0]), want_counts)
+    assert float(np.asarray(sown[stats.ENTROPY][0])) == pytest.approx(want_entropy, rel=1e-4)
 
 
 def _grad_norms(run_dir: Path) -> dict[int, float]:

@@ -27,7 +27,7 @@ def test_layer_stats_against_a_hand_computed_routing():
   ids_TK = jnp.array([[0, 1], [0, 2], [1, 0]], jnp.int32)
   scores_TE = jnp.array([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]])
   bias_E = jnp.array([-3.0, 0.0, 4.0, 0.0])
-  got = stats.layer_stats(ids_TK, scores_TE, bias_E, 4, overflow=jnp.bool_(False))
+  got = stats.layer_stats(ids_TK, scores_TE, bias_E, 4, overflow=jnp.bool_(False), score_func="softmax")
   np.testing.assert_array_equal(got[stats.COUNTS], [3, 2, 1, 0])
   # entropies: ln 2, ln 4, 0 -> mean
   assert float(got[stats.ENTROPY]) == pytest.approx((math.log(2) + math.log(4)) / 3, rel=1e-5)

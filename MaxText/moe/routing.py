@@ -164,6 +164,20 @@ def route(x_TD, w_router_DE, bias_E, cfg: RouterConfig, *, dtype=None) -> Routin
   return Routing(weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32), scores_TE=aux_scores_TE)
 
 
+def probs_TE(scores_TE, score_func: ScoreFunc):
+  """The router's scores as a distribution over the E experts, float32 (its entropy, MaxText/moe/stats.py).
+
+  Raw logits (score_func "": Qwen3, Mixtral, GPT-OSS and Llama 4 take their softmax after the top-k) go through
+  a softmax over every expert, the distribution whose top-k they pick: its renormalized top-k are Qwen3's and
+  Mixtral's weights. Scores already through a score function (sigmoid, sqrtsoftplus, softmax) are non-negative
+  and are divided by their sum.
+  """
+  s_TE = scores_TE.astype(jnp.float32)
+  if score_func == "":
+    return jax.nn.softmax(s_TE, axis=-1)
+  return s_TE / (jnp.sum(s_TE, axis=-1, keepdims=True) + 1e-20)
+
+
 def expert_counts_E(ids_TK, num_experts: int):
   """Assignments per expert (int32). Feeds the aux-loss-free bias update and the MoE statistics.
 

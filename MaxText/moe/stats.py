@@ -22,12 +22,14 @@ OVERFLOW = "moe_stats_overflow"
 BUFFER = "moe_stats_buffer2"
 
 
-def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buffer_2=None) -> dict:
+def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buffer_2=None, *,
+                score_func: routing.ScoreFunc) -> dict:
   """One MoE layer's statistics from its routing.
 
+  scores_TE: the router's scores after `score_func` (raw logits when it is ""), as routing.Routing has them.
   counts_E: float32 assignments per expert (a token counts once per chosen expert).
-  entropy: mean over tokens of the entropy (nats) of the router's scores normalized to a distribution
-    (softmax scores as they are; sigmoid scores divided by their sum): log(E) is uniform, 0 is one expert.
+  entropy: mean over tokens of the entropy (nats) of the router's distribution (routing.probs_TE: raw logits
+    through a softmax, other scores divided by their sum): log(E) is uniform, 0 is one expert.
   bias3: the routing bias' [min, max, L2 norm] (zeros without a bias).
   overflow: 1.0 where a bounded dispatch buffer (a2a_padded) overflowed, i.e. rows were dropped (0 dropless).
   buffer2: [fullest per-peer buffer's fill (fraction of capacity), rows beyond capacity (dropped)] of a bounded
@@ -35,8 +37,7 @@ def layer_stats(ids_TK, scores_TE, bias_E, num_experts: int, overflow=None, buff
   """
   # The bias update's own int32 reduction on the same ids: XLA's CSE keeps one (checked on XLA:CPU).
   counts_E = routing.expert_counts_E(ids_TK, num_experts).astype(jnp.float32)
-  s_TE = scores_TE.astype(jnp.float32)
-  p_TE = s_TE / (jnp.sum(s_TE, axis=-1, keepdims=True) + 1e-20)
+  p_TE = routing.probs_TE(scores_TE, score_func)
   entropy = -jnp.mean(jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-20)), axis=-1))
   if bias_E is None:
     bias3 = jnp.zeros((3,), jnp.float32)
