@@ -172,12 +172,27 @@ def write_record(run_dir: Path, step: int, named: Sequence[tuple[str, Any]], dig
   return path
 
 
+IN_FLIGHT = ".orbax-checkpoint-tmp"  # orbax's name for a step it is still writing (<step>.orbax-checkpoint-tmp*)
+
+
 def drop_stale_records(run_dir: Path) -> None:
-  """Records of steps whose directory orbax has since deleted (max_num_checkpoints_to_keep)."""
-  steps = {step for step, _ in step_dirs(run_dir)}
+  """Records of steps whose directory orbax has since deleted (max_num_checkpoints_to_keep).
+
+  Only records of steps older than the newest committed checkpoint go, and never one whose step still has a
+  directory under either name: with async_checkpointing orbax writes `<step>.orbax-checkpoint-tmp*` in the
+  background and renames it to `<step>` when it commits, seconds after the save call returned. A record dropped
+  then leaves a committed step that no resume takes (every checkpoint of an async run was set aside as "no record
+  of ours" before this rule)."""
+  root = run_dir / "checkpoints"
+  committed = [step for step, path in step_dirs(run_dir) if (path / COMMIT_MARKER).is_file()]
   folder = run_dir / RUN_FILES / RECORDS
-  for path in folder.glob("*.json") if folder.is_dir() else []:
-    if path.stem.isdigit() and int(path.stem) not in steps:
+  if not committed or not folder.is_dir():
+    return
+  for path in folder.glob("*.json"):
+    step = int(path.stem) if path.stem.isdigit() else None
+    if step is None or step >= committed[-1] or (root / str(step)).exists():
+      continue
+    if not any(root.glob(f"{step}{IN_FLIGHT}*")):
       path.unlink(missing_ok=True)
 
 

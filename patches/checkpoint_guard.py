@@ -29,7 +29,9 @@ time (`checkpoint 40 saved: 1.23 GiB in 3.4 s`), and `saves` keeps it for the su
 Before each save starts, our record of the step goes to <run>/maxtext-moe/checkpoints/<step>.json: each
 float array's shape, dtype and content digest, from the same pass as the finite check
 (MaxText/checkpoint_records.py). A step directory without it is never resumed from;
-patches/checkpoint_restore.py compares the restored arrays with it.
+patches/checkpoint_restore.py compares the restored arrays with it. After each save the records of steps orbax
+has deleted go; a save still in flight (async_checkpointing: orbax commits it in the background) keeps its
+record (MaxText/checkpoint_records.drop_stale_records).
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ def check_space(state, root: Path, step: int, last: int | None) -> None:
 
 def _save_failed(e: BaseException, root: Path, step: int, state, last: int | None) -> SaveFailed:
   """The message: which path, how much the save needed, how much was free."""
-  for partial in root.glob(f"{step}.orbax-checkpoint-tmp*"):  # orbax's in-progress name for this step
+  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+
+  for partial in root.glob(f"{step}{checkpoint_records.IN_FLIGHT}*"):  # orbax's in-progress name for this step
     shutil.rmtree(partial, ignore_errors=True)
   free = shutil.disk_usage(root).free if root.exists() else 0
   return SaveFailed(

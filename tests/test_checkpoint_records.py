@@ -98,6 +98,26 @@ def test_a_record_that_is_garbled_or_of_another_step_is_not_one(tmp_path):
     checkpoint_records.read_record(tmp_path, 8)
 
 
+def _step_dir(run_dir: Path, name: str, committed: bool) -> None:
+  (run_dir / "checkpoints" / name / "items").mkdir(parents=True)
+  if committed:
+    (run_dir / "checkpoints" / name / checkpoint_records.COMMIT_MARKER).write_text("")
+
+
+def test_a_record_goes_only_when_orbax_deleted_its_step_never_while_a_save_is_in_flight(tmp_path):
+  """async_checkpointing: orbax writes checkpoints/8.orbax-checkpoint-tmp* in the background and renames it to 8
+  when it commits. Its record (and that of a step orbax may still commit) stays; that of step 2, which orbax
+  deleted (max_num_checkpoints_to_keep), goes."""
+  for step in (0, 2, 4, 8, 12):
+    checkpoint_records.write_record(tmp_path, step, [("w", np.ones(3, np.float32))], ["00ff00ff00ff00ff"])
+  _step_dir(tmp_path, "0", committed=True)
+  _step_dir(tmp_path, "4", committed=True)
+  _step_dir(tmp_path, "8.orbax-checkpoint-tmp-1712345678", committed=False)
+  checkpoint_records.drop_stale_records(tmp_path)
+  kept = sorted(int(p.stem) for p in (tmp_path / "maxtext-moe" / "checkpoints").glob("*.json"))
+  assert kept == [0, 4, 8, 12]
+
+
 # --- real orbax, real upstream restore ----------------------------------------------------------
 
 
