@@ -111,9 +111,10 @@ class ForkConfig(pydantic.BaseModel):
       "without EP; must divide the tokens per shard.")
   moe_node_limited_routing: bool = pydantic.Field(
       default=False,
-      description="DeepSeek-V3's node-limited routing: moe_router=deepseek_v3's groups sit on the EP nodes "
-      "(n_routing_groups a multiple of dcn_expert_parallelism; unset: equal to it), so each token's experts are on "
-      "at most topk_routing_group nodes.")
+      description="DeepSeek-V3's node-limited routing: moe_router=deepseek_v3's groups are the EP nodes "
+      "(n_routing_groups = dcn_expert_parallelism; unset: set to it), each scored by the sum of its top K/M biased "
+      "scores (M = topk_routing_group, which must divide num_experts_per_tok), so each token's experts are on at "
+      "most M nodes.")
   moe_a2a_padded_capacity_factor: float = pydantic.Field(
       default=2.0, gt=0,
       description="a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).")
@@ -465,21 +466,33 @@ def node_limited_groups(fork: ForkConfig, upstream: dict[str, Any]) -> dict[str,
 
 
 def _node_limit_checks(fork: ForkConfig, get, error, origins: dict[str, str]) -> None:
-  """Node-limited routing holds only when every routing group's experts sit on one EP node: experts are laid out
-  node-major over the expert axis (dcn_expert_parallelism x ici_expert_parallelism), so group g (experts
-  [g E/G, (g+1) E/G)) lies on one node exactly when G is a multiple of the nodes N."""
+  """DeepSeek-V3's node-limited routing (arXiv 2412.19437, §2.1.2): each token's experts on at most M nodes, the
+  nodes chosen by the sum of the highest K/M biased scores of the experts on each. Our router does it with one
+  routing group per EP node (experts are laid out node-major over the expert axis, dcn_expert_parallelism x
+  ici_expert_parallelism, so group g is node g's experts), M = topk_routing_group groups kept, each scored by its
+  top K/M (MaxText/moe/routing.py node_limited). More groups than nodes would limit groups, not nodes."""
   if fork.moe_router != "deepseek_v3":
     raise error("moe_node_limited_routing", "needs moe_router=deepseek_v3 (its group-limited routing limits the nodes)")
   nodes, groups = get("dcn_expert_parallelism"), get("n_routing_groups")
   if nodes < 1:
     raise error("dcn_expert_parallelism", "moe_node_limited_routing needs the EP nodes written out (>= 1)")
-  if groups % nodes:
+  if groups != nodes:
     raise ConfigError(f"config keys 'n_routing_groups' = {groups} ({origins.get('n_routing_groups', 'default')}) and "
                       f"'dcn_expert_parallelism' = {nodes} ({origins.get('dcn_expert_parallelism', 'default')}) "
-                      "contradict moe_node_limited_routing=true: each routing group must sit on one EP node, so "
-                      "n_routing_groups must be a multiple of dcn_expert_parallelism (or unset: equal to it)")
-  if get("topk_routing_group") < 1:
+                      "contradict moe_node_limited_routing=true: the routing groups are the EP nodes, so "
+                      "n_routing_groups must equal dcn_expert_parallelism (or be unset: set to it)")
+  top_k, limit = get("num_experts_per_tok"), get("topk_routing_group")
+  if limit < 1:
     raise error("topk_routing_group", "moe_node_limited_routing needs it: the nodes a token's experts may sit on (V3: 4)")
+  if top_k % limit:
+    raise ConfigError(f"config keys 'num_experts_per_tok' = {top_k} ({origins.get('num_experts_per_tok', 'default')}) "
+                      f"and 'topk_routing_group' = {limit} ({origins.get('topk_routing_group', 'default')}) contradict "
+                      "moe_node_limited_routing=true: a node is scored by its top K/M experts, so M must divide K")
+  if fork.moe_block != "ours" and top_k != 2 * limit:
+    raise ConfigError(f"config keys 'moe_block' = {fork.moe_block!r} ({origins.get('moe_block', 'default')}) and "
+                      f"'moe_node_limited_routing' = True ({origins.get('moe_node_limited_routing', 'default')}): "
+                      f"upstream's router scores a group by its top 2, node-limited routing by its top K/M = "
+                      f"{top_k}/{limit}; set moe_block=ours (or num_experts_per_tok = 2 x topk_routing_group)")
 
 
 def local_first_defaults(upstream: dict[str, Any], config_path: Path) -> dict[str, Any]:

@@ -89,11 +89,13 @@ def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:
       name for name, bad in checks.items() if bad]
 
 
-def _router_config(layer):
-  """The layer's routing as our RouterConfig (MaxText/moe/families.py reads upstream's keys)."""
-  from MaxText.moe import families  # pylint: disable=import-outside-toplevel
+def _router_config(layer, settings: dict | None = None):
+  """The layer's routing as our RouterConfig (MaxText/moe/families.py reads upstream's keys); with
+  moe_node_limited_routing its groups are the EP nodes (MaxText/config.py checks it), each scored by its top K/M."""
+  from MaxText.moe import families, routing  # pylint: disable=import-outside-toplevel
 
-  return families.router_config(layer.config, layer.num_experts, layer.num_experts_per_tok)
+  cfg = families.router_config(layer.config, layer.num_experts, layer.num_experts_per_tok)
+  return routing.node_limited(cfg) if (settings or {}).get("node_limited_routing") else cfg
 
 
 def _sharding(layer, num_tokens: int, ep_size: int):
@@ -155,7 +157,7 @@ def _ours(layer, inputs, settings: dict):
   ep_size = layer.get_expert_parallelism_size()
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
   axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
-  router_cfg = _router_config(layer)
+  router_cfg = _router_config(layer, settings)
   if backend == "te_ncclep":  # the capacity TE was bootstrapped with, not the raw keys
     options = _te_ncclep_options(layer, batch * seq, settings["te_ncclep_options"])
   else:
@@ -295,6 +297,7 @@ def settings_from(fork, hooks=None) -> dict:
       "hierarchical_options": {"capacity_factor": fork.moe_hierarchical_capacity_factor,
                                "on_overflow": fork.moe_a2a_padded_on_overflow},
       "overlap_chunks": fork.moe_ep_overlap_chunks,
+      "node_limited_routing": fork.moe_node_limited_routing,
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.
       "te_ncclep_options": te_ncclep_bootstrap.options_from(fork),
       "moe_metrics": fork.moe_metrics_every_n_steps > 0,

@@ -55,8 +55,10 @@ def layout(name):
 def router_cfg(nodes: int, node_limit: int | None, top_k: int = TOP_K):
   """V3's router (the bias only selects); with node_limit, its groups are the EP nodes: each token's experts on at
   most node_limit nodes (moe_node_limited_routing)."""
-  groups = dict(n_groups=nodes, topk_groups=node_limit) if node_limit else {}
-  return routing.RouterConfig(num_experts=EXPERTS, top_k=top_k, routed_scaling_factor=2.5, **groups)
+  if not node_limit:
+    return routing.RouterConfig(num_experts=EXPERTS, top_k=top_k, routed_scaling_factor=2.5)
+  return routing.node_limited(routing.RouterConfig(num_experts=EXPERTS, top_k=top_k, routed_scaling_factor=2.5,
+                                                   n_groups=nodes, topk_groups=node_limit))
 
 
 def on_mesh(backend, name, **options):

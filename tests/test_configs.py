@@ -126,8 +126,9 @@ def test_ep_proxies_keep_32_experts_per_gpu():
     assert run.fork.recipe_num_gpus == gpus == ep
     assert run.upstream["num_experts"] // gpus == 32
     launch.check_topology(run.upstream, gpus, gpus, nodes)
-  # Across the two nodes: the groups of V3's routing sit on them (4 of the 8 on each).
-  assert run.fork.moe_dispatch_backend == "hierarchical" and run.fork.moe_node_limited_routing
+  # Across the two nodes: V3's group-limited routing (4 of its 8 groups on each node), not node-limited (M = 4 of
+  # 2 nodes would limit nothing, and node-limited routing needs the groups to be the nodes).
+  assert run.fork.moe_dispatch_backend == "hierarchical" and not run.fork.moe_node_limited_routing
   assert run.upstream["n_routing_groups"] == 8 and run.upstream["topk_routing_group"] == 4
 
 

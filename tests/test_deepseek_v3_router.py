@@ -198,3 +198,64 @@ def test_expert_counts_match_bincount():
   counts = routing.expert_counts_E(jnp.asarray(ids), 16)
   np.testing.assert_array_equal(np.asarray(counts), np.bincount(ids.reshape(-1), minlength=16))
   assert counts.dtype == jnp.int32
+
+
+# --- node-limited routing (arXiv 2412.19437, §2.1.2 and §3.2.2) ---
+
+
+def np_node_limited_route(x_TD, w_DE, bias_E, *, top_k, nodes, max_nodes, scale):
+  """float64, the published rule: each token's experts on at most M = max_nodes nodes, "selected according to the
+  sum of the highest K/M affinity scores of the experts distributed on each node" (affinities: the sigmoid scores
+  plus the selection-only bias, as every selection is); then top-K of the experts on those nodes. Experts sit on
+  the nodes in order, E/N each. Returns (ids_TK sorted per token, weights_TK in that order)."""
+  s = 1.0 / (1.0 + np.exp(-(x_TD.astype(np.float64) @ w_DE.astype(np.float64))))
+  affinity = s + bias_E.astype(np.float64)
+  tokens, experts = affinity.shape
+  per_node = affinity.reshape(tokens, nodes, experts // nodes)
+  node_score = np.sort(per_node, axis=-1)[..., -(top_k // max_nodes):].sum(-1)
+  chosen = np.argsort(-node_score, axis=-1, kind="stable")[:, :max_nodes]
+  on_chosen = np.zeros((tokens, nodes), bool)
+  np.put_along_axis(on_chosen, chosen, True, axis=-1)
+  masked = np.where(np.repeat(on_chosen, experts // nodes, axis=-1), affinity, -np.inf)
+  ids = np.sort(np.argsort(-masked, axis=-1, kind="stable")[:, :top_k], axis=-1)
+  w = np.take_along_axis(s, ids, -1)
+  return ids, w / w.sum(-1, keepdims=True) * scale
+
+
+@pytest.mark.parametrize("top_k,nodes,max_nodes", [(6, 4, 2), (8, 2, 1), (8, 8, 4), (4, 4, 1)])
+def test_node_limited_routing_matches_the_published_rule(top_k, nodes, max_nodes):
+  """routing.node_limited: each node (a routing group) scored by its top K/M, the best M kept. K/M = 3, 8 and 4
+  differ from the top 2 that group-limited routing sums (V3's K = 8, M = 4 is K/M = 2: the same rule)."""
+  x, w, b = _inputs(tokens=512, experts=32)
+  cfg = routing.node_limited(routing.RouterConfig(num_experts=32, top_k=top_k, routed_scaling_factor=2.5,
+                                                  n_groups=nodes, topk_groups=max_nodes))
+  want_ids, want_w = np_node_limited_route(x, w, b, top_k=top_k, nodes=nodes, max_nodes=max_nodes, scale=2.5)
+  r = routing.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cfg, dtype=jnp.float32)
+  ids, weights = _sorted(r.ids_TK, r.weights_TK)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(weights, want_w, rtol=2e-6)
+  nodes_per_token = [len(set(row)) for row in ids // (32 // nodes)]
+  assert max(nodes_per_token) == max_nodes
+  top2 = np_v3_route(x, w, b, top_k=top_k, n_groups=nodes, topk_groups=max_nodes, scale=2.5)[0]
+  assert (top2 != want_ids).any(axis=-1).sum() >= (0 if top_k == 2 * max_nodes else 5)  # the K/M matters
+
+
+def test_node_limited_routing_reaches_our_block_from_the_config():
+  """moe_node_limited_routing=true gives our block's router the nodes as groups, each scored by its top K/M."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from patches import routed_moe  # pylint: disable=import-outside-toplevel
+
+  two_nodes = ("configs/deepseek3-tiny.yml", "moe_block=ours", "num_slices=2", "dcn_expert_parallelism=2",
+               "ici_expert_parallelism=4", "ici_fsdp_parallelism=1", "n_routing_groups=-1", "topk_routing_group=1")
+  for limited in (True, False):
+    run = fork_config.load([*two_nodes, f"moe_node_limited_routing={str(limited).lower()}"]
+                           + ([] if limited else ["n_routing_groups=2"]))
+    up = run.upstream
+    defaults = {k: f.default for k, f in fork_config.upstream_fields().items() if f.default is not None}
+    layer = types.SimpleNamespace(config={**defaults, **up}, num_experts=up["num_experts"],
+                                  num_experts_per_tok=up["num_experts_per_tok"])
+    cfg = routed_moe._router_config(layer, routed_moe.settings_from(run.fork))  # pylint: disable=protected-access
+    want_top = up["num_experts_per_tok"] if limited else 2  # K / M with M = 1; else upstream's top 2
+    assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_top) == (2, 1, want_top)
+  assert up["num_experts_per_tok"] > 2  # the two differ

@@ -133,25 +133,36 @@ TWO_NODES = ("moe_block=ours", "num_slices=2", "dcn_expert_parallelism=2", "ici_
 
 
 def test_node_limited_routing_ties_the_groups_to_the_ep_nodes():
+  """The routing groups are the EP nodes (more groups than nodes would limit groups, not nodes), M divides K (a node
+  is scored by its top K/M), and upstream's block, which scores a group by its top 2, only where K/M = 2."""
   run = fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
                           "n_routing_groups=-1", "topk_routing_group=1"])
   assert run.upstream["n_routing_groups"] == 2  # unset: one group per node
-  run = fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true"])
-  assert run.upstream["n_routing_groups"] == 4  # the model's 4 groups: 2 on each node
-  with pytest.raises(fork_config.ConfigError) as e:
-    fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
-                      "dcn_expert_parallelism=4", "ici_expert_parallelism=2", "num_slices=4", "n_routing_groups=2",
-                      "topk_routing_group=1"])
-  msg = str(e.value)
+
+  def refused(*keys):
+    with pytest.raises(fork_config.ConfigError) as e:
+      fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true", *keys])
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+  msg = refused()  # the model's 4 groups on 2 nodes
+  assert "'n_routing_groups' = 4 (" in msg and "configs/models/deepseek3-tiny.yml)" in msg and "'dcn_expert_parallelism' = 2" in msg
+  assert "must equal dcn_expert_parallelism" in msg
+  msg = refused("dcn_expert_parallelism=4", "ici_expert_parallelism=2", "num_slices=4", "n_routing_groups=2",
+                "topk_routing_group=1")
   assert "'n_routing_groups' = 2 (command line)" in msg and "'dcn_expert_parallelism' = 4 (command line)" in msg
-  assert "moe_node_limited_routing" in msg and "\n" not in msg
-  with pytest.raises(fork_config.ConfigError, match="'moe_node_limited_routing' = True .*moe_router=deepseek_v3"):
-    fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
-                      "moe_router=upstream", "n_routing_groups=-1", "topk_routing_group=-1",
-                      "routed_bias_update_rate=0.0"])
-  with pytest.raises(fork_config.ConfigError, match="'topk_routing_group' = -1 .*the nodes a token's experts"):
-    fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
-                      "n_routing_groups=-1", "topk_routing_group=-1"])
+  msg = refused("dcn_expert_parallelism=4", "ici_expert_parallelism=2", "num_slices=4", "n_routing_groups=-1",
+                "topk_routing_group=3")
+  assert "'num_experts_per_tok' = 4 (" in msg
+  assert "'topk_routing_group' = 3 (command line)" in msg and "M must divide K" in msg
+  msg = refused("moe_block=upstream", "n_routing_groups=-1", "topk_routing_group=1")
+  assert "'moe_block' = 'upstream' (command line)" in msg and "top K/M = 4/1" in msg
+  run = fork_config.load(["configs/deepseek3-tiny.yml", *TWO_NODES, "moe_node_limited_routing=true",
+                          "moe_block=upstream", "n_routing_groups=-1", "topk_routing_group=2"])  # K/M = 2: the same
+  assert run.upstream["n_routing_groups"] == 2
+  assert "moe_router=deepseek_v3" in refused("moe_router=upstream", "n_routing_groups=-1", "topk_routing_group=-1",
+                                             "routed_bias_update_rate=0.0")
+  assert "the nodes a token's experts" in refused("n_routing_groups=-1", "topk_routing_group=-1")
 
 
 def test_overlap_chunks_that_do_not_divide_the_tokens_stop_with_one_line_and_exit_2(tmp_path):

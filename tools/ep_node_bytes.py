@@ -6,9 +6,9 @@ nodes, flat against two-level EP: the expected value, from routing statistics, b
   python3 tools/ep_node_bytes.py 256 8 8 4            # experts, top-k, nodes, node limit M
 
 Routes random tokens (unit Gaussian, hidden 64, a random router, no bias) through our router
-(MaxText/moe/routing.py) with groups = the nodes and the best M kept (moe_node_limited_routing; M = nodes: no
-limit), then counts each token's distinct nodes. Per token, flat EP (a2a_padded) sends K copies, (N-1)/N of them to
-other nodes; the two-level dispatch (hierarchical) sends one row per node it needs, (N-1)/N of those across. The
+(MaxText/moe/routing.py) with groups = the nodes, each scored by its top K/M, and the best M kept
+(moe_node_limited_routing; M = nodes: no limit), then counts each token's distinct nodes. Per token, flat EP
+(a2a_padded) sends K copies, (N-1)/N of them to other nodes; the two-level dispatch (hierarchical) sends one row per node it needs, (N-1)/N of those across. The
 ratio is what the exchanged rows would be if buffers held exactly what is routed; the compiled buffers hold a
 capacity instead (MaxText/moe/dispatch/hierarchical.py says how each is sized), so the compiled ratio at equal
 capacity factors is K / min(K, M, N), or more where the two-level buffer is capped at the tokens.
@@ -16,6 +16,7 @@ capacity factors is K / min(K, M, N), or more where the two-level buffer is capp
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def nodes_per_token(experts: int, top_k: int, nodes: int, limit: int, tokens: in
 
   x = jax.random.normal(jax.random.key(seed), (tokens, 64))
   kernel = jax.random.normal(jax.random.key(seed + 1), (64, experts)) * 0.5
-  groups = {"n_groups": nodes, "topk_groups": limit} if limit < nodes else {}
-  cfg = routing.RouterConfig(num_experts=experts, top_k=top_k, routed_scaling_factor=2.5, **groups)
+  cfg = routing.RouterConfig(num_experts=experts, top_k=top_k, routed_scaling_factor=2.5)
+  if limit < nodes:  # each node scored by its top K/M (moe_node_limited_routing)
+    cfg = routing.node_limited(dataclasses.replace(cfg, n_groups=nodes, topk_groups=limit))
   node_TK = np.asarray(routing.route(x, kernel, jnp.zeros((experts,)), cfg).ids_TK) // (experts // nodes)
   per_token = np.array([len(set(row)) for row in node_TK])
   return float(per_token.mean()), int(per_token.max())

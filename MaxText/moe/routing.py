@@ -11,9 +11,13 @@ the configs we ship, so that swapping our block in leaves the numbers alone:
     non-trained variable moved by the sign rule (bias_update_E), only selects;
     the weights are the chosen experts' pre-bias scores, and group-limited
     routing may apply (only experts of the best `topk_groups` groups compete).
-    The paper does not say how a group is scored; as DeepSeek's inference code
-    (inference/model.py, Gate) and upstream, by the sum of its two best biased
-    scores. Otherwise (other model names) the weights are the biased scores.
+    A group is scored by the sum of its two best biased scores, as DeepSeek's
+    inference code (inference/model.py, Gate) and upstream do. Node-limited
+    routing (§2.1.2 and §3.2.2: each token on at most M nodes, chosen by the sum
+    of the highest K/M affinities of the experts on each node) is the same with
+    one group per node, M groups kept and the top K/M summed (`node_limited`;
+    at V3's K = 8, M = 4 that is the top 2). Otherwise (other model names) the
+    weights are the biased scores.
   deepseek_weights (upstream: decoder_block deepseek/deepseek4): weights are
     normalized to sum 1 for sigmoid/sqrtsoftplus, then times
     routed_scaling_factor. Otherwise (Mixtral, Qwen3...): a softmax over the k
@@ -51,6 +55,8 @@ class RouterConfig:
     routed_scaling_factor: DeepSeek's multiplier on the normalized weights.
     n_groups: expert groups for group-limited routing (-1 = off).
     topk_groups: groups kept per token when n_groups > 0.
+    group_score_top: a group's score is the sum of its this many best biased scores (upstream and DeepSeek's
+      inference code: 2; node-limited routing: top_k / topk_groups, `node_limited`).
     norm_topk_prob: renormalize the softmax top-k weights (Qwen3).
     weigh_input: Llama 4's weights: sigmoid of the chosen logit, applied to the
       token before its expert (needs top_k 1; MaxText/moe/block.py applies it).
@@ -64,6 +70,7 @@ class RouterConfig:
   routed_scaling_factor: float = 1.0
   n_groups: int = -1
   topk_groups: int = -1
+  group_score_top: int = 2
   norm_topk_prob: bool = False
   weigh_input: bool = False
 
@@ -99,20 +106,31 @@ def _score(logits, score_func: ScoreFunc):
   return logits
 
 
-def _top2_sum(x_TGN):
-  """Sum of the two largest of each group's N scores (f32), as `top_k(x, 2)[0].sum(-1)`.
+def _top_sum(x_TGN, n: int):
+  """Sum of the n largest of each group's N scores (f32), as `top_k(x, n)[0].sum(-1)`.
 
-  Max, then max with the first argmax masked out: element-wise work that fuses
-  into one kernel, where `lax.top_k` on a 4- or 32-wide axis is a sort.
+  n = 2 (V3's groups): max, then max with the first argmax masked out, element-wise work that fuses into one
+  kernel, where `lax.top_k` on a 4- or 32-wide axis is a sort.
   """
   x = x_TGN.astype(jnp.float32)
+  if n != 2:
+    return jnp.sum(jax.lax.top_k(x, n)[0], axis=-1)
   first_TG = jnp.argmax(x, axis=-1)
   rest = jnp.where(jnp.arange(x.shape[-1]) == first_TG[..., None], -jnp.inf, x)
   return jnp.max(x, axis=-1) + jnp.max(rest, axis=-1)
 
 
+def node_limited(cfg: RouterConfig) -> RouterConfig:
+  """DeepSeek-V3's node-limited routing on a config whose groups are the EP nodes (MaxText/config.py checks that
+  n_groups is the nodes): each node scored by the sum of its top_k / topk_groups best biased scores."""
+  if cfg.n_groups < 1 or cfg.topk_groups < 1 or cfg.top_k % cfg.topk_groups:
+    raise ValueError(f"node-limited routing needs groups (n_groups={cfg.n_groups}) and a node limit M "
+                     f"(topk_groups={cfg.topk_groups}) dividing top_k={cfg.top_k}")
+  return dataclasses.replace(cfg, group_score_top=cfg.top_k // cfg.topk_groups)
+
+
 def _group_mask_TE(scores_TE, cfg: RouterConfig):
-  """True for experts in each token's best `topk_groups` groups (scored by their top-2 sum).
+  """True for experts in each token's best `topk_groups` groups (scored by their top-`group_score_top` sum).
 
   A group is kept when fewer than `topk_groups` groups beat it, ties going to
   the lower index, which is `lax.top_k`'s order. Counting over [T, G, G]
@@ -121,7 +139,7 @@ def _group_mask_TE(scores_TE, cfg: RouterConfig):
   the step, after this change (tools/bench_train.py --profile; BENCHMARKS.md "End to end on one H200").
   """
   g = cfg.n_groups
-  score_TG = _top2_sum(scores_TE.reshape(*scores_TE.shape[:-1], g, -1))
+  score_TG = _top_sum(scores_TE.reshape(*scores_TE.shape[:-1], g, -1), cfg.group_score_top)
   mine, other = score_TG[..., :, None], score_TG[..., None, :]
   lower = jnp.arange(g)[None, :] < jnp.arange(g)[:, None]  # [g, h]: h has the lower index
   beaten_by_TG = jnp.sum((other > mine) | ((other == mine) & lower), axis=-1)
