@@ -117,6 +117,8 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert sum(c["seconds"] for c in r["collectives"]) == pytest.approx(e["collectives_s"])
   assert sum(c["exposed_s"] for c in r["collectives"]) == pytest.approx(e["exposed_collectives_s"])
   assert all(0 <= c["exposed_s"] <= c["seconds"] * (1 + 1e-9) for c in r["collectives"])
+  assert r["account"]["ok"], r["account"]["violations"]  # the rows and the walk: one account (MaxText/plan/account.py)
+  assert "one account (MaxText/plan/account.py): holds" in out.stdout
   assert e["tflops_per_gpu"] == pytest.approx(e["model_tflops_per_device"] / e["step_s"])
   # a2a_padded's receive buffers hold the worst case (1,024 rows for 512 routed ones here) and the kernels' tiles pad
   # the tiny widths (an expert's 32 to 128): the grouped GEMMs come down to the routed experts' FLOPs.

@@ -138,47 +138,52 @@ def test_a_while_loop_runs_its_body_trip_count_times():
 
 def test_a_loop_without_known_trip_count_takes_its_conditions_bound():
   t = _estimate(LOOP.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""))
-  assert t.gemm_s == pytest.approx(7 * DOT_S) and not t.notes
+  assert t.gemm_s == pytest.approx(7 * DOT_S) and t.notes == [
+      "while loop loop: no known trip count; its condition cond bounds the induction variable at 7 (init 0, step 1): "
+      "counted 7 times"]
   t = _estimate(LOOP.replace(', backend_config={"known_trip_count":{"n":"5"}}', "").replace("direction=LT", "direction=NE"))
-  assert t.gemm_s == pytest.approx(DOT_S) and "walked once" in t.notes[0]
+  assert t.gemm_s == pytest.approx(DOT_S) and "counted once" in t.notes[0]
+
+
+PIPELINED_GATHER = """\
+    HloModule m, is_scheduled=true
+
+    %body (p: (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256])) -> (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256]) {
+      %p = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %carried = (f32[64,512]{1,0}, f32[256,512]{1,0}) get-tuple-element(%p), index=1
+      %x = f32[256,512]{1,0} get-tuple-element(%p), index=2
+      %y = f32[512,256]{1,0} get-tuple-element(%p), index=3
+      %w = f32[256,512]{1,0} all-gather-done(%carried)
+      %slice = f32[64,512]{1,0} slice(%w), slice={[0:64], [0:512]}
+      %ags = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%slice), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+      %d = f32[256,256]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      ROOT %t = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) tuple(%i, %ags, %x, %y)
+    }
+
+    %cond (p: (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256])) -> pred[] {
+      %p = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) parameter(0)
+      ROOT %c = pred[] constant(true)
+    }
+
+    ENTRY %main (w: f32[64,512], x: f32[256,512], y: f32[512,256]) -> f32[256,512] {
+      %w = f32[64,512]{1,0} parameter(0)
+      %x = f32[256,512]{1,0} parameter(1)
+      %y = f32[512,256]{1,0} parameter(2)
+      %zero = s32[] constant(0)
+      %first = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%w), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+      %init = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) tuple(%zero, %first, %x, %y)
+      %loop = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+      %last = (f32[64,512]{1,0}, f32[256,512]{1,0}) get-tuple-element(%loop), index=1
+      ROOT %out = f32[256,512]{1,0} all-gather-done(%last)
+    }
+    """
 
 
 def test_a_gather_started_in_one_trip_and_awaited_in_the_next_is_pipelined():
   """XLA's collective pipelining: the next layer's weights are gathered during this layer's GEMM. Only the
   gather started before the loop, awaited first thing in trip 1, is exposed."""
-  text = """\
-      HloModule m, is_scheduled=true
-
-      %body (p: (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256])) -> (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256]) {
-        %p = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) parameter(0)
-        %i = s32[] get-tuple-element(%p), index=0
-        %carried = (f32[64,512]{1,0}, f32[256,512]{1,0}) get-tuple-element(%p), index=1
-        %x = f32[256,512]{1,0} get-tuple-element(%p), index=2
-        %y = f32[512,256]{1,0} get-tuple-element(%p), index=3
-        %w = f32[256,512]{1,0} all-gather-done(%carried)
-        %slice = f32[64,512]{1,0} slice(%w), slice={[0:64], [0:512]}
-        %ags = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%slice), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
-        %d = f32[256,256]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-        ROOT %t = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) tuple(%i, %ags, %x, %y)
-      }
-
-      %cond (p: (s32[], (f32[64,512], f32[256,512]), f32[256,512], f32[512,256])) -> pred[] {
-        %p = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) parameter(0)
-        ROOT %c = pred[] constant(true)
-      }
-
-      ENTRY %main (w: f32[64,512], x: f32[256,512], y: f32[512,256]) -> f32[256,512] {
-        %w = f32[64,512]{1,0} parameter(0)
-        %x = f32[256,512]{1,0} parameter(1)
-        %y = f32[512,256]{1,0} parameter(2)
-        %zero = s32[] constant(0)
-        %first = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%w), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
-        %init = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) tuple(%zero, %first, %x, %y)
-        %loop = (s32[], (f32[64,512]{1,0}, f32[256,512]{1,0}), f32[256,512]{1,0}, f32[512,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
-        %last = (f32[64,512]{1,0}, f32[256,512]{1,0}) get-tuple-element(%loop), index=1
-        ROOT %out = f32[256,512]{1,0} all-gather-done(%last)
-      }
-      """
+  text = PIPELINED_GATHER
   t = _estimate(text)
   slice_s = 2 * 64 * 512 * 4 / 1e9  # each trip's slice: read and written
   assert t.collectives_s == pytest.approx(5 * GATHER_S)  # the prologue's and one per trip

@@ -388,7 +388,8 @@ def child_main(request_path: str, result_path: str) -> int:
 
 
 def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -> dict[str, Any]:
-  """Memory, collectives and FLOPs of a compiled step (and its HLO text, kept at hlo_path)."""
+  """Memory and FLOP counts of a compiled step, its HLO text kept at hlo_path (the parent reads the collectives and
+  the estimate off it: MaxText/plan/planner.py)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
   from MaxText.plan import bubble, hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
@@ -412,8 +413,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       largest_buffers=buffers, nodes=nodes,
       pipeline_schedule=bubble.schedule(step.config),
       pipelined_layers_share=float(step.config.pipeline_parallel_layers) / float(step.config.num_decoder_layers),
-      **hlo_inventory.inventory(hlo, dict(step.mesh.shape), nodes),
-  )
+  )  # the collectives, read off the HLO by the parent beside the schedule's walk (MaxText/plan/planner.py)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
   inventory(compiled.as_text(), mesh_shape={"fsdp": 4, ...}, nodes=[0, 0, 0, 0])
 
-Walks the computations from ENTRY, multiplying by each while loop's
-`known_trip_count` (the layer scan runs its body once per layer), and returns
+Walks the computations from ENTRY, multiplying by each while loop's trips
+(`loop_trips`: XLA's known_trip_count, else its condition's bound; the layer
+scan runs its body once per layer), and a conditional's branches (every one,
+or those the schedule's walk took: MaxText/plan/account.py), and returns
   collectives   one row per (kind, mesh axes, crosses nodes): count per step,
                 bytes (the collective's full buffer, see below) and wire bytes
                 (what each device sends over its link with a ring/pairwise
@@ -84,6 +86,7 @@ class Computation:
   name: str
   instrs: list[Instr]
   shapes: dict[str, str]  # name -> type text, parameters included
+  constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants, name -> value
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -113,6 +116,8 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
       name, type_text, opcode, rest = match.groups()
       operand_text, attrs = _split_call(rest)
       instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs)
+      if opcode == "constant" and re.fullmatch(r"[su]\d+\[\]\S*", type_text) and re.fullmatch(r"-?\d+", operand_text):
+        current.constants[name] = int(operand_text)
       current.instrs.append(instr)
       current.shapes[name] = type_text
   return comps, entry
@@ -136,6 +141,70 @@ def induction_step(instr: Instr) -> int:
 def trip_count(instr: Instr) -> int | None:
   match = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
   return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trips:
+  """How often one execution of a while loop runs its body, and from what: "known" (XLA's known_trip_count),
+  "bound" (its condition's `i < N`, from the induction variable's init and step where XLA gives them, else 0
+  and 1), "once" (neither readable). `note` names the loop and the bound for the report ("" when known)."""
+
+  count: int
+  source: str
+  note: str = ""
+
+
+def loop_trips(instr: Instr, comps: dict[str, Computation]) -> Trips:
+  """The one trip count the inventory and the schedule's walk both use (MaxText/plan/schedule.py)."""
+  known = trip_count(instr)
+  if known is not None:
+    return Trips(known, "known")
+  condition = re.search(r"condition=%?([\w.\-]+)", instr.attrs)[1]
+  bound = _condition_bound(comps, condition)
+  if bound is None:
+    return Trips(1, "once", f"while loop {instr.name}: no known trip count and no readable bound in {condition}: "
+                 "its body counted once")
+  init, step = _induction(instr)
+  if step <= 0:
+    return Trips(1, "once", f"while loop {instr.name}: no known trip count and its induction variable steps by {step}: "
+                 "its body counted once")
+  count = max(0, math.ceil((bound - init) / step))
+  return Trips(count, "bound", f"while loop {instr.name}: no known trip count; its condition {condition} bounds "
+               f"the induction variable at {bound} (init {init}, step {step}): counted {count} times")
+
+
+def _induction(instr: Instr) -> tuple[int, int]:
+  """(init, step) of a while loop's induction variable: XLA's known_init_step, else the dynamic variable at the
+  known induction variable's tuple index (the gradient-accumulation loop after XLA peeled its first microbatch:
+  init 1), else (0, 1)."""
+  known = re.search(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"', instr.attrs)
+  if known:
+    return int(known[1]), int(known[2])
+  index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', instr.attrs)
+  dynamic = index and re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"' % index[1], instr.attrs)
+  return (int(dynamic[1]), int(dynamic[2])) if dynamic else (0, 1)
+
+
+def _condition_bound(comps: dict[str, Computation], name: str) -> int | None:
+  """N of `i < N` (N + 1 of `i <= N`) in a loop's condition, through the fusions it calls: the one integer
+  constant other than 0 and 1 there, under a compare LT/LE (or GT/GE with the constant first); None otherwise."""
+  seen, stack, directions = [], [name], set()
+  while stack:
+    comp = comps.get(stack.pop())
+    if comp is None or comp.name in seen:
+      continue
+    seen.append(comp.name)
+    for i in comp.instrs:
+      if i.opcode == "compare" and (d := re.search(r"direction=(LT|LE|GT|GE)", i.attrs)):
+        if i.operands and i.operands[0] in comp.constants:  # N > i is i < N
+          directions.add({"GT": "LT", "GE": "LE"}.get(d[1], "other"))
+        else:
+          directions.add(d[1] if d[1] in ("LT", "LE") else "other")
+      stack += re.findall(r"calls=%?([\w.\-]+)", i.attrs)
+  bounds = {v for c in seen for v in comps[c].constants.values() if v not in (0, 1)}
+  if len(directions) != 1 or "other" in directions or len(bounds) != 1:
+    return None
+  return bounds.pop() + (directions == {"LE"})
 
 
 # --- replica groups -> partition-id groups -------------------------------------------
@@ -272,8 +341,12 @@ def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
   return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes)
 
 
-def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[str, Any]:
-  """Collectives and dot FLOPs of one execution of the module (see the module docstring)."""
+def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
+              branches: dict[str, list[str]] | None = None) -> dict[str, Any]:
+  """Collectives and dot FLOPs of one execution of the module (see the module docstring).
+
+  branches: per conditional (by name), the branch computations to count, as the schedule's walk took them
+  (MaxText/plan/schedule.py `_Walk.branches`); a conditional not named counts every branch (an upper bound)."""
   comps, entry = parse_module(text)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
       lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
@@ -302,20 +375,24 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int]) -> dict[s
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult
       if instr.opcode == "while":
-        trips = trip_count(instr)
-        if trips is None:
-          notes.add("a while loop without a known trip count: its body counted once")
+        trips = loop_trips(instr, comps)
+        if trips.note:
+          notes.add(trips.note)
         for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
           before = flops[0]
-          visit(body, mult * (trips or 1), depth + 1)
+          visit(body, mult * trips.count, depth + 1)
           if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
-            pipeline_loops.append({"trip_count": trips, "step": induction_step(instr), "count": mult,
+            pipeline_loops.append({"trip_count": trip_count(instr), "step": induction_step(instr), "count": mult,
                                    "dot_flops": flops[0] - before})
         continue
+      called = _called(instr)
       if instr.opcode == "conditional":
-        notes.add("a conditional: every branch counted (an upper bound)")
-      for called in _called(instr):
-        visit(called, mult, depth + 1)
+        if branches is not None and instr.name in branches:
+          called = branches[instr.name]
+        else:
+          notes.add(f"conditional {instr.name}: every branch counted (an upper bound)")
+      for name in called:
+        visit(name, mult, depth + 1)
 
   visit(entry, 1)
   collectives = [

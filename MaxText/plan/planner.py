@@ -17,7 +17,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import aot, bubble, hardware, schedule
+from MaxText.plan import account, aot, bubble, hardware, hlo_inventory, schedule
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -202,8 +202,10 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
   terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
                             counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
                             bubble_fraction=bubble_fraction)
-  pipeline = bubble.report(child.get("pipeline_schedule"), child.get("pipeline_loops", []),
-                           child.get("hlo_dot_flops", 0.0), terms.path_s, child.get("pipelined_layers_share", 1.0))
+  # The rows count what the walk walked: the same loop trips (hlo_inventory.loop_trips), the same branches.
+  inventory = hlo_inventory.inventory(hlo_text, child["mesh"], child["nodes"], branches=terms.branches)
+  pipeline = bubble.report(child.get("pipeline_schedule"), inventory["pipeline_loops"], inventory["hlo_dot_flops"],
+                           terms.path_s, child.get("pipelined_layers_share", 1.0))
   usable = gpu.hbm_bytes.value * fraction.value
   memory = child["memory"]
   verdict = None
@@ -211,10 +213,8 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
     verdict = {"fits": memory["device_total"] <= usable, "device_bytes": memory["device_total"], "usable_bytes": usable,
                "marginal": topology.platform == "gpu_target"
                and memory["device_total"] * (1 + COMPILE_ONLY_SHORTFALL) > usable >= memory["device_total"]}
-  for row in child["collectives"]:
-    row["link"] = "ib" if row["crosses_nodes"] else "nvlink"
-    row["seconds"] = row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value
-    row["exposed_s"] = terms.rows.get((row["kind"], tuple(row["axes"]), row["crosses_nodes"]), [0.0, 0.0])[1]
+  rows = account.rows(inventory["collectives"], terms.rows, gpu)
+  estimate = schedule.report(terms, model_flops, recompute, bubble_fraction)
   constants = {f"{gpu_key}.{k}": {"value": f.value, "source": f.source} for k, f in gpu.figures().items()}
   constants["mem_fraction"] = {"value": fraction.value, "source": fraction.source}
   return {
@@ -224,11 +224,11 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
-      "collectives": child["collectives"], "inter_node_bytes": child.get("inter_node_bytes", 0.0),
-      "inventory_notes": child["inventory_notes"],
+      "nodes": child["nodes"], "collectives": rows, "inter_node_bytes": inventory["inter_node_bytes"],
+      "inventory_notes": inventory["inventory_notes"], "account": account.check(rows, terms.rows, estimate),
       "largest_buffers": child.get("largest_buffers", []),
       "pipeline": pipeline,
-      "estimate": schedule.report(terms, model_flops, recompute, bubble_fraction),
+      "estimate": estimate,
       "constants": constants, "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
   }
 
@@ -315,6 +315,10 @@ def print_report(r: dict[str, Any]) -> None:
   print()
   for line in schedule.report_lines(r["estimate"]):
     print(line)
+  checked = r["account"]
+  print(f"one account (MaxText/plan/account.py): {'holds' if checked['ok'] else 'VIOLATED'}; {checked['lines'][0]}")
+  for line in checked["violations"]:
+    print(f"  violated: {line}")
   print("constants:")
   for k, c in r["constants"].items():
     print(f"  {k:28s} {c['value']:.4g}  ({c['source']})")

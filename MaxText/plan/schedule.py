@@ -16,8 +16,8 @@ Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/har
 The walk, a critical path: ops on the compute stream run one after another in schedule order. An async
 collective (`*-start`/`*-done`, or `async-start` wrapping one) runs on its link's stream from its start,
 after that link's previous transfer; its done waits for it, and the wait is the exposed part. A sync
-collective waits for its link and blocks the stream. A while loop runs its body trip-count times (XLA's
-known_trip_count, else its condition's bound): two trips are walked and the second repeated, so a transfer
+collective waits for its link and blocks the stream. A while loop runs its body trip-count times (hlo_inventory.loop_trips,
+the inventory's count: XLA's known_trip_count, else its condition's bound): two trips are walked and the second repeated, so a transfer
 started in one trip and awaited in the next counts as pipelined. A conditional takes its slowest branch. The
 step ends when the stream and every transfer have. A pipeline's bubble, a fraction b of the step, adds
 path * b / (1 - b). Not modelled: launch gaps between kernels, GEMMs below the dense rate at small shapes,
@@ -79,12 +79,14 @@ class _Transfer:
   begin: float
   finish: float
   key: RowKey
+  link: str
 
 
 @dataclasses.dataclass
 class _State:
   clock: float = 0.0  # the compute stream's time
   link_free: dict[str, float] = dataclasses.field(default_factory=dict)
+  on_link: dict[str, list[_Transfer]] = dataclasses.field(default_factory=dict)  # link -> transfers not yet over
   pending: dict[str, _Transfer] = dataclasses.field(default_factory=dict)  # value -> its transfer in flight
   tuples: dict[str, dict[int, _Transfer]] = dataclasses.field(default_factory=dict)  # tuple value -> elements in flight
   terms: Terms = dataclasses.field(default_factory=Terms)
@@ -94,6 +96,7 @@ class _State:
     moved = lambda t: dataclasses.replace(t, begin=t.begin + by, finish=t.finish + by) if t.begin >= since else t  # noqa: E731
     self.pending = {k: moved(t) for k, t in self.pending.items()}
     self.tuples = {k: {i: moved(t) for i, t in v.items()} for k, v in self.tuples.items()}
+    self.on_link = {k: [moved(t) for t in v] for k, v in self.on_link.items()}
     self.link_free = {k: v + by if v > since else v for k, v in self.link_free.items()}
 
 
@@ -105,19 +108,16 @@ class _Walk:
     self.comps, self.entry = hlo_inventory.parse_module(text)
     self.gpu, self.mesh_shape, self.nodes, self.fp8 = gpu, mesh_shape, nodes, fp8_experts
     self.grouped_scale = grouped_scale  # our grouped GEMMs' rows that hold tokens, of their buffers' (see estimate)
-    # What hlo_inventory's parse leaves out, per computation: integer scalar constants, parameter numbers, roots.
-    self.constants: dict[tuple[str, str], int] = {}
+    # What hlo_inventory's parse leaves out, per computation: parameter numbers, roots.
     self.param_index: dict[tuple[str, str], int] = {}
     roots: dict[str, str] = {}
     current = ""
     for line in text.splitlines():
       if (header := hlo_inventory._HEADER.match(line)) and not line.startswith(" "):  # pylint: disable=protected-access
         current = header[2]
-      elif m := re.match(r"\s*(ROOT )?%?([\w.\-]+) = (?:[su]\d+\[\]\S* constant\((-?\d+)\)|.*? parameter\((\d+)\))?", line):
+      elif m := re.match(r"\s*(ROOT )?%?([\w.\-]+) = (?:.*? parameter\((\d+)\))?", line):
         if m[3] is not None:
-          self.constants[(current, m[2])] = int(m[3])
-        if m[4] is not None:
-          self.param_index[(current, m[2])] = int(m[4])
+          self.param_index[(current, m[2])] = int(m[3])
         if m[1]:
           roots[current] = m[2]
     self.roots = {c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
@@ -126,6 +126,7 @@ class _Walk:
     self.opaque: set[str] = set()  # custom-call targets whose FLOPs the walk cannot read
     self.started: set[str] = set()  # every collective start seen, those that move nothing included
     self.notes: set[str] = set()
+    self.branches: dict[str, list[str]] = {}  # conditional -> the branches it took (hlo_inventory counts the same)
 
   def run(self) -> tuple[_State, float]:
     state = _State()
@@ -220,8 +221,9 @@ class _Walk:
 
   def _start(self, instr: Instr, state: _State, key: RowKey, link: str, seconds: float, asynchronous: bool) -> None:
     begin = max(state.clock, state.link_free.get(link, 0.0))
-    transfer = _Transfer(begin, begin + seconds, key)
+    transfer = _Transfer(begin, begin + seconds, key, link)
     state.link_free[link] = transfer.finish
+    state.on_link.setdefault(link, []).append(transfer)
     row = state.terms.rows.setdefault(key, [0.0, 0.0, 0.0])
     row[0] += seconds
     row[2] += 1
@@ -239,11 +241,20 @@ class _Walk:
       self.notes.add(f"{instr.opcode} whose start the walk did not follow: its transfer counted as overlapped")
 
   def _wait(self, transfer: _Transfer, state: _State) -> None:
+    """The stream waits for `transfer`. Each moment of the wait is charged to the transfer its link moves then (one
+    queued before it, or itself), so no row is exposed for longer than its own transfers take."""
     state.pending = {k: t for k, t in state.pending.items() if t != transfer}  # every name it went by
     waited = max(0.0, transfer.finish - state.clock)
-    state.clock += waited
     state.terms.seconds["offload_exposed_s" if transfer.key[0] == "host-offload" else "exposed_s"] += waited
-    state.terms.rows[transfer.key][1] += waited
+    charged = 0.0
+    for other in state.on_link.get(transfer.link, []):
+      overlap = min(other.finish, transfer.finish) - max(other.begin, state.clock)
+      if overlap > 0:
+        state.terms.rows[other.key][1] += overlap
+        charged += overlap
+    state.terms.rows[transfer.key][1] += max(0.0, waited - charged)  # a gap on the link (none in a serial queue)
+    state.clock += waited
+    state.on_link[transfer.link] = [t for t in state.on_link.get(transfer.link, []) if t.finish > state.clock]
 
   def _loop(self, instr: Instr, state: _State) -> None:
     body = re.search(r"body=%?([\w.\-]+)", instr.attrs)[1]
@@ -262,31 +273,10 @@ class _Walk:
       state.tuples[instr.name] = carried
 
   def _trips(self, instr: Instr) -> int:
-    known = hlo_inventory.trip_count(instr)
-    if known is not None:
-      return known
-    bound = self._condition_bound(re.search(r"condition=%?([\w.\-]+)", instr.attrs)[1])
-    if bound is None:
-      self.notes.add("a while loop without a known trip count or a readable bound: its body walked once")
-      return 1
-    return bound
-
-  def _condition_bound(self, name: str) -> int | None:
-    """`i < N` (or `i <= N`) in a loop's condition, through the fusions it calls: N (N + 1) trips."""
-    seen, comps, compare = set(), [name], None
-    while comps:
-      comp = self.comps.get(comps.pop())
-      if comp is None or comp.name in seen:
-        continue
-      seen.add(comp.name)
-      for i in comp.instrs:
-        if i.opcode == "compare" and (d := re.search(r"direction=(LT|LE)", i.attrs)):
-          compare = d[1]
-        comps += re.findall(r"calls=%?([\w.\-]+)", i.attrs)
-    bounds = {v for c in seen for i in self.comps[c].instrs if (v := self.constants.get((c, i.name))) not in (None, 0, 1)}
-    if compare is None or len(bounds) != 1:
-      return None
-    return bounds.pop() + (compare == "LE")
+    trips = hlo_inventory.loop_trips(instr, self.comps)  # the inventory's count, its note the same
+    if trips.note:
+      self.notes.add(trips.note)
+    return trips.count
 
   def _branches(self, instr: Instr, state: _State) -> None:
     names = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", instr.attrs)
@@ -296,10 +286,13 @@ class _Walk:
     for name in names:
       branch = copy.deepcopy(state)
       self.walk(name, branch, None)
-      outcomes.append(branch)
+      outcomes.append((branch, name))
     if outcomes:
-      slowest = max(outcomes, key=lambda s: s.clock)
+      slowest, name = max(outcomes, key=lambda o: o[0].clock)
       state.__dict__.update(slowest.__dict__)
+      taken = self.branches.setdefault(instr.name, [])
+      if name not in taken:
+        taken.append(name)
 
   # --- one op's cost ----------------------------------------------------------------------
 
@@ -382,6 +375,7 @@ class StepTerms:
   counts: dict[str, float]
   rows: dict[RowKey, list[float]]
   notes: list[str]
+  branches: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # conditional -> the branches walked
 
   @property
   def compute_s(self) -> float:
@@ -435,7 +429,7 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
                    memory_s=s["memory_s"], collectives_s=s["collectives_s"], exposed_s=s["exposed_s"],
                    offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
                    bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
-                   rows=state.terms.rows, notes=sorted(walk.notes))
+                   rows=state.terms.rows, notes=sorted(walk.notes), branches=walk.branches)
 
 
 def report(t: StepTerms, model_flops: float, recompute_flops: float, bubble_fraction: float = 0.0) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""One account of every transfer: the plan's collective rows and the schedule's walk, checked against each other.
+
+The rows (MaxText/plan/hlo_inventory.py) multiply each collective by the trip counts of the loops around it; the
+walk (MaxText/plan/schedule.py) runs the loops and times each transfer against the stream. Both take a loop's
+trips from `hlo_inventory.loop_trips` (XLA's known trip count, else the condition's bound, named in a note) and a
+conditional's branch as the walk took it, so they count the same transfers. Every plan checks:
+
+  rows = walk      per row, the walk's count and transfer seconds equal the inventory's (to 1%), and the rows'
+                   seconds add up to the walk's collective seconds (to 1%)
+  exposed <= time  per row, the stream waited for it no longer than its transfers took (a wait is charged to the
+                   transfer its link moves at each moment, queued ones included)
+  step <= serial   the critical path never exceeds compute + memory + every transfer + offload + bubble
+
+  checked = check(rows, terms, estimate)  # {"ok": bool, "lines": [...], "violations": [...]}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from MaxText.plan import hardware
+
+TOLERANCE = 0.01  # relative: the rows against the walk
+_SLACK_S = 1e-9  # float rounding in seconds
+
+
+def rows(collectives: list[dict[str, Any]], walk_rows: dict[tuple, list[float]], gpu: hardware.Gpu) -> list[dict]:
+  """The inventory's rows with their link, transfer seconds (wire bytes at the link's rate), and the walk's
+  exposed seconds, transfer seconds and count for the same (kind, axes, crosses nodes)."""
+  out = []
+  for row in collectives:
+    key = (row["kind"], tuple(row["axes"]), row["crosses_nodes"])
+    walked = walk_rows.get(key, [0.0, 0.0, 0.0])
+    out.append({**row, "link": "ib" if row["crosses_nodes"] else "nvlink",
+                "seconds": row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value,
+                "exposed_s": walked[1], "walk_seconds": walked[0], "walk_count": int(round(walked[2]))})
+  return out
+
+
+def _close(a: float, b: float) -> bool:
+  return abs(a - b) <= TOLERANCE * max(abs(a), abs(b)) + _SLACK_S
+
+
+def check(plan_rows: list[dict[str, Any]], walk_rows: dict[tuple, list[float]], estimate: dict[str, Any]) -> dict:
+  """The invariants of the module docstring on one plan: each violation one line naming the row."""
+  violations = []
+  for r in plan_rows:
+    name = f"{r['kind']} over {','.join(r['axes']) or '-'} ({r['link']})"
+    if r["exposed_s"] > r["seconds"] * (1 + TOLERANCE) + _SLACK_S:
+      violations.append(f"{name}: exposed {r['exposed_s']:.4g} s > its transfers' {r['seconds']:.4g} s")
+    if r["walk_count"] != r["count"] or not _close(r["walk_seconds"], r["seconds"]):
+      violations.append(f"{name}: the walk counts {r['walk_count']} transfers, {r['walk_seconds']:.4g} s; the rows "
+                        f"{r['count']}, {r['seconds']:.4g} s")
+  listed = {(r["kind"], tuple(r["axes"]), r["crosses_nodes"]) for r in plan_rows}
+  for key, (seconds, _, count) in walk_rows.items():
+    if key[0] != "host-offload" and key not in listed and count:
+      violations.append(f"{key[0]} over {','.join(key[1]) or '-'}: walked {int(count)} times, in no row")
+  rows_s, walk_s = sum(r["seconds"] for r in plan_rows), estimate["collectives_s"]
+  if not _close(rows_s, walk_s):
+    violations.append(f"the rows' transfers {rows_s:.4g} s, the walk's {walk_s:.4g} s")
+  if estimate["step_s"] > estimate["serial_step_s"] * (1 + 1e-9) + _SLACK_S:
+    violations.append(f"step {estimate['step_s']:.4g} s > nothing overlapped {estimate['serial_step_s']:.4g} s")
+  lines = [f"transfers: rows {rows_s:.4g} s, walk {walk_s:.4g} s; exposed {estimate['exposed_collectives_s']:.4g} s; "
+           f"step {estimate['step_s']:.4g} s <= nothing overlapped {estimate['serial_step_s']:.4g} s"]
+  return {"ok": not violations, "lines": lines, "violations": violations}
