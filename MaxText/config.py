@@ -101,14 +101,17 @@ class ForkConfig(pydantic.BaseModel):
       description="Our block's dispatch (MaxText/moe/dispatch); auto: local, or with EP ring (CPU) / a2a_padded (GPU); "
       "hierarchical: EP across nodes in two exchanges, a token crossing InfiniBand once per node it needs.")
   moe_hierarchical_capacity_factor: float = pydantic.Field(
-      default=2.0, gt=0,
+      default=2.0, gt=0, allow_inf_nan=False,  # inf: ceil(inf x rows) is an OverflowError at the first trace
       description="hierarchical: each stage's buffer = factor x its balanced share ((token, node) rows per node, "
       "capped at the tokens; slots per GPU inside the node); the EP size never overflows.")
   moe_ep_overlap_chunks: int = pydantic.Field(
-      default=1, ge=1,
-      description="Our block under EP splits each shard's tokens into this many chunks, each dispatched, computed and "
-      "combined on its own, so that one chunk's all-to-all overlaps another's grouped GEMMs; 1: no split. No effect "
-      "without EP; must divide the tokens per shard.")
+      # Each chunk is its own copy of the dispatch, grouped GEMMs and combine in every MoE layer of the compiled
+      # program, so the compile grows with it (256 on the tiny config compiled for more than 5 minutes); 2 is what
+      # the compile-only H200 schedule was read at (BENCHMARKS.md, "Dispatch and expert parallelism").
+      default=1, ge=1, le=8,
+      description="Our block under EP splits each shard's tokens into this many chunks (at most 8), each dispatched, "
+      "computed and combined on its own, so that one chunk's all-to-all overlaps another's grouped GEMMs; 1: no "
+      "split. No effect without EP; must divide the tokens per shard.")
   moe_node_limited_routing: bool = pydantic.Field(
       default=False,
       description="DeepSeek-V3's node-limited routing: moe_router=deepseek_v3's groups are the EP nodes "
@@ -116,14 +119,14 @@ class ForkConfig(pydantic.BaseModel):
       "scores (M = topk_routing_group, which must divide num_experts_per_tok), so each token's experts are on at "
       "most M nodes.")
   moe_a2a_padded_capacity_factor: float = pydantic.Field(
-      default=2.0, gt=0,
+      default=2.0, gt=0, allow_inf_nan=False,
       description="a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).")
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = pydantic.Field(
       default="error",
       description="a2a_padded/ragged_a2a/hierarchical overflow: raise, or only flag moe_has_overflow "
       "(pair with moe_dropless_fallback=step).")
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(
-      default=None, gt=0,
+      default=None, gt=0, allow_inf_nan=False,
       description="ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).")
   moe_log_expert_load: bool = pydantic.Field(
       default=False,
