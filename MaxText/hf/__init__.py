@@ -1,0 +1,9 @@
+"""Hugging Face export and import (docs/huggingface.md): MaxText/export_hf.py, MaxText/import_hf.py.
+
+  checkpoint.py   a run's orbax checkpoint, read one slice at a time and checked against our record's digests
+  safetensors.py  sharded safetensors written header-first (one tensor in memory at a time), and read
+  layout.py       the transforms between a stored slice and an HF tensor (transpose, heads, RoPE column order)
+  deepseek.py     DeepSeek-V3: the released checkpoint's tensor names and config.json
+  run.py          a run directory's model config, rebuilt from the run's own record
+  errors.py       the exit codes, one per cause
+"""

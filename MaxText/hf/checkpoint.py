@@ -1,0 +1,168 @@
+"""A run's orbax checkpoint, read one slice at a time, and checked as a resume checks it.
+
+Which step: the newest that MaxText/checkpoint_records.py calls complete (orbax's commit marker, its tree metadata
+and our record), or the one asked for. Reads go through tensorstore straight to the stored arrays, a slice at a
+time (a layer, or one expert of a layer): only the stored chunks a slice touches are decoded, and a cache the size
+of the largest chunk keeps each chunk decoded once while its slices are read in order. A checkpoint written on one
+device stores each array as one chunk, so there the bound is the largest array; a sharded run's chunks are its
+shards.
+
+Every element read is folded into the same two position-weighted sums our record holds for the array
+(checkpoint_records._digest_and_nonfinite, here in numpy over the slice's global positions), and counted; once
+everything is read, `verdict()` is the verified restore's verdict on it (checkpoint_records.mismatch): finite, and
+the bytes the digests were taken from at save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from MaxText import checkpoint_records
+from MaxText.hf.errors import Damaged, NoCheckpoint
+
+PARAMS = ("params", "params")  # the trained weights' subtree in a training checkpoint's items
+AUX = ("nnx_aux", "model")  # persistent non-Param variables (DeepSeek-V3's routing bias) of the NNX state
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+  """One stored array: its checkpoint key, shape, dtype and the chunk tensorstore decodes as a unit."""
+
+  key: tuple[str, ...]
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  chunk_bytes: int
+
+
+def pick_step(run_dir: Path, step: int | None) -> int:
+  """The step to read: the one asked for, or the newest complete one; NoCheckpoint saying why not."""
+  if not (run_dir / "checkpoints").is_dir():
+    raise NoCheckpoint(f"{run_dir} has no checkpoints/ directory: not a run directory, or a run that saved none")
+  present = [s for s, _ in checkpoint_records.step_dirs(run_dir)]
+  if step is None:
+    complete = checkpoint_records.complete_steps(run_dir)
+    if not complete:
+      raise NoCheckpoint(f"{run_dir}/checkpoints holds no complete checkpoint (steps present: "
+                         f"{', '.join(map(str, present)) or 'none'})")
+    return complete[-1]
+  if step not in present:
+    raise NoCheckpoint(f"{run_dir} has no checkpoint step {step} (steps: {', '.join(map(str, present)) or 'none'})")
+  why = checkpoint_records.problem(run_dir, step)
+  if why:
+    raise NoCheckpoint(f"checkpoint step {step} of {run_dir} is not a complete checkpoint: {why}")
+  return step
+
+
+def _damaged(run_dir: Path, step: int, e: BaseException) -> Damaged:
+  why = checkpoint_records.damage(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+  return Damaged(f"checkpoint step {step} of {run_dir} is damaged: it does not load: {why}")
+
+
+def fold(sums: list[int], shape: tuple[int, ...], dtype: np.dtype, index: tuple[int | slice, ...],
+         region: np.ndarray) -> None:
+  """Adds region = whole[index] to sums [sum1, sum2, nonfinite, elements] of an array of `shape`: the digest of
+  checkpoint_records._digest_and_nonfinite, each element weighted by its row-major position in the whole array,
+  so that the regions of a partition, in any order, add up to the whole array's digest."""
+  full = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  bounds = [ix.indices(n)[:2] if isinstance(ix, slice) else (ix, ix + 1) for ix, n in zip(full, shape)]
+  extent = [stop - start for start, stop in bounds]
+  width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize]
+  bits = np.ascontiguousarray(region).view(width).astype(np.uint64).reshape(extent)
+  position = np.zeros(extent, np.uint64)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    along = (np.arange(*bounds[axis], dtype=np.uint64) * np.uint64(stride % 2**32)) % 2**32
+    position = position + along.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    stride *= shape[axis]
+  mask = np.uint64(0xFFFFFFFF)
+  position &= mask
+  s1 = int(np.sum((bits * ((position * np.uint64(2) + np.uint64(1)) & mask)) & mask, dtype=np.uint64))
+  s2 = int(np.sum(bits ^ ((position * np.uint64(0x9E3779B1)) & mask), dtype=np.uint64))
+  sums[0], sums[1] = (sums[0] + s1) & 0xFFFFFFFF, (sums[1] + s2) & 0xFFFFFFFF
+  inexact = dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))  # ml_dtypes' bfloat16 is kind "V"
+  sums[2] += int(np.count_nonzero(~np.isfinite(region.astype(np.float32)))) if inexact else 0
+  sums[3] += region.size
+
+
+class Checkpoint:
+  """Slices of one checkpoint's arrays, their digests folded in as they are read."""
+
+  def __init__(self, run_dir: Path, step: int | None = None):
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    self.run_dir, self.step = run_dir, pick_step(run_dir, step)
+    self.items = run_dir / "checkpoints" / str(self.step) / "items"
+    self.record = checkpoint_records.read_record(run_dir, self.step)
+    try:
+      tree = json.loads((self.items / "_METADATA").read_text())["tree_metadata"]
+      self._kv = {"driver": "ocdbt", "base": f"file://{self.items.resolve()}/"}
+      self.arrays: dict[tuple[str, ...], Stored] = {}
+      for text in tree:
+        key = tuple(k["key"] for k in tree[text]["key_metadata"])
+        if key[:2] in (PARAMS, AUX) and "rngs" not in key:
+          self.arrays[key] = self._stored(ts, key)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise _damaged(run_dir, self.step, e) from e
+    largest = max((a.chunk_bytes for a in self.arrays.values()), default=0)
+    # One decoded chunk stays cached while its slices are read (tensorstore evicts beyond the limit).
+    self._context = ts.Context({"cache_pool": {"total_bytes_limit": largest + (1 << 20)}})
+    self._open: dict[tuple[str, ...], Any] = {}
+    self._sums: dict[tuple[str, ...], list[int]] = {}  # key -> [sum1, sum2, nonfinite, elements read]
+
+  def _stored(self, ts, key: tuple[str, ...]) -> Stored:
+    spec = {"driver": "zarr3", "kvstore": {**self._kv, "path": ".".join(key) + "/"}}
+    handle = ts.open(spec, open=True, read=True).result()
+    chunk = handle.chunk_layout.read_chunk.shape or handle.shape
+    dtype = np.dtype(handle.dtype.numpy_dtype)
+    return Stored(key, tuple(handle.shape), dtype, int(np.prod(chunk)) * dtype.itemsize)
+
+  def has(self, key: tuple[str, ...]) -> bool:
+    return key in self.arrays
+
+  def read(self, key: tuple[str, ...], index: tuple[int | slice, ...]) -> np.ndarray:
+    """arrays[key][index] as numpy; integer indices drop their axis. Every element must be read once for
+    verdict() to vouch for the array."""
+    region = self.peek(key, index)
+    stored = self.arrays[key]
+    fold(self._sums.setdefault(key, [0, 0, 0, 0]), stored.shape, stored.dtype, index, region)
+    return region
+
+  def peek(self, key: tuple[str, ...], index: tuple[int | slice, ...]) -> np.ndarray:
+    """A read not counted towards the digest (a second copy of a region read())."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    if key not in self._open:
+      spec = {"driver": "zarr3", "kvstore": {**self._kv, "path": ".".join(key) + "/"}}
+      self._open[key] = ts.open(spec, open=True, read=True, context=self._context).result()
+    try:
+      region = np.asarray(self._open[key][index].read().result())
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise _damaged(self.run_dir, self.step, e) from e
+    return region
+
+  @staticmethod
+  def record_name(key: tuple[str, ...]) -> str:
+    """Our record's name for a checkpoint key (patches/checkpoint_guard._leaves_with_paths of the NNX state)."""
+    return "/".join(("model",) + key[2:] + ("value",))
+
+  def unread(self) -> list[tuple[str, ...]]:
+    """Arrays not read whole: a mapping that leaves any of them out would drop trained weights."""
+    return [k for k, a in self.arrays.items() if self._sums.get(k, [0] * 4)[3] != int(np.prod(a.shape))]
+
+  def verdict(self) -> None:
+    """Raises Damaged unless every array read is finite and matches our record's digest."""
+    named = [(self.record_name(k), None) for k in self._sums]
+    unlisted = [name for name, _ in named if name not in self.record["arrays"]]
+    if unlisted and self.record.get("digest") == checkpoint_records.DIGEST:
+      raise Damaged(f"checkpoint step {self.step} of {self.run_dir} does not match our record of it: the record "
+                    f"lists no {unlisted[0]}")
+    finite = [s[2] == 0 for s in self._sums.values()]
+    digests = [f"{s[0]:08x}{s[1]:08x}" for s in self._sums.values()]
+    why = checkpoint_records.mismatch(self.record, named, finite, digests)
+    if why:
+      raise Damaged(f"checkpoint step {self.step} of {self.run_dir} is damaged: {why}")

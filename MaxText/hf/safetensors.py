@@ -1,0 +1,116 @@
+"""Sharded safetensors, written header-first so that only one tensor is in memory at a time, and read back.
+
+The format (github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes of JSON
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the tensors' bytes. Every shape is
+known before any data is read (from the checkpoint's metadata), so each shard's header is written first and its
+tensors are appended as they are produced; `model.safetensors.index.json` maps each name to its shard as
+transformers' sharded checkpoints do.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+          "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8)}
+NAME_OF = {v: k for k, v in DTYPES.items()}
+INDEX = "model.safetensors.index.json"
+
+
+def plan_shards(tensors: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes: int) -> list[list[int]]:
+  """Tensor positions per shard, in order, each shard at most max_bytes (a larger tensor gets one of its own)."""
+  shards: list[list[int]] = [[]]
+  size = 0
+  for i, (_, shape) in enumerate(tensors):
+    nbytes = int(np.prod(shape)) * itemsize
+    if shards[-1] and size + nbytes > max_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(i)
+    size += nbytes
+  return shards
+
+
+def _header(entries: Sequence[tuple[str, tuple[int, ...]]], dtype: np.dtype) -> bytes:
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, shape in entries:
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    header[name] = {"dtype": NAME_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  text = json.dumps(header, separators=(",", ":")).encode()
+  return text + b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+
+
+def write(out_dir: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], produce: Callable[[int], np.ndarray],
+          dtype: np.dtype, max_shard_bytes: int) -> dict[str, str]:
+  """Writes tensors[i] = produce(i) (cast to dtype) in order into shards; returns {name: shard file}."""
+  shards = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+  weight_map: dict[str, str] = {}
+  total = 0
+  for n, positions in enumerate(shards):
+    name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    entries = [tensors[i] for i in positions]
+    header = _header(entries, dtype)
+    with open(out_dir / name, "wb") as f:
+      f.write(struct.pack("<Q", len(header)))
+      f.write(header)
+      for i, (tname, shape) in zip(positions, entries):
+        x = np.ascontiguousarray(produce(i))
+        if tuple(x.shape) != tuple(shape):
+          raise AssertionError(f"{tname}: produced {x.shape}, planned {shape}")
+        f.write(x.astype(dtype, copy=False).tobytes())
+        total += x.size * dtype.itemsize
+        weight_map[tname] = name
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+  return weight_map
+
+
+class Reader:
+  """The tensors of an HF directory (sharded with an index, or one model.safetensors), read one at a time."""
+
+  def __init__(self, hf_dir: Path):
+    self.dir = hf_dir
+    index = hf_dir / INDEX
+    if index.is_file():
+      self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    elif (hf_dir / "model.safetensors").is_file():
+      self.weight_map = {name: "model.safetensors" for name in self._header("model.safetensors") if name != "__metadata__"}
+    else:
+      raise FileNotFoundError(f"{hf_dir} has neither {INDEX} nor model.safetensors")
+    self._headers: dict[str, dict] = {}
+
+  def _header(self, shard: str) -> dict:
+    with open(self.dir / shard, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      return json.loads(f.read(n))
+
+  def shards(self) -> list[str]:
+    return sorted(set(self.weight_map.values()))
+
+  def names(self) -> Iterable[str]:
+    return self.weight_map.keys()
+
+  def info(self, name: str) -> dict:
+    shard = self.weight_map[name]
+    if shard not in self._headers:
+      self._headers[shard] = self._header(shard)
+    return self._headers[shard][name]
+
+  def read(self, name: str) -> np.ndarray:
+    shard, info = self.weight_map[name], self.info(name)
+    begin, end = info["data_offsets"]
+    with open(self.dir / shard, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      f.seek(8 + n + begin)
+      data = f.read(end - begin)
+    if len(data) != end - begin:
+      raise ValueError(f"{shard} is truncated: {name} needs bytes {begin}..{end} of its data")
+    return np.frombuffer(data, DTYPES[info["dtype"]]).reshape(info["shape"])

@@ -1,0 +1,134 @@
+"""The pieces of the Hugging Face export that need no torch and no trained run (MaxText/hf/).
+
+RoPE's column order, every transform's round trip, the digest folded slice by slice against the one a save
+records, the header-first safetensors against the safetensors library, and the bad inputs that stop before a
+checkpoint is read. tests/test_hf_export.py exports a trained run and compares with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from MaxText import checkpoint_records, export_hf
+from MaxText.hf import checkpoint, layout, safetensors
+from MaxText.hf.errors import BAD_INPUT, NO_CHECKPOINT
+
+
+def _rope_halves(x_TR, pos_T, theta=10_000.0):
+  """MaxText's plain RoPE: column i turns with column i + r/2 at frequency i."""
+  r = x_TR.shape[-1]
+  freq = theta ** (-np.arange(r // 2) * 2 / r)
+  ang = pos_T[:, None] * freq[None]
+  a, b = x_TR[:, : r // 2], x_TR[:, r // 2:]
+  return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], axis=-1)
+
+
+def _rope_interleaved(x_TR, pos_T, theta=10_000.0):
+  """DeepSeek's (transformers' rope_interleave=True): columns 2i and 2i + 1 turn together at frequency i."""
+  r = x_TR.shape[-1]
+  freq = theta ** (-np.arange(r // 2) * 2 / r)
+  ang = pos_T[:, None] * freq[None]
+  a, b = x_TR[:, 0::2], x_TR[:, 1::2]
+  out = np.empty_like(x_TR)
+  out[:, 0::2], out[:, 1::2] = a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)
+  return out
+
+
+def test_rope_columns_interleaved_give_maxtexts_attention_scores():
+  rng = np.random.default_rng(0)
+  q_TR, k_TR, pos_T = rng.normal(size=(7, 8)), rng.normal(size=(7, 8)), np.arange(7.0) * 3
+  want_TT = _rope_halves(q_TR, pos_T) @ _rope_halves(k_TR, pos_T).T
+  perm = layout.rope_to_interleaved(8)
+  assert list(perm) == [0, 4, 1, 5, 2, 6, 3, 7]
+  got_TT = _rope_interleaved(q_TR[:, perm], pos_T) @ _rope_interleaved(k_TR[:, perm], pos_T).T
+  np.testing.assert_allclose(got_TT, want_TT, rtol=1e-12, atol=1e-12)
+  unpermuted_TT = _rope_interleaved(q_TR, pos_T) @ _rope_interleaved(k_TR, pos_T).T
+  assert np.abs(unpermuted_TT - want_TT).max() > 0.1  # what an export without the permutation would give
+
+
+TRANSFORMS = [(layout.SAME, (5,)), (layout.LINEAR, (6, 4)), (layout.heads_in(rope=4), (6, 3, 10)),
+              (layout.heads_in(), (6, 3, 10)), (layout.HEADS_OUT, (3, 5, 6)), (layout.linear_rope_tail(4), (6, 12))]
+
+
+@pytest.mark.parametrize("transform,shape", TRANSFORMS, ids=[t.name for t, _ in TRANSFORMS])
+def test_every_transform_comes_back_bit_for_bit(transform, shape):
+  x = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+  y = transform.to_hf(x)
+  assert y.shape == transform.hf_shape(shape)
+  assert np.array_equal(transform.to_maxtext(y, shape), x)
+
+
+def test_heads_in_moves_only_each_heads_rope_tail():
+  """q_b_proj [in, H, nope + r] -> [H * (nope + r), in]: per head the nope columns stay, the r RoPE columns are
+  interleaved, and heads stay in order (HF splits the rows per head, nope first)."""
+  x = np.arange(2 * 2 * 6, dtype=np.float32).reshape(2, 2, 6)  # in 2, heads 2, nope 2 + rope 4
+  rows = layout.heads_in(rope=4).to_hf(x)[:, 0]
+  assert list(rows) == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_digest_folded_slice_by_slice_is_the_saved_digest(dtype):
+  """The export checks what it reads against our record: slices read in any order add up to the digest the
+  trainer takes of the whole array at save (MaxText/checkpoint_records.scan)."""
+  x = np.random.default_rng(2).normal(size=(3, 4, 5, 6)).astype(dtype)
+  _, (want,) = checkpoint_records.scan([x])
+  sums = [0, 0, 0, 0]
+  for e in (2, 0, 1):
+    for layer in (3, 1, 0, 2):
+      checkpoint.fold(sums, x.shape, x.dtype, (e, layer), x[e, layer])
+  assert f"{sums[0]:08x}{sums[1]:08x}" == want and sums[2:] == [0, x.size]
+  flipped = x.copy()
+  flipped.view(np.uint8 if x.itemsize == 1 else np.uint16)[1, 2, 3, 4] ^= 1  # one bit
+  again = [0, 0, 0, 0]
+  checkpoint.fold(again, x.shape, x.dtype, (), flipped)
+  assert f"{again[0]:08x}{again[1]:08x}" != want
+
+
+def test_safetensors_shards_read_back_by_the_safetensors_library(tmp_path):
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(3)
+  tensors = {f"t{i}": rng.normal(size=(i + 1, 3)).astype(np.float32) for i in range(6)}
+  names = list(tensors)
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  safetensors.write(tmp_path, [(n, tensors[n].shape) for n in names], lambda i: tensors[names[i]], bf16,
+                    max_shard_bytes=30)
+  index = json.loads((tmp_path / safetensors.INDEX).read_text())
+  shards = sorted(set(index["weight_map"].values()))
+  assert len(shards) > 2 and index["metadata"]["total_size"] == sum(t.size * 2 for t in tensors.values())
+  loaded = {}
+  for shard in shards:
+    loaded.update(load_file(tmp_path / shard))
+  reader = safetensors.Reader(tmp_path)
+  for name, x in tensors.items():
+    assert np.array_equal(loaded[name], x.astype(bf16)) and np.array_equal(reader.read(name), x.astype(bf16))
+
+
+def _export(tmp_path: Path, *args: str, capsys) -> tuple[int, str]:
+  code = export_hf.main([*args])
+  return code, capsys.readouterr().err.strip()
+
+
+def test_export_refuses_a_run_without_checkpoints(tmp_path, capsys):
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), capsys=capsys)
+  assert code == NO_CHECKPOINT and err.count("\n") == 0 and "has no checkpoints/ directory" in err
+  (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)  # a save that never completed
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), capsys=capsys)
+  assert code == NO_CHECKPOINT and "no complete checkpoint (steps present: 4)" in err
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), "--step", "4", capsys=capsys)
+  assert code == NO_CHECKPOINT and "step 4" in err and "commit marker" in err
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), "--step", "7", capsys=capsys)
+  assert code == NO_CHECKPOINT and "has no checkpoint step 7 (steps: 4)" in err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_export_refuses_an_existing_output(tmp_path, capsys):
+  (tmp_path / "out").mkdir()
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), capsys=capsys)
+  assert code == BAD_INPUT and "already exists" in err
