@@ -93,7 +93,9 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
     if getattr(config, key, 0) > INT32_MAX:
       raise ConfigError(f"config key '{key}' = {getattr(config, key)} ({_origin(run, key)}): more than "
                         f"{INT32_MAX}, the most the optimizer's int32 step counter holds")
+  check_schedule(run, config)
   _check_choices(run, config)
+  check_remat_names(run, config)
   check_run_name(str(config.run_name), Path(config.base_output_directory))
   check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
@@ -258,6 +260,37 @@ def _check_choices(run: RunConfig, config: Any) -> None:
     if name and name not in ("linear", "sqrtsoftplus") and not callable(getattr(jax.nn, str(name), None)):
       raise ConfigError(f"config key '{key}' names {name!r} ({_origin(run, key)}): not an activation upstream "
                         "MaxText knows: linear, sqrtsoftplus, or a jax.nn function (sigmoid, softmax, silu, ...)")
+
+
+def check_schedule(run: RunConfig, config: Any) -> None:
+  """The learning rate and its schedule's length. Upstream takes `learning_rate: .inf` to the first step (after
+  the compile) and `learning_rate_schedule_steps: 0` to a schedule that is 0 from step 0 on (warm-up and decay
+  over no steps), a run that trains nothing and says nothing; -1 means `steps`."""
+  import math  # pylint: disable=import-outside-toplevel
+
+  rate = config.learning_rate
+  if not math.isfinite(rate) or rate < 0:
+    raise ConfigError(f"config key 'learning_rate' = {rate!r} ({_origin(run, 'learning_rate')}): must be a finite "
+                      "number >= 0")
+  length = config.learning_rate_schedule_steps
+  if length == 0 or length < -1:
+    raise ConfigError(f"config key 'learning_rate_schedule_steps' = {length} ({_origin(run, 'learning_rate_schedule_steps')})"
+                      ": must be > 0, or -1 for `steps`; at 0 the learning rate is 0 from the first step on")
+
+
+def check_remat_names(run: RunConfig, config: Any) -> None:
+  """A remat location (`moe_mlpwi_0: offload`, ...) is read only by remat_policy=custom: under any other policy
+  the key is accepted and does nothing, so an offload the user asked for silently never happens."""
+  if config.remat_policy == "custom":
+    return
+  from maxtext.configs import types  # pylint: disable=import-outside-toplevel
+
+  for key, field in types.RematAndOffload.model_fields.items():
+    value = getattr(config, key, None)
+    if key in run.explicit and isinstance(value, types.RematLocation) and value != field.default:
+      raise ConfigError(f"config key '{key}' = {value.value!r} ({run.origins.get(key, 'as set')}) does nothing under "
+                        f"remat_policy = {config.remat_policy!r}: only remat_policy=custom reads remat locations "
+                        "(or xla_presets=[host_offload], which sets it)")
 
 
 def check_run_name(run_name: str, base: Path) -> None:

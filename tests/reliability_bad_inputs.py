@@ -122,6 +122,8 @@ def config_cases(tmp: Path) -> list[Case]:
       # ranges that crashed later: a ZeroDivisionError after the first checkpoint, an int32 overflow
       "log_period=0", "log_period=-3", "steps=100000000000000000000", "learning_rate_schedule_steps=3000000000",
       "checkpoint_period=9999999999",
+      # accepted, then a failure after the compile or a run that trains nothing and says nothing
+      "learning_rate=.inf", "learning_rate=nan", "learning_rate_schedule_steps=0", "learning_rate_schedule_steps=-2",
       # names that are not one of the choices
       "attention=nosuch", "attention_type=weird", "hardware=abacus", "moe_gmm_backend=cutlass", "moe_block=fancy",
       "moe_dispatch_backend=carrier_pigeon", "decoder_block=nosuch", "xla_presets=[nosuch]", "dataset_type=nosuch",
@@ -154,7 +156,12 @@ def config_cases(tmp: Path) -> list[Case]:
   # --dry-run runs the same checks.
   out += [Case(("--dry-run", o), says=s) for o, s in (("remat_policy=nosuch", "'remat_policy' = 'nosuch'"),
                                                       ("log_period=0", "'log_period' = 0"),
-                                                      ("moe_gmm_backend=mgpu", "'moe_gmm_backend' = 'mgpu'"))]
+                                                      ("moe_gmm_backend=mgpu", "'moe_gmm_backend' = 'mgpu'"),
+                                                      ("learning_rate=.inf", "'learning_rate' = inf"))]
+  # A remat location another policy never reads: the offload asked for would silently not happen.
+  out += [Case(("remat_policy=full", "moe_mlpwi_0=offload"), says="'moe_mlpwi_0' = 'offload' .* does nothing"),
+          Case(("--dry-run", "remat_policy=minimal", "decoder_layer_input=offload"),
+               says="'decoder_layer_input' = 'offload' .* does nothing")]
   # jax asked for a platform this machine lacks (an AssertionError with no message inside jax, for cuda).
   for platforms in ("cuda", "nosuch", "tpu"):
     out.append(Case((), says=f"environment JAX_PLATFORMS='{platforms}'", env={"JAX_PLATFORMS": platforms},

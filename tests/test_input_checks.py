@@ -41,12 +41,17 @@ BAD_VALUES = {
     "run_name=../escape": "'run_name' = '../escape': must be one directory name inside base_output_directory",
     "run_name=a/b": "'run_name' = 'a/b': must be one directory name",
     f"run_name={'x' * 300}": "is 300 bytes long; the filesystem of base_output_directory",
+    # Upstream took .inf to the first step, after the compile; 0 trains at a learning rate of 0 from step 0 on.
+    "learning_rate=.inf": "'learning_rate' = inf (as set): must be a finite number >= 0",
+    "learning_rate_schedule_steps=0": "'learning_rate_schedule_steps' = 0 (as set): must be > 0, or -1",
+    # Only remat_policy=custom reads a remat location: the offload asked for would never happen.
+    "moe_mlpwi_0=offload": "'moe_mlpwi_0' = 'offload' (command line) does nothing under remat_policy = 'full'",
 }
 
 
 # Three in the fast tier (a config load each); the rest, and every one through the command line
 # (tests/reliability_bad_inputs.py), in the slow tier.
-FAST_BAD_VALUES = ("log_period=0", "remat_policy=nosuch", "run_name=../escape")
+FAST_BAD_VALUES = ("log_period=0", "remat_policy=nosuch", "run_name=../escape", "moe_mlpwi_0=offload")
 
 
 @pytest.mark.parametrize("override", [o if o in FAST_BAD_VALUES else pytest.param(o, marks=pytest.mark.slow)
