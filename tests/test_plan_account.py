@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from MaxText.plan import account, hardware, hlo_inventory, schedule
+from MaxText.plan import account, hardware, hlo_inventory, schedule, step_report
 from MaxText.plan.hardware import Figure
 
 GPU = dataclasses.replace(
@@ -31,7 +31,7 @@ def _both(text: str, nodes=ONE_NODE):
   terms = schedule.estimate(text, GPU, MESH, nodes)
   inv = hlo_inventory.inventory(text, MESH, nodes, branches=terms.branches)
   rows = account.rows(inv["collectives"], terms.rows, GPU)
-  checked = account.check(rows, terms.rows, schedule.report(terms, 1.0, 0.0))
+  checked = account.check(rows, terms.rows, step_report.report(terms, 1.0, 0.0))
   return terms, {r["kind"]: r for r in rows}, checked, inv
 
 

@@ -47,6 +47,7 @@ class Gpu:
     hbm_bandwidth: bytes read + written per second by memory-bound XLA fusions, B/s.
     attention_flops: cuDNN flash attention, FLOP/s.
     host_bytes: host offload's copies, one direction, B/s.
+    a2a_ib_share: an all-to-all across nodes, the share of ib_bytes it reaches (None: 1).
   """
 
   name: str
@@ -60,6 +61,7 @@ class Gpu:
   hbm_bandwidth: Figure | None = None
   attention_flops: Figure | None = None
   host_bytes: Figure | None = None
+  a2a_ib_share: Figure | None = None
 
   def figures(self) -> dict[str, Figure]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
@@ -96,6 +98,8 @@ _XLA_HBM_SHARE = 3.3 / 4.8
 _H200_ATTENTION = Figure(47.83e12 / 0.1200, "measured: cuDNN flash attention in the 1xH200 proxy's profile, 120.0 ms "
                          "per step for 47.83 TFLOP (causal, Dqk 192, Dv 128; BENCHMARKS.md, efee304)")
 _PCIE5 = Figure(64 * GB, "datasheet: PCIe Gen5 x16, 128 GB/s bidirectional (host offload's copies)")
+_A2A_IB = Figure(1.0, "assumed, not measured: an all-to-all across nodes at the NIC's full rate (the plan's "
+                 "sensitivity line shows 0.5)")
 
 GPUS: dict[str, Gpu] = {
     "h100": Gpu(
@@ -111,6 +115,7 @@ GPUS: dict[str, Gpu] = {
                              "the H200's XLA fusions reach (3.3 of 4.8 TB/s)"),
         attention_flops=Figure(_H200_ATTENTION.value, "the H200's measured cuDNN attention rate (same GH100 SMs and clocks)"),
         host_bytes=_PCIE5,
+        a2a_ib_share=_A2A_IB,
     ),
     "h200": Gpu(
         "H200 SXM 141 GB",
@@ -124,6 +129,7 @@ GPUS: dict[str, Gpu] = {
         hbm_bandwidth=_H200_XLA_HBM,
         attention_flops=_H200_ATTENTION,
         host_bytes=_PCIE5,
+        a2a_ib_share=_A2A_IB,
     ),
     "b200": Gpu(
         "B200 180 GB",
@@ -136,6 +142,7 @@ GPUS: dict[str, Gpu] = {
         attention_flops=Figure(_H200_ATTENTION.value * 2250 / 989, "not measured: the H200's cuDNN attention rate x "
                                "the dense bf16 datasheets' ratio (2,250 / 989)"),
         host_bytes=_PCIE5,
+        a2a_ib_share=_A2A_IB,
     ),
 }
 DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -170,6 +177,8 @@ def gpu_from_device_name(name: str) -> str | None:
 def link_bytes(gpu: Gpu, kind: str, crosses_nodes: bool) -> Figure:
   """Bandwidth one collective's wire bytes move at."""
   if crosses_nodes:
+    if kind in ("all-to-all", "ragged-all-to-all") and gpu.a2a_ib_share and gpu.a2a_ib_share.value != 1.0:
+      return Figure(gpu.ib_bytes.value * gpu.a2a_ib_share.value, f"{gpu.ib_bytes.source} x {gpu.a2a_ib_share.source}")
     return gpu.ib_bytes
   if kind == "ragged-all-to-all" and gpu.ragged_a2a_bytes:
     return gpu.ragged_a2a_bytes

@@ -17,7 +17,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import account, aot, bubble, hardware, hlo_inventory, schedule
+from MaxText.plan import account, aot, bubble, hardware, hlo_inventory, schedule, step_report
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -199,7 +199,9 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
   # at every iteration): the bubble is inside the path, and the term the schedule would add on top stays 0.
   # MaxText/plan/bubble.py reports it, checked against the compiled loop.
   bubble_fraction = 0.0
-  terms = schedule.estimate(hlo_text, gpu, child["mesh"], child["nodes"], fp8_experts=run.fork.moe_fp8 != "none",
+  module = schedule.parse(hlo_text)
+  fp8 = run.fork.moe_fp8 != "none"
+  terms = schedule.estimate(module, gpu, child["mesh"], child["nodes"], fp8_experts=fp8,
                             counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),
                             bubble_fraction=bubble_fraction)
   # The rows count what the walk walked: the same loop trips (hlo_inventory.loop_trips), the same branches.
@@ -214,7 +216,9 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
                "marginal": topology.platform == "gpu_target"
                and memory["device_total"] * (1 + COMPILE_ONLY_SHORTFALL) > usable >= memory["device_total"]}
   rows = account.rows(inventory["collectives"], terms.rows, gpu)
-  estimate = schedule.report(terms, model_flops, recompute, bubble_fraction)
+  estimate = step_report.report(terms, model_flops, recompute, bubble_fraction)
+  estimate["sensitivity"] = step_report.sensitivity(module, gpu, child["mesh"], child["nodes"], terms, model_flops, fp8,
+                                                    model_flops + recompute, bubble_fraction)
   constants = {f"{gpu_key}.{k}": {"value": f.value, "source": f.source} for k, f in gpu.figures().items()}
   constants["mem_fraction"] = {"value": fraction.value, "source": fraction.source}
   return {
@@ -313,7 +317,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"{p['pipelined_share']:.1%} ({p['pipelined_share_from']}); bubble {p['bubble_s'] * 1e3:.3f} ms of the step "
           "(in the path: the loop runs its iterations)")
   print()
-  for line in schedule.report_lines(r["estimate"]):
+  for line in step_report.lines(r["estimate"]):
     print(line)
   checked = r["account"]
   print(f"one account (MaxText/plan/account.py): {'holds' if checked['ok'] else 'VIOLATED'}; {checked['lines'][0]}")

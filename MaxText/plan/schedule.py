@@ -100,30 +100,51 @@ class _State:
     self.link_free = {k: v + by if v > since else v for k, v in self.link_free.items()}
 
 
+@dataclasses.dataclass
+class Module:
+  """A scheduled HLO module parsed once for several walks (the estimate, its sensitivity: planner.py)."""
+
+  comps: dict[str, Computation]
+  entry: str
+  param_index: dict[tuple[str, str], int]  # (computation, parameter) -> its number
+  roots: dict[str, Instr | None]
+  # What every walk of the module finds the same (only the rates change): each collective's description and the notes
+  # it gave, each fusion's GEMM FLOPs, the custom-call targets whose FLOPs cannot be read.
+  described: dict[str, Any] = dataclasses.field(default_factory=dict)
+  described_notes: set[str] = dataclasses.field(default_factory=set)
+  gemm_cache: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+  opaque: set[str] = dataclasses.field(default_factory=set)
+
+
+def parse(text: str) -> Module:
+  comps, entry = hlo_inventory.parse_module(text)
+  # What hlo_inventory's parse leaves out, per computation: parameter numbers, roots.
+  param_index: dict[tuple[str, str], int] = {}
+  roots: dict[str, str] = {}
+  current = ""
+  for line in text.splitlines():
+    if (header := hlo_inventory._HEADER.match(line)) and not line.startswith(" "):  # pylint: disable=protected-access
+      current = header[2]
+    elif m := re.match(r"\s*(ROOT )?%?([\w.\-]+) = (?:.*? parameter\((\d+)\))?", line):
+      if m[3] is not None:
+        param_index[(current, m[2])] = int(m[3])
+      if m[1]:
+        roots[current] = m[2]
+  return Module(comps, entry, param_index, {
+      c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
+      for c in comps.values()})
+
+
 class _Walk:
   """One module's walk (see the module docstring); `run` returns the entry's terms and critical path."""
 
-  def __init__(self, text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool,
-               grouped_scale: float = 1.0):
-    self.comps, self.entry = hlo_inventory.parse_module(text)
+  def __init__(self, module: Module, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int],
+               fp8_experts: bool, grouped_scale: float = 1.0):
+    self.module, self.comps, self.entry = module, module.comps, module.entry
+    self.param_index, self.roots, self.gemm_cache = module.param_index, module.roots, module.gemm_cache
     self.gpu, self.mesh_shape, self.nodes, self.fp8 = gpu, mesh_shape, nodes, fp8_experts
     self.grouped_scale = grouped_scale  # our grouped GEMMs' rows that hold tokens, of their buffers' (see estimate)
-    # What hlo_inventory's parse leaves out, per computation: parameter numbers, roots.
-    self.param_index: dict[tuple[str, str], int] = {}
-    roots: dict[str, str] = {}
-    current = ""
-    for line in text.splitlines():
-      if (header := hlo_inventory._HEADER.match(line)) and not line.startswith(" "):  # pylint: disable=protected-access
-        current = header[2]
-      elif m := re.match(r"\s*(ROOT )?%?([\w.\-]+) = (?:.*? parameter\((\d+)\))?", line):
-        if m[3] is not None:
-          self.param_index[(current, m[2])] = int(m[3])
-        if m[1]:
-          roots[current] = m[2]
-    self.roots = {c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
-                  for c in self.comps.values()}
-    self.gemm_cache: dict[str, tuple[float, float]] = {}
-    self.opaque: set[str] = set()  # custom-call targets whose FLOPs the walk cannot read
+    self.opaque = module.opaque  # custom-call targets whose FLOPs the walk cannot read
     self.started: set[str] = set()  # every collective start seen, those that move nothing included
     self.notes: set[str] = set()
     self.branches: dict[str, list[str]] = {}  # conditional -> the branches it took (hlo_inventory counts the same)
@@ -200,7 +221,10 @@ class _Walk:
 
   def _transfer(self, instr: Instr, inner: Instr, state: _State) -> None:
     self.started.add(instr.name)
-    described = hlo_inventory.collective(inner, self.mesh_shape, self.nodes, self.notes)
+    if inner.name not in self.module.described:  # the same for every walk of the module (only the rates change)
+      self.module.described[inner.name] = hlo_inventory.collective(inner, self.mesh_shape, self.nodes,
+                                                                   self.module.described_notes)
+    described = self.module.described[inner.name]
     if described is None:
       return
     key, _, _, wire, _ = described
@@ -376,6 +400,7 @@ class StepTerms:
   rows: dict[RowKey, list[float]]
   notes: list[str]
   branches: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # conditional -> the branches walked
+  grouped_scale: float = 1.0  # our grouped GEMMs' FLOPs counted, of their shapes' (see estimate)
 
   @property
   def compute_s(self) -> float:
@@ -390,9 +415,10 @@ class StepTerms:
     return self.path_s + self.bubble_s
 
 
-def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int], fp8_experts: bool = False,
-             counted_flops: float = 0.0, routed_flops: float = 0.0, bubble_fraction: float = 0.0) -> StepTerms:
-  """The step's terms from its scheduled HLO text (see the module docstring).
+def estimate(text: str | Module, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: list[int],
+             fp8_experts: bool = False, counted_flops: float = 0.0, routed_flops: float = 0.0,
+             bubble_fraction: float = 0.0, grouped_scale: float | None = None) -> StepTerms:
+  """The step's terms from its scheduled HLO text, or the module `parse` read from it (see the module docstring).
 
   counted_flops: what the step multiplies by MaxText's count (plus the remat policy's recompute). Only where
   the HLO holds a custom call the walk cannot read (a Triton or Transformer Engine kernel), the FLOPs this
@@ -405,19 +431,23 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
   scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways. Widths
   below a tile, as the tiny test model's, are padded and computed: there the scaling reads low.)
   bubble_fraction: a pipeline's idle share of the step, (stages - 1) / (repeats x microbatches + stages - 1).
+  grouped_scale: that scaling as an earlier walk of the same module found it (the sensitivity's walks), skipping
+  the walk that finds it.
   """
   if not 0.0 <= bubble_fraction < 1.0:
     raise ValueError(f"bubble_fraction={bubble_fraction}: must be in [0, 1)")
   if fp8_experts and gpu.fp8_grouped_flops is None:
     raise ValueError(f"moe_fp8: no FP8 grouped-GEMM rate for the {gpu.name} (its kernel is Hopper's)")
-  walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts)
+  module = parse(text) if isinstance(text, str) else text
+  walk = _Walk(module, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=grouped_scale or 1.0)
   state, path = walk.run()
-  shapes_flops = state.terms.counts["grouped_flops"]
-  if routed_flops and shapes_flops > routed_flops:
-    walk = _Walk(text, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=routed_flops / shapes_flops)
+  shapes_flops = state.terms.counts["grouped_flops"] / walk.grouped_scale
+  if grouped_scale is None and routed_flops and shapes_flops > routed_flops:
+    walk = _Walk(module, gpu, mesh_shape, nodes, fp8_experts, grouped_scale=routed_flops / shapes_flops)
     state, path = walk.run()
-    walk.notes.add(f"our grouped GEMMs' shapes hold {shapes_flops / routed_flops:.3g}x the routed experts' FLOPs "
-                   f"(padded buffers): scaled to their {routed_flops / 1e12:.4g} T")
+  if walk.grouped_scale < 1.0:
+    walk.notes.add(f"our grouped GEMMs' shapes hold {1 / walk.grouped_scale:.3g}x the routed experts' FLOPs "
+                   f"(padded buffers): scaled to their {shapes_flops * walk.grouped_scale / 1e12:.4g} T")
   s, c = state.terms.seconds, state.terms.counts
   seen = c["gemm_flops"] + c["fp8_flops"] + c["attention_flops"]
   hidden = max(0.0, counted_flops - seen) / gpu.gemm_flops.value if walk.opaque else 0.0
@@ -429,50 +459,8 @@ def estimate(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: li
                    memory_s=s["memory_s"], collectives_s=s["collectives_s"], exposed_s=s["exposed_s"],
                    offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
                    bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
-                   rows=state.terms.rows, notes=sorted(walk.notes), branches=walk.branches)
-
-
-def report(t: StepTerms, model_flops: float, recompute_flops: float, bubble_fraction: float = 0.0) -> dict[str, Any]:
-  """The planner report's "estimate": every term in seconds, what each counted, and MaxText's TFLOP/s at the step."""
-  return {
-      "step_s": t.step_s, "critical_path_s": t.path_s, "compute_s": t.compute_s, "gemm_s": t.gemm_s,
-      "fp8_gemm_s": t.fp8_gemm_s, "attention_s": t.attention_s, "hidden_flops_s": t.hidden_flops_s,
-      "memory_s": t.memory_s, "collectives_s": t.collectives_s, "exposed_collectives_s": t.exposed_s,
-      "overlapped_collectives_s": t.overlapped_s, "offload_s": t.offload_s, "offload_exposed_s": t.offload_exposed_s,
-      "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
-      "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.offload_s + t.bubble_s,
-      "flops_per_device": t.counts["gemm_flops"] + t.counts["fp8_flops"] + t.counts["attention_flops"],
-      "gemm_flops": t.counts["gemm_flops"], "fp8_flops": t.counts["fp8_flops"], "grouped_flops": t.counts["grouped_flops"],
-      "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
-      "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
-      "recompute_flops": recompute_flops, "notes": t.notes,
-      "tflops_per_gpu": model_flops / 1e12 / t.step_s if t.step_s else None,
-  }
-
-
-def report_lines(e: dict[str, Any]) -> list[str]:
-  """The estimate as the planner prints it."""
-  ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
-  compute = f"GEMMs {e['gemm_flops'] / 1e12:.4g} T {e['gemm_s'] * 1e3:.2f}"
-  if e["fp8_flops"]:
-    compute += f", FP8 grouped GEMMs {e['fp8_flops'] / 1e12:.4g} T {e['fp8_gemm_s'] * 1e3:.2f}"
-  compute += f", attention {e['attention_flops'] / 1e12:.4g} T {e['attention_s'] * 1e3:.2f}"
-  if e["hidden_flops_s"]:
-    compute += f", FLOPs the HLO hides {e['hidden_flops_s'] * 1e3:.2f}"
-  return [
-      f"estimate: step {e['step_s'] * 1e3:.2f} ms, the critical path through the scheduled step (MaxText/plan/schedule.py)",
-      f"  compute         {ms(e['compute_s'])}  {compute}",
-      f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
-      f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
-      f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
-      *([f"  host offload    {ms(e['offload_s'])}  exposed {e['offload_exposed_s'] * 1e3:.2f} (PCIe, beside the stream)"]
-        if e["offload_s"] else []),
-      f"  pipeline bubble {ms(e['bubble_s'])}  (bubble fraction {e['bubble_fraction']:.3g})",
-      f"  nothing overlapped {e['serial_step_s'] * 1e3:.2f} ms; FLOPs/device: the HLO's {e['flops_per_device'] / 1e12:.4g} T, "
-      f"MaxText's count {e['model_tflops_per_device']:.4g} T + recompute {e['recompute_flops'] / 1e12:.4g} T",
-      f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}",
-      *(f"  note: {n}" for n in e["notes"]),
-  ]
+                   rows=state.terms.rows, notes=sorted(walk.notes | module.described_notes), branches=walk.branches,
+                   grouped_scale=walk.grouped_scale)
 
 
 if __name__ == "__main__":  # python -m MaxText.plan.schedule HLO.txt h200 '{"fsdp": 8}' [gpus_per_node]

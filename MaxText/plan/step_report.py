@@ -1,0 +1,104 @@
+"""The step estimate as the plan reports it: every term of the schedule's walk (MaxText/plan/schedule.py), the
+grouped GEMMs' padding, and what the step rests on among assumed constants (the sensitivity line).
+
+  e = step_report.report(terms, model_flops, recompute_flops)
+  e["sensitivity"] = step_report.sensitivity(module, gpu, mesh_shape, nodes, terms, model_flops)
+  print("\\n".join(step_report.lines(e)))
+
+Sensitivity: the same module walked again with one constant changed: InfiniBand at x0.5 and x2 its datasheet rate,
+and every all-to-all at 0.5 and 1.0 of its link's rate (as planned: inside a node the measured 150 of NVLink's 450 GB/s,
+across nodes the NIC's full rate, assumed). Each walk takes the grouped GEMMs' scaling the first one found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from MaxText.plan import hardware, schedule
+from MaxText.plan.hardware import Figure, Gpu
+
+
+def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,
+           bubble_fraction: float = 0.0) -> dict[str, Any]:
+  """The planner report's "estimate": every term in seconds, what each counted, and MaxText's TFLOP/s at the step."""
+  return {
+      "step_s": t.step_s, "critical_path_s": t.path_s, "compute_s": t.compute_s, "gemm_s": t.gemm_s,
+      "fp8_gemm_s": t.fp8_gemm_s, "attention_s": t.attention_s, "hidden_flops_s": t.hidden_flops_s,
+      "memory_s": t.memory_s, "collectives_s": t.collectives_s, "exposed_collectives_s": t.exposed_s,
+      "overlapped_collectives_s": t.overlapped_s, "offload_s": t.offload_s, "offload_exposed_s": t.offload_exposed_s,
+      "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
+      "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.offload_s + t.bubble_s,
+      "flops_per_device": t.counts["gemm_flops"] + t.counts["fp8_flops"] + t.counts["attention_flops"],
+      "gemm_flops": t.counts["gemm_flops"], "fp8_flops": t.counts["fp8_flops"], "grouped_flops": t.counts["grouped_flops"],
+      "grouped_shapes_flops": t.counts["grouped_flops"] / t.grouped_scale,
+      "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
+      "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
+      "recompute_flops": recompute_flops, "notes": t.notes,
+      "tflops_per_gpu": model_flops / 1e12 / t.step_s if t.step_s else None,
+  }
+
+
+def _scaled(figure: Figure, factor: float, what: str) -> Figure:
+  return Figure(figure.value * factor, f"sensitivity: {what}")
+
+
+def _a2a_at(share: float) -> Callable[[Gpu], Gpu]:
+  return lambda g: dataclasses.replace(g, a2a_nvlink_bytes=_scaled(g.nvlink_bytes, share, f"all-to-all at {share}"),
+                                       a2a_ib_share=Figure(share, f"sensitivity: all-to-all at {share}"))
+
+
+VARIANTS: tuple[tuple[str, Callable[[Gpu], Gpu]], ...] = (
+    ("IB x0.5", lambda g: dataclasses.replace(g, ib_bytes=_scaled(g.ib_bytes, 0.5, "IB x0.5"))),
+    ("IB x2", lambda g: dataclasses.replace(g, ib_bytes=_scaled(g.ib_bytes, 2.0, "IB x2"))),
+    ("all-to-all at 0.5 of its link", _a2a_at(0.5)),
+    ("all-to-all at 1.0 of its link", _a2a_at(1.0)),
+)
+
+
+def sensitivity(module: schedule.Module, gpu: Gpu, mesh_shape: dict[str, int], nodes: list[int],
+                terms: schedule.StepTerms, model_flops: float, fp8_experts: bool = False, counted_flops: float = 0.0,
+                bubble_fraction: float = 0.0) -> list[dict[str, Any]]:
+  """The step and TFLOP/s/GPU under each of VARIANTS (the module docstring), as planned first."""
+  out = [{"label": "as planned", "step_s": terms.step_s, "tflops_per_gpu": model_flops / 1e12 / terms.step_s}]
+  for label, change in VARIANTS:
+    t = schedule.estimate(module, change(gpu), mesh_shape, nodes, fp8_experts=fp8_experts, counted_flops=counted_flops,
+                          bubble_fraction=bubble_fraction, grouped_scale=terms.grouped_scale)
+    out.append({"label": label, "step_s": t.step_s, "tflops_per_gpu": model_flops / 1e12 / t.step_s})
+  return out
+
+
+def _seconds(s: float) -> str:
+  return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.4g} ms"
+
+
+def lines(e: dict[str, Any]) -> list[str]:
+  """The estimate as the planner prints it."""
+  ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
+  compute = f"GEMMs {e['gemm_flops'] / 1e12:.4g} T {e['gemm_s'] * 1e3:.2f}"
+  if e["fp8_flops"]:
+    compute += f", FP8 grouped GEMMs {e['fp8_flops'] / 1e12:.4g} T {e['fp8_gemm_s'] * 1e3:.2f}"
+  compute += f", attention {e['attention_flops'] / 1e12:.4g} T {e['attention_s'] * 1e3:.2f}"
+  if e["hidden_flops_s"]:
+    compute += f", FLOPs the HLO hides {e['hidden_flops_s'] * 1e3:.2f}"
+  out = [
+      f"estimate: step {e['step_s'] * 1e3:.2f} ms, the critical path through the scheduled step (MaxText/plan/schedule.py)",
+      f"  compute         {ms(e['compute_s'])}  {compute}",
+      f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
+      f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
+      f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
+      *([f"  host offload    {ms(e['offload_s'])}  exposed {e['offload_exposed_s'] * 1e3:.2f} (PCIe, beside the stream)"]
+        if e["offload_s"] else []),
+      f"  pipeline bubble {ms(e['bubble_s'])}  (bubble fraction {e['bubble_fraction']:.3g})",
+      f"  nothing overlapped {e['serial_step_s'] * 1e3:.2f} ms; FLOPs/device: the HLO's {e['flops_per_device'] / 1e12:.4g} T, "
+      f"MaxText's count {e['model_tflops_per_device']:.4g} T + recompute {e['recompute_flops'] / 1e12:.4g} T",
+      f"  TFLOP/s/GPU (MaxText's count) {e['tflops_per_gpu']:.1f}",
+  ]
+  if e["grouped_flops"]:
+    out.append(f"  grouped GEMMs    their shapes {e['grouped_shapes_flops'] / 1e12:.4g} T, counted "
+               f"{e['grouped_flops'] / 1e12:.4g} T ({e['grouped_shapes_flops'] / e['grouped_flops']:.3g}x: the rows "
+               "of padded buffers, which the kernels' group sizes skip)")
+  if e.get("sensitivity"):
+    out.append("  sensitivity: " + "; ".join(f"{v['label']} {_seconds(v['step_s'])}, {v['tflops_per_gpu']:.1f}"
+                                             for v in e["sensitivity"]) + " (step, TFLOP/s/GPU)")
+  return out + [f"  note: {n}" for n in e["notes"]]
