@@ -31,6 +31,8 @@ import functools
 import math
 import os
 import re
+import socket
+import time
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -213,6 +215,28 @@ def discover(environ: Mapping[str, str] | None = None) -> ProcessInfo:
   return info
 
 
+# JAX's own default. A process that cannot reach the coordinator in that time is killed by a fatal check inside
+# XLA ("another task died; see the other task logs"), which Python cannot catch: wait_for_coordinator says it first.
+COORDINATOR_TIMEOUT_S = 300
+
+
+def wait_for_coordinator(address: str, timeout_s: float, info: ProcessInfo, poll_s: float = 1.0) -> None:
+  """Returns once the coordinator's TCP port accepts a connection; else one LaunchError naming the address."""
+  host, _, port = address.rpartition(":")
+  deadline, said = time.monotonic() + timeout_s, "no answer"
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=min(poll_s * 5, timeout_s)):
+        return
+    except (OSError, ValueError) as e:
+      said = e.strerror or str(e) if isinstance(e, OSError) else f"not a host:port ({e})"
+    if time.monotonic() >= deadline:
+      raise LaunchError(f"process {info.process_id} of {info.num_processes} could not reach the coordinator at "
+                        f"{address} in {timeout_s:g} s ({said}): is process 0 running, and is that address reachable "
+                        "from this node? (MAXTEXT_MOE_COORDINATOR_TIMEOUT_S sets the wait)")
+    time.sleep(poll_s)
+
+
 def initialize(info: ProcessInfo, hardware: str) -> None:
   """jax.distributed for a multi-process job (no-op for a single process).
 
@@ -227,7 +251,11 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
     return
   if hardware == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeout_s = int(os.environ.get("MAXTEXT_MOE_COORDINATOR_TIMEOUT_S", COORDINATOR_TIMEOUT_S))
+  if info.process_id != 0:  # process 0 serves the coordinator; the others must reach it
+    wait_for_coordinator(info.coordinator_address, timeout_s, info)
   jax.distributed.initialize(
+      initialization_timeout=timeout_s,
       coordinator_address=info.coordinator_address,
       num_processes=info.num_processes,
       process_id=info.process_id,

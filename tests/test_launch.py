@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -377,3 +378,24 @@ def test_two_processes_on_an_expert_parallel_mesh_resume_exactly(tmp_path):
   for rank in (0, 1):
     assert re.search(rf"^\[p{rank}\] .*restoring from this run's directory step 1", out, re.M), rank
   assert {**first, **second} == unbroken  # exact on CPU
+
+
+def test_an_unreachable_coordinator_is_one_line_naming_its_address():
+  """jax.distributed's own wait ends in a fatal check inside XLA that blames another task; ours names the address."""
+  with socket.socket() as free:  # a port nothing listens on
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+  info = launch.ProcessInfo("explicit", f"127.0.0.1:{port}", 4, 3)
+  started = time.monotonic()
+  with pytest.raises(launch.LaunchError, match=rf"process 3 of 4 could not reach the coordinator at 127.0.0.1:{port} "
+                                               r"in 1 s \(Connection refused\): is process 0 running"):
+    launch.wait_for_coordinator(info.coordinator_address, 1, info, poll_s=0.2)
+  assert time.monotonic() - started < 5
+
+
+def test_a_listening_coordinator_is_reached():
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    launch.wait_for_coordinator(address, 5, launch.ProcessInfo("explicit", address, 2, 1))
