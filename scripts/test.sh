@@ -13,7 +13,8 @@ usage: scripts/test.sh [--all] [pytest args ...]
 
   (no args)      the fast tier: every test but those that start a real training
                  run (pytest -m "not slow"); a few minutes on two cores
-  --all          every test: the slow tier adds the training runs (15+ minutes)
+  --all          every test: the slow tier adds the training runs (15+ minutes); installs jax's CUDA
+                 compiler plugin first, which the compile-only H100/H200 plans need (they fail, not skip)
   pytest args    passed on: a file (tests/test_configs.py), -k WORD, -x, -n 0, ...;
                  a -m of your own replaces the tier's
   -h, --help     this text (pytest's own options: .venv/bin/python -m pytest --help)
@@ -23,14 +24,22 @@ USAGE
 }
 tier=(-m "not slow")
 args=()
+all=0
 for arg in "$@"; do
   case "$arg" in
     -h|--help) usage; exit 0 ;;
-    --all) tier=() ;;
+    --all) tier=(); all=1 ;;
     -m|-m*) tier=(); args+=("$arg") ;;
     *) args+=("$arg") ;;
   esac
 done
-py="$("$repo/scripts/bootstrap.sh" | tail -n1)"
+if [ "$all" = 1 ]; then
+  # Every test: the compile-only H100/H200 plans need jax's CUDA compiler plugin, and must run, not skip
+  # (tests/conftest.py require_gpu_plan).
+  py="$("$repo/scripts/bootstrap.sh" --gpu-plan | tail -n1)"
+  export MAXTEXT_MOE_REQUIRE_GPU_PLAN=1
+else
+  py="$("$repo/scripts/bootstrap.sh" | tail -n1)"
+fi
 cd "$repo"
 exec "$py" -m pytest ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}

@@ -31,6 +31,18 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def require_gpu_plan(gpu: str) -> None:
+  """Tests that compile for a compile-only H100/H200 need jax's CUDA compiler plugin (`scripts/bootstrap.sh
+  --gpu-plan`). Without it they skip in a plain run; under `scripts/test.sh --all` and CI, which install it and set
+  MAXTEXT_MOE_REQUIRE_GPU_PLAN, they fail instead, so the slow tier cannot pass without running them."""
+  from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
+
+  if reason := gpu_target.unavailable_reason(gpu):
+    if os.environ.get("MAXTEXT_MOE_REQUIRE_GPU_PLAN") == "1":
+      pytest.fail(f"MAXTEXT_MOE_REQUIRE_GPU_PLAN=1 but {reason}")
+    pytest.skip(reason)
+
+
 def load_script(name: str, relpath: str):
   """A script under the repo (with or without .py) as a module, loaded once.
 

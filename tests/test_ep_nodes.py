@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rejected, run_train
+from conftest import require_gpu_plan, run_rejected, run_train
 from MaxText import config as fork_config
 from MaxText.plan import gpu_target
 
@@ -252,8 +252,7 @@ def test_overlap_chunks_put_the_exchange_beside_the_grouped_gemms_on_the_h200_sc
   grouped GEMMs: about half the all-to-all bytes. Not every all-to-all: the first chunk's dispatch has no GEMM
   before it, the last chunk's combine none after it, and XLA's cost model prices a GEMM custom call at almost
   nothing, so it fills many windows with the gathers instead (BENCHMARKS.md, "Dispatch and expert parallelism")."""
-  if gpu_target.unavailable_reason("h200"):
-    pytest.skip(gpu_target.unavailable_reason("h200"))
+  require_gpu_plan("h200")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   rows = {}
   for backend in ("hierarchical", "a2a_padded"):

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, require_gpu_plan
 from MaxText.plan import aot, gpu_target, hardware, planner as plan
 from MaxText import config as fork_config
 
@@ -84,8 +84,7 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   split 16 ways, and the batch; FSDP gathers cross the two nodes; the verdict is against the H100's HBM. The
   step estimate read off the scheduled HLO (MaxText/plan/schedule.py) is consistent: no term negative, the
   critical path the stream's work plus the waits, every transfer the inventory counted walked once per trip."""
-  if gpu_target.unavailable_reason("h100"):
-    pytest.skip(gpu_target.unavailable_reason("h100"))
+  require_gpu_plan("h100")
   path = tmp_path / "plan.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -151,8 +150,7 @@ def test_the_e4m3_rounding_survives_xlas_gpu_pipeline():
   convert pair as excess precision, so xla_fp8 (the FP8 reference) multiplied unquantized values. Compiled
   for a compile-only H200, the e4m3 converts must still be in the optimized HLO of fp8_quant.kept's round
   trip and of xla_fp8's products (the forward and dlhs form, and dW's)."""
-  if gpu_target.unavailable_reason("h200"):
-    pytest.skip(gpu_target.unavailable_reason("h200"))
+  require_gpu_plan("h200")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
   out = subprocess.run([sys.executable, "-c", _FP8_ROUND_TRIP], cwd=REPO, env=env, capture_output=True, text=True,
@@ -166,8 +164,7 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   """moe_fp8's Mosaic GPU kernels (forward, dlhs, dW) and FP8 dispatch through XLA's GPU pipeline for sm_90a, two
   devices at EP=2 with a2a_padded: the path CI can compile but never run. The estimate costs the routed GEMMs at
   the FP8 rate."""
-  if gpu_target.unavailable_reason("h200"):
-    pytest.skip(gpu_target.unavailable_reason("h200"))
+  require_gpu_plan("h200")
   path, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -205,8 +202,7 @@ def test_the_ep2_proxys_packed_fp8_rows_are_gathered_row_major(tmp_path):
   row-major. Without fp8_dispatch's layout constraint the kernel's transposed scales ([K'/128, M]) had XLA write
   the forward's last gather of the exchanged rows transposed (the compile of 2026-12-03; the tiny model's shapes do
   not show it)."""
-  if gpu_target.unavailable_reason("h200"):
-    pytest.skip(gpu_target.unavailable_reason("h200"))
+  require_gpu_plan("h200")
   hlo = tmp_path / "step.hlo"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -221,8 +217,7 @@ def test_the_ep2_proxys_packed_fp8_rows_are_gathered_row_major(tmp_path):
 @pytest.mark.slow
 def test_the_128xh100_recipe_header_is_its_plan(tmp_path):
   """The tightest recipe, compiled for its 128 H100s without a GPU: the figure its header states, and it fits."""
-  if gpu_target.unavailable_reason("h100"):
-    pytest.skip(gpu_target.unavailable_reason("h100"))
+  require_gpu_plan("h100")
   recipe = REPO / "configs" / "recipes" / "deepseek3-671b-128xh100.yml"
   stated = float(re.search(r"^# FITS: ([\d.]+) GiB per GPU", recipe.read_text(), re.M)[1])
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
