@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
   except Exception as e:  # pylint: disable=broad-exception-caught
     if (backend := config_checks.backend_failure(e)) is not None:  # before anything was written
       return fail(lifecycle.EXIT_CONFIG, f"config error: {backend}")
+    if (oom := out_of_memory_line(e, run)) is not None:
+      return fail(lifecycle.EXIT_OUT_OF_MEMORY, oom)
     if run is None or not disk_full.is_storage_failure(e):
       raise
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
@@ -520,6 +522,18 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
     raise
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     raise config_checks.upstream_error(run, e) from e
+
+
+def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> str | None:
+  """XLA running out of device memory (RESOURCE_EXHAUSTED, at the compile or at a step) as one line naming XLA's
+  figure and what to change; None for any other error."""
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+    return None
+  said = next((" ".join(line.split()) for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)[:240]
+  config = run.config_path if run is not None else "CONFIG"
+  return (f"out of device memory: {said}; scripts/plan.sh {config} (with the same key=value overrides) shows what "
+          "the step needs: lower per_device_batch_size, or set remat_policy=full or xla_presets=[host_offload]")
 
 
 def _exit_now(code: int, message: str) -> None:

@@ -432,3 +432,20 @@ def test_exit_codes_are_documented():
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   for value in (2, 4, 5, 6, 75, 130):
     assert f"| {value} |" in readme, value
+
+
+def test_out_of_device_memory_is_one_line_naming_xlas_figure():
+  """An H200 that cannot hold the step (the shape of XLA's error there: RESOURCE_EXHAUSTED from the allocator):
+  exit 7 with one line, not upstream's traceback; any other runtime error is left alone."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import lifecycle, train  # pylint: disable=import-outside-toplevel
+
+  error = jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589934592 bytes.\nBufferAssignment OOM Debugging.")
+  line = train.out_of_memory_line(error, None)
+  assert line.startswith("out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                         "8589934592 bytes.; scripts/plan.sh CONFIG")
+  assert "\n" not in line and "per_device_batch_size" in line
+  assert train.out_of_memory_line(jax.errors.JaxRuntimeError("INTERNAL: cuDNN failed"), None) is None
+  assert lifecycle.EXIT_OUT_OF_MEMORY == 7
