@@ -119,17 +119,25 @@ COUNTS_KEY = "maxtext_moe_decoder_bias_counts"
 
 # How a value each layer sows per call becomes one per layer: over the microbatches it ran.
 # "counts": routing-bias counts, summed, then upstream's sign rule (raw counts under gradient
-# accumulation, whose own code takes the sign). Bool values: any. Names not listed: mean.
+# accumulation, whose own code takes the sign). Bool values: any. A name not listed is an error naming it: a
+# statistic reduced the wrong way would be wrong in TensorBoard with nothing to say so.
 REDUCTIONS = {
     "moe_bias_updates": "counts",
     "moe_lb_loss": "mean",  # per-microbatch loss; V3's sequence-wise loss: the mean is the batch's
     "moe_stats_counts_E": "sum",  # MaxText/moe/stats.py: tokens per expert
     "moe_stats_overflow": "max",
     "moe_stats_buffer2": "max,sum",  # [fullest buffer's fill, dropped rows]
+    "moe_stats_entropy": "mean",  # the mean over tokens of equal-sized microbatches
+    "moe_stats_bias3": "mean",  # the bias's statistics: the bias does not move inside a step, so each is the value
     "moe_max_load_ratio": "max",
     "moe_required_rbf": "max",
     "te_moe_total_recv_tokens": "max",
     "te_moe_recv_capacity_per_rank": "min",
+    # Upstream's record_internal_nn_metrics (its decoder layers): per-microbatch scalars of equal-sized
+    # microbatches, so the mean is the batch's; for the standard deviation it is the microbatches' mean stdev.
+    "activation_mean": "mean",
+    "activation_stdev": "mean",
+    "activation_fraction_zero": "mean",
 }
 
 
@@ -183,7 +191,10 @@ def reduce_sown(name: str, x, mask_TRS: np.ndarray, config):
     raise ValueError(f"pipeline_v3: sown '{name}' has shape {x.shape}, expected [{T}, {'R, ' if circular else ''}"
                      f"{S}, ...] from the schedule")
   m = jnp.asarray(mask_TRS).reshape(mask_TRS.shape + (1,) * (x_TRS.ndim - 3))
-  how = "any" if x.dtype == jnp.bool_ else REDUCTIONS.get(name, "mean")
+  how = "any" if x.dtype == jnp.bool_ else REDUCTIONS.get(name)
+  if how is None:
+    raise ValueError(f"pipeline_v3: no reduction over microbatches is known for the value '{name}' a pipelined "
+                     f"layer sows; add it to patches/pipeline_v3.py REDUCTIONS (known: {', '.join(REDUCTIONS)})")
   zero = jnp.zeros((), x_TRS.dtype)
   total = lambda v: jnp.sum(jnp.where(m, v, zero), axis=0)  # noqa: E731
   if how in ("sum", "counts"):

@@ -112,6 +112,21 @@ def test_sown_values_reduce_over_real_iterations_only():
                         want_RSE)
 
 
+def test_every_value_our_layers_sow_has_a_reduction_and_an_unknown_one_is_refused():
+  """A statistic reduced over microbatches the wrong way would be wrong in TensorBoard with nothing to say so."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
+  from patches import pipeline_v3  # pylint: disable=import-outside-toplevel
+
+  ours = {stats.COUNTS, stats.ENTROPY, stats.BIAS, stats.OVERFLOW, stats.BUFFER, "moe_lb_loss", "moe_bias_updates"}
+  assert ours <= set(pipeline_v3.REDUCTIONS)
+  cfg = types.SimpleNamespace(num_pipeline_microbatches=2, gradient_accumulation_steps=1, routed_bias_update_rate=RATE)
+  mask = pipeline_v3.schedule_mask(2, 1, 2)
+  with pytest.raises(ValueError, match="no reduction over microbatches is known for the value 'moe_new_statistic'"):
+    pipeline_v3.reduce_sown("moe_new_statistic", jnp.zeros(mask.shape[:1] + mask.shape[2:], jnp.float32), mask, cfg)
+
+
 @pytest.mark.parametrize("args, match", [
     # Upstream's prefetching circular pipeline drops what the MoE layers sow: measured, moe_lb_loss 0.000000 at every
     # step, and no bias update.
