@@ -45,3 +45,122 @@ def test_the_sensitivity_line_walks_the_step_again_at_each_changed_constant():
   e = {**step_report.report(terms, 1e12, 0.0), "sensitivity": rows}
   line = [l for l in step_report.lines(e) if "sensitivity" in l][0]
   assert line.startswith("  sensitivity: as planned ") and "IB x0.5" in line and line.endswith("(step, TFLOP/s/GPU)")
+
+
+# --- the layout's arithmetic of the collectives (MaxText/plan/analytic_comms.py) ---------------------------------
+
+MESH = {"data": 2, "stage": 1, "fsdp": 4, "expert": 8}
+LAYOUT = {
+    "groups": [{"routed": True, "elements": 10**6, "axes": ["fsdp", "expert"]},
+               {"routed": False, "elements": 10**5, "axes": ["fsdp", "expert"]},
+               {"routed": False, "elements": 10**3, "axes": ["fsdp"]}],  # a router kernel: fsdp only
+    "dtype": "bfloat16", "grad_dtype": "float32", "microbatches": 3, "tokens": 64, "emb_dim": 128, "top_k": 4,
+    "num_experts": 32, "moe_layers": 2, "dispatch": "a2a_padded", "capacity_factor": 1.5,
+    "hierarchical_capacity_factor": 1.5, "node_limit": 0, "ep_nodes": 1, "recompute": True, "pipeline": None,
+}
+# By hand, per device a step (wire bytes):
+GATHER_FSDP = 2 * 3 * (10**6 * 2 / 8) * 3 / 4 + 2 * 3 * (10**3 * 2) * 3 / 4  # routed (experts stay split) + router
+GATHER_FSDP_EXPERT = 2 * 3 * (10**5 * 2) * 31 / 32
+SCATTER_FSDP = 3 * (10**6 * 2 / 8) / 4 * 3 + 3 * (10**3 * 2) / 4 * 3
+SCATTER_FSDP_EXPERT = 3 * (10**5 * 2) / 32 * 31
+DATA_ROUTED, DATA_OTHER = 10**6 * 4 / 32, 10**5 * 4 / 32 + 10**3 * 4 / 4  # f32 shards, 2 x (2 - 1) / 2 of each
+PASSES = 6 * 2 * 3  # dispatch, combine, their transposes and the recompute's two; 2 MoE layers; 3 microbatches
+A2A_PADDED = PASSES * 8 * 48 * 256 * 7 / 8  # C = ceil(1.5 x 64 x 4 / 8) = 48 rows per peer of 128 bf16
+A2A_DROPLESS = PASSES * 64 * 4 * 256 * 7 / 8
+
+
+def _by_key(rows):
+  return {(r["kind"], tuple(r["axes"]), r["crosses_nodes"]): r for r in rows}
+
+
+def test_the_arithmetic_of_an_hsdp_ep_layout_by_hand():
+  from MaxText.plan import analytic_comms
+
+  rows = _by_key(analytic_comms.expected(LAYOUT, MESH))
+  assert rows[("all-gather", ("fsdp",), None)]["wire_bytes"] == pytest.approx(GATHER_FSDP)
+  assert rows[("all-gather", ("fsdp", "expert"), None)]["wire_bytes"] == pytest.approx(GATHER_FSDP_EXPERT)
+  assert rows[("reduce-scatter", ("fsdp",), None)]["wire_bytes"] == pytest.approx(SCATTER_FSDP)
+  assert rows[("reduce-scatter", ("fsdp", "expert"), None)]["wire_bytes"] == pytest.approx(SCATTER_FSDP_EXPERT)
+  assert rows[("all-reduce", ("data",), None)]["wire_bytes"] == pytest.approx(DATA_ROUTED + DATA_OTHER)
+  a2a = rows[("all-to-all", ("expert",), None)]
+  assert (a2a["wire_bytes"], a2a["dropless_wire_bytes"]) == (pytest.approx(A2A_PADDED), pytest.approx(A2A_DROPLESS))
+  assert len(rows) == 6
+
+
+def test_a_two_level_dispatch_pads_each_stage_by_its_own_capacity():
+  """16-way EP over 2 nodes of 8, top-8 of 64 experts: stage 1 sends a (token, node) row to each of P = min(8, 2) = 2
+  nodes, C1 = min(T, ceil(1.5 T P / N)) = T: no padding; stage 2 C2 = ceil(1.5 T K / L) = 96 slots a peer, 1.5x."""
+  from MaxText.plan import analytic_comms
+
+  layout = {**LAYOUT, "groups": [], "top_k": 8, "num_experts": 64, "moe_layers": 1, "microbatches": 1,
+            "recompute": False, "dispatch": "hierarchical", "ep_nodes": 2}
+  rows = _by_key(analytic_comms.expected(layout, {"fsdp": 1, "expert": 16}))
+  between, inside = rows[("all-to-all", ("expert",), True)], rows[("all-to-all", ("expert",), False)]
+  assert between["wire_bytes"] == pytest.approx(between["dropless_wire_bytes"]) == pytest.approx(4 * 64 * 2 * 256 / 2)
+  assert inside["dropless_wire_bytes"] == pytest.approx(4 * 64 * 8 * 256 * 7 / 8)
+  assert inside["wire_bytes"] == pytest.approx(4 * 8 * 96 * 256 * 7 / 8)
+
+
+def test_each_row_off_by_more_than_1_5x_carries_its_cause():
+  from MaxText.plan import analytic_comms
+
+  def compiled(kind, axes, wire, crosses=True, count=1):
+    return {"kind": kind, "axes": list(axes), "crosses_nodes": crosses, "wire_bytes": wire, "count": count}
+
+  collectives = [
+      compiled("all-gather", ["fsdp"], 1.6 * GATHER_FSDP),  # some gathered a third time for the recompute
+      compiled("all-gather", ["fsdp", "expert"], GATHER_FSDP_EXPERT),
+      compiled("reduce-scatter", ["fsdp"], 1000.0),  # the routed experts' gradient is all-reduced instead:
+      compiled("all-reduce", ["data", "fsdp"], 4 * SCATTER_FSDP, count=6),
+      compiled("reduce-scatter", ["fsdp", "expert"], SCATTER_FSDP_EXPERT),
+      compiled("all-reduce", ["data"], 3 * DATA_OTHER),  # the rest reduced every microbatch
+      compiled("all-to-all", ["expert"], 2 * A2A_DROPLESS, crosses=False),  # the padded buffer at capacity 2
+      compiled("all-to-all", ["data", "fsdp"], 100.0),  # small, named by nothing: not listed
+      compiled("collective-permute", ["fsdp"], 2e6),
+  ]
+  layout = {**LAYOUT, "capacity_factor": 2.0}
+  table = analytic_comms.compare(analytic_comms.expected(layout, MESH), collectives, layout)
+  causes = {(r["kind"], tuple(r["axes"])): r["cause"] for r in table}
+  assert causes[("all-gather", ("fsdp",))].startswith("remat recompute")
+  assert causes[("all-gather", ("fsdp", "expert"))] is None and causes[("reduce-scatter", ("fsdp", "expert"))] is None
+  assert causes[("reduce-scatter", ("fsdp",))] == "reduced whole: this gradient is all-reduced over data,fsdp instead"
+  assert causes[("all-reduce", ("data", "fsdp"))].startswith(
+      "reduced whole: an all-reduce over data,fsdp in place of the reduce-scatter over fsdp and the data all-reduce")
+  assert causes[("all-reduce", ("data",))].startswith("microbatches: reduced in each of the 3 microbatches")
+  assert causes[("all-to-all", ("expert",))] == "padding: the capacity-padded buffer, 2x the dropless minimum"
+  assert causes[("collective-permute", ("fsdp",))] == "unexplained"
+  assert ("all-to-all", ("data", "fsdp")) not in causes
+  assert analytic_comms.padding_lines(table, layout) == [
+      "dispatch (a2a_padded): the compiler moves 3.938 MiB, the capacity-padded buffer 3.938 MiB, the dropless minimum "
+      "1.969 MiB (2x the minimum)"]
+
+
+def test_the_layout_is_read_from_the_abstract_state_not_the_program():
+  """Routed experts: a leading dimension of num_experts split over `expert`; RNG keys are no parameters."""
+  import types
+
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from maxtext.common.common_types import DecoderBlockType
+
+  from MaxText.plan import analytic_comms
+
+  leaf = lambda shape, spec, dtype=jnp.float32: types.SimpleNamespace(  # noqa: E731
+      shape=shape, ndim=len(shape), dtype=dtype, sharding=types.SimpleNamespace(spec=spec))
+  state = {"model": {"wi_0": leaf((32, 2, 128, 64), P("expert", None, "fsdp", None)),
+                     "gate": leaf((128, 2, 32), P("fsdp", None, None)),
+                     "wq": leaf((128, 2, 256), P(("fsdp", "expert"), None, None)),
+                     "norm": leaf((128,), P(None)), "rng": leaf((3,), P(), jnp.uint32)}}
+  config = types.SimpleNamespace(
+      num_experts=32, dtype=jnp.bfloat16, grad_dtype=jnp.float32, gradient_accumulation_steps=3,
+      per_device_batch_size=2, max_target_length=32, emb_dim=128, num_experts_per_tok=4, mtp_num_layers=1,
+      decoder_block=DecoderBlockType.DEEPSEEK, num_decoder_layers=3, first_num_dense_layers=1, topk_routing_group=2,
+      dcn_expert_parallelism=1, remat_policy="full", ici_pipeline_parallelism=1, dcn_pipeline_parallelism=1)
+  fork = types.SimpleNamespace(moe_block="ours", moe_dispatch_backend="auto", moe_a2a_padded_capacity_factor=1.5,
+                               moe_hierarchical_capacity_factor=2.0, moe_node_limited_routing=False)
+  layout = analytic_comms.layout_of(config, fork, state, MESH, "gpu")
+  assert sorted((g["routed"], tuple(g["axes"]), g["elements"]) for g in layout["groups"]) == [
+      (False, (), 128), (False, ("fsdp",), 128 * 2 * 32), (False, ("fsdp", "expert"), 128 * 2 * 256),
+      (True, ("fsdp", "expert"), 32 * 2 * 128 * 64)]
+  assert (layout["dtype"], layout["grad_dtype"], layout["microbatches"], layout["tokens"]) == ("bfloat16", "float32", 3, 64)
+  assert (layout["dispatch"], layout["moe_layers"], layout["node_limit"], layout["recompute"]) == ("a2a_padded", 3, 0, True)

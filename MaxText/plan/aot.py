@@ -194,12 +194,14 @@ class Compiled:
     mesh: the device mesh it was compiled over.
     config: upstream's config object the step was built from.
     seconds: wall time of trace + lower + compile.
+    layout: the parameters' groups and the keys the collectives' arithmetic reads (analytic_comms.layout_of).
   """
 
   compiled: Any
   mesh: Any
   config: Any
   seconds: float
+  layout: dict | None = None  # MaxText/plan/analytic_comms.layout_of: what the layout's arithmetic reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,19 +276,34 @@ def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
     with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
       on_phase("building the abstract state")
       step = train_step(config, mesh)
+      layout = _layout(config, run, step, mesh)
       if lower_only:
         with mesh, axis_rules(config.logical_axis_rules):
           lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
                             static_argnums=step.static_argnums, donate_argnums=step.donate_argnums,
                             ).lower(*step.args, **step.kwargs)
-        return Compiled(lowered, mesh, config, time.perf_counter() - start)
+        return Compiled(lowered, mesh, config, time.perf_counter() - start, layout)
       compiled = train_compile.jit_and_compile(
           step.func, step.args, step.kwargs, mesh, step.in_shardings, step.out_shardings, step.static_argnums,
           step.donate_argnums, config, axis_rules(config.logical_axis_rules),
       )
   finally:
     watch.stop()
-  return Compiled(compiled, mesh, config, time.perf_counter() - start)
+  return Compiled(compiled, mesh, config, time.perf_counter() - start, layout)
+
+
+def _layout(config: Any, run: fork_config.RunConfig, step: TrainStep, mesh: Any) -> dict[str, Any]:
+  """What the collectives' arithmetic reads (MaxText/plan/analytic_comms.py), or the error that stopped it: the
+  plan goes on without the arithmetic."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.plan import analytic_comms  # pylint: disable=import-outside-toplevel
+
+  try:
+    return analytic_comms.layout_of(config, run.fork, step.args[0], {k: int(v) for k, v in mesh.shape.items()},
+                                    "cpu" if jax.default_backend() == "cpu" else "gpu")
+  except Exception as e:  # pylint: disable=broad-exception-caught  # a gap in the arithmetic, not in the plan
+    return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 MEMORY_FIELDS = {
@@ -376,7 +393,7 @@ def child_main(request_path: str, result_path: str) -> int:
     result["compile_error"] = indivisible_message(str(e)) or f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
   else:
     if topology.lower_only:
-      result.update(lowered_only=True, compile_seconds=step.seconds,
+      result.update(lowered_only=True, compile_seconds=step.seconds, layout=step.layout,
                     mesh={k: int(v) for k, v in step.mesh.shape.items()})
     else:
       on_phase("reading the HLO")
@@ -410,7 +427,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       recompute_flops=float(recompute), recompute_note=recompute_note,
       routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
-      largest_buffers=buffers, nodes=nodes,
+      largest_buffers=buffers, nodes=nodes, layout=step.layout,
       pipeline_schedule=bubble.schedule(step.config),
       pipelined_layers_share=float(step.config.pipeline_parallel_layers) / float(step.config.num_decoder_layers),
   )  # the collectives, read off the HLO by the parent beside the schedule's walk (MaxText/plan/planner.py)

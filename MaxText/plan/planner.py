@@ -17,7 +17,7 @@ from typing import Any
 
 from MaxText import launch
 from MaxText import progress
-from MaxText.plan import account, aot, bubble, hardware, hlo_inventory, schedule, step_report
+from MaxText.plan import account, analytic_comms, aot, bubble, hardware, hlo_inventory, schedule, step_report
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
@@ -186,6 +186,20 @@ def analytic_cross_check(run: fork_config.RunConfig, num_gpus: int) -> dict[str,
   return {"device_total_bytes": est.device_total, "host_offloaded_bytes": est.host_offloaded, "lines": lines}
 
 
+def layout_comms(child: dict[str, Any], gpus_per_node: int, collectives: list[dict[str, Any]] | None = None,
+                 notes: list[str] = ()) -> dict[str, Any] | None:
+  """The layout's arithmetic of the collectives (MaxText/plan/analytic_comms.py), beside the compiled rows where
+  there are any; None where the child could not read the layout (its error is kept)."""
+  layout = child.get("layout")
+  if not layout or "error" in layout:
+    return {"error": layout["error"]} if layout else None
+  rows = analytic_comms.expected(layout, child["mesh"], gpus_per_node)
+  if collectives is None:
+    return {"layout": layout, "table": rows, "padding": []}
+  table = analytic_comms.compare(rows, collectives, layout, list(notes))
+  return {"layout": layout, "table": table, "padding": analytic_comms.padding_lines(table, layout)}
+
+
 def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> dict[str, Any]:
   """The plan as data: what was compiled, memory, verdict, collectives, estimate, constants."""
   from MaxText import train  # pylint: disable=import-outside-toplevel
@@ -229,6 +243,7 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
       "nodes": child["nodes"], "collectives": rows, "inter_node_bytes": inventory["inter_node_bytes"],
+      "layout_comms": layout_comms(child, run.fork.gpus_per_node, rows, inventory["inventory_notes"]),
       "inventory_notes": inventory["inventory_notes"], "account": account.check(rows, terms.rows, estimate),
       "largest_buffers": child.get("largest_buffers", []),
       "pipeline": pipeline,
@@ -244,6 +259,7 @@ def lowered_report(run, num_gpus, topology, child, substitutes) -> dict[str, Any
       "platform": topology.platform, "mock_topology": None, "cpu_substitutes": substitutes, "lowered_only": True,
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": None,
       "analytic_memory": analytic_cross_check(run, num_gpus), "xla_flags": child["xla_flags"],
+      "layout_comms": layout_comms(child, run.fork.gpus_per_node),
   }
 
 
@@ -275,6 +291,7 @@ def print_report(r: dict[str, Any]) -> None:
     if a:
       print(f"  analytic memory {_gib(a['device_total_bytes'])} per GPU (MaxText/plan/analytic_memory.py; no compiler "
             "temporaries)")
+    print_layout_comms(r.get("layout_comms"))
     return
   print(f"target: {r['target_gpu']['name']} ({r['target_gpu']['from']})")
   m = r.get("memory", {})
@@ -308,6 +325,7 @@ def print_report(r: dict[str, Any]) -> None:
         "what a device exchanges with other nodes)")
   for note in r["inventory_notes"]:
     print(f"  note: {note}")
+  print_layout_comms(r.get("layout_comms"))
   p = r.get("pipeline")
   if p:
     print(f"\npipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} microbatches: "
@@ -326,6 +344,29 @@ def print_report(r: dict[str, Any]) -> None:
   print("constants:")
   for k, c in r["constants"].items():
     print(f"  {k:28s} {c['value']:.4g}  ({c['source']})")
+
+
+def print_layout_comms(c: dict[str, Any] | None) -> None:
+  """The layout's arithmetic beside the compiler's rows: wire bytes per device a step, the ratio, and a flagged
+  row's cause (MaxText/plan/analytic_comms.py)."""
+  if not c:
+    return
+  if "error" in c:
+    print(f"\nthe layout's arithmetic of the collectives could not be read: {c['error']}")
+    return
+  compiled = any("compiled_wire_bytes" in row for row in c["table"])
+  print("\ncollectives by the layout's arithmetic (MaxText/plan/analytic_comms.py)"
+        + (", beside the compiler's" if compiled else "") + ", wire bytes per device a step:")
+  link = {True: "ib", False: "nvlink", None: "any"}
+  for row in c["table"]:
+    line = f"  {row['kind']:19s} {','.join(row['axes']) or '-':18s} {link[row['crosses_nodes']]:6s} {_gib(row['wire_bytes'])}"
+    if compiled:
+      ratio = f"{row['ratio']:7.3g}" if row["ratio"] is not None else "      -"
+      line += f"  compiled {_gib(row['compiled_wire_bytes'])} {ratio}"
+    cause = row.get("cause")
+    print(line + (f"  OFF: {cause}" if cause else f"  {'; '.join(row['what'])}"))
+  for line in c["padding"]:
+    print(f"  {line}")
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
