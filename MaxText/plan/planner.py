@@ -414,6 +414,11 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   if "compile_error" in child:
     hint = "; XLA:CPU cannot compile it, plan on a GPU" if "XLA:CPU" in child["compile_error"] else ""
     raise aot.PlanError(f"the compiler rejected {run.config_path.name}: {child['compile_error']}{hint}")
+  from MaxText.plan import summary  # pylint: disable=import-outside-toplevel
+
   if child.get("lowered_only"):
-    return lowered_report(run, num_gpus, topology, child, substitutes)
-  return build_report(run, num_gpus, topology, child, substitutes, hlo_text)
+    report = lowered_report(run, num_gpus, topology, child, substitutes)
+  else:
+    report = build_report(run, num_gpus, topology, child, substitutes, hlo_text)
+  report["recipe"] = summary.recipe_facts(run, child["mesh"])  # every axis, the precision: what a header states
+  return report
