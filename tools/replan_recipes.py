@@ -50,10 +50,11 @@ def head_commit() -> str:
   return commit + ("+dirty" if dirty else "")
 
 
-def plan_one(recipe: Path, plans: Path, timeout_s: int, mock: bool) -> tuple[int, Path]:
+def plan_one(recipe: Path, plans: Path, timeout_s: int, mock: bool, hlo: bool) -> tuple[int, Path]:
   out, log = plans / f"{recipe.stem}.plan.json", plans / f"{recipe.stem}.log"
   cmd = [sys.executable, "-m", "MaxText.plan", str(recipe.relative_to(REPO)), "--json", str(out),
-         "--timeout", str(timeout_s), "--heartbeat", "0", *(["--mock"] if mock else [])]
+         "--timeout", str(timeout_s), "--heartbeat", "0", *(["--mock"] if mock else []),
+         *(["--hlo", str(plans / f"{recipe.stem}.hlo")] if hlo else [])]
   with open(log, "w") as f:
     try:
       rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s + 60, check=False).returncode
@@ -93,6 +94,7 @@ def main() -> int:
   ap.add_argument("--out", type=Path, default=PLANS, help="where the summaries go (default configs/recipes/plans)")
   ap.add_argument("--plans", type=Path, default=None, help="keep the full plans and logs here")
   ap.add_argument("--mock", action="store_true", help="compile on this machine's GPU, mocked topology (--jobs 1)")
+  ap.add_argument("--hlo", action="store_true", help="keep each compiled step's HLO beside its plan (up to 70 MB)")
   ap.add_argument("--headers", action="store_true", help="only rewrite the recipes' headers from the summaries")
   ap.add_argument("--table", action="store_true", help="only print BENCHMARKS.md's rows from the summaries")
   a = ap.parse_args()
@@ -112,7 +114,7 @@ def main() -> int:
         flush=True)
   ok = True
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-    futures = {pool.submit(plan_one, r, plans, a.timeout, a.mock): r for r in chosen}
+    futures = {pool.submit(plan_one, r, plans, a.timeout, a.mock, a.hlo): r for r in chosen}
     for future in concurrent.futures.as_completed(futures):
       recipe, (rc, out) = futures[future], future.result()
       s = None
