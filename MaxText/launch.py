@@ -37,6 +37,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import numpy as np
+
 from MaxText.config import ConfigError, RunConfig, upstream_configs_dir
 
 DEFAULT_PORT = 12345  # coordinator port when the environment names none
@@ -398,3 +400,51 @@ def devices_elsewhere(run: RunConfig) -> str | None:
   if not hardware.startswith(backend):
     return f"hardware={hardware}, {here}"
   return None
+
+
+def node_groups(mesh_devices: np.ndarray, ici_shape: tuple[int, ...]) -> dict[tuple[int, ...], list]:
+  """The devices of each node of a hybrid mesh: every axis is DCN x ICI, DCN-major (patches/cpu_slices.py), so a
+  device at coordinates c sits on the node whose DCN coordinates are c // ici_shape, axis by axis."""
+  groups: dict[tuple[int, ...], list] = {}
+  for coords, device in np.ndenumerate(mesh_devices):
+    groups.setdefault(tuple(c // n for c, n in zip(coords, ici_shape)), []).append(device)
+  return groups
+
+
+def check_nodes_on_hosts(mesh_devices: np.ndarray, ici_shape: tuple[int, ...], host_of: Mapping[int, str]) -> None:
+  """Each node-local group of the mesh (what the layout puts inside one node: the EP group the two-level dispatch
+  exchanges over NVLink, the FSDP shards gathered there) must be one host's devices. Processes ranked across nodes
+  in another order than the mesh assumes (a cyclic SLURM distribution, say) would otherwise put "node-local"
+  traffic on the network with nothing to say so. host_of: process index -> host name."""
+  for dcn, devices in node_groups(mesh_devices, ici_shape).items():
+    hosts = sorted({host_of[d.process_index] for d in devices})
+    if len(hosts) > 1:
+      ids = sorted(d.id for d in devices)
+      raise LaunchError(f"the mesh's node {dcn} (devices {ids[0]}..{ids[-1]}) spans hosts {', '.join(hosts[:4])}: "
+                        "processes must be ranked node by node (SLURM --distribution=block, one node's GPUs on "
+                        "consecutive ranks) for the ici_* axes to stay inside a node")
+
+
+def hosts_of_processes() -> dict[int, str]:
+  """Every process's host name (one small all-gather of a hash; the names themselves stay local)."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  digest = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.int64)
+  gathered = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)[:, 0]
+  return {p: f"host#{int(h) & 0xFFFF:04x}" if h != digest[0] else socket.gethostname() for p, h in enumerate(gathered)}
+
+
+def check_mesh_on_hosts(config: Any) -> None:
+  """check_nodes_on_hosts on the mesh upstream will build for this run (its own create_device_mesh, through
+  patches/cpu_slices.py); only a multi-process job over several nodes can get it wrong."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils, maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  slices = int(config.num_slices)
+  if jax.process_count() == 1 or slices <= 1:
+    return
+  ici = max_utils.fill_unspecified_mesh_axes(list(config.ici_parallelism), jax.device_count() // slices, "ICI")
+  check_nodes_on_hosts(np.asarray(maxtext_utils.create_device_mesh(config)), tuple(ici), hosts_of_processes())

@@ -267,6 +267,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   applied, config = apply_patches_and_validate(run, hooks)
   if elsewhere is None:
     config_checks.check_devices(run, config)
+    if not dry_run:
+      launch.check_mesh_on_hosts(config)  # a node's ici_* group on one host, before anything is compiled
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
   checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
   checkpoint_compat.check_load_parameters(run)

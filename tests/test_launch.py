@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import numpy as np
 import yaml
 
 from conftest import REPO, run_rejected
@@ -399,3 +400,29 @@ def test_a_listening_coordinator_is_reached():
     server.listen()
     address = f"127.0.0.1:{server.getsockname()[1]}"
     launch.wait_for_coordinator(address, 5, launch.ProcessInfo("explicit", address, 2, 1))
+
+
+def _mesh_of(monkeypatch, nodes: int, per_node: int, ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...]):
+  """A hybrid mesh as patches/cpu_slices.py lays it out, of stand-in devices (id, process_index: one per GPU);
+  having no physical coordinates, each node's ICI mesh is a plain reshape of its devices."""
+  import types as pytypes  # pylint: disable=import-outside-toplevel
+
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+
+  from patches import cpu_slices  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(mesh_utils, "create_device_mesh", lambda shape, devs, **_: np.array(devs, object).reshape(shape))
+  devices = [pytypes.SimpleNamespace(id=i, process_index=i) for i in range(nodes * per_node)]
+  return cpu_slices.hybrid_device_mesh(ici_shape, dcn_shape, devices)
+
+
+def test_each_node_of_the_mesh_must_be_one_hosts_devices(monkeypatch):
+  """EP 16 = 2 nodes x 8 (dcn_expert 2, ici_expert 8, other axes 1): ranks 0-7 on host a, 8-15 on b is the layout
+  the mesh assumes; a cyclic rank order (even ranks on a) puts each "node-local" EP group on both hosts."""
+  mesh = _mesh_of(monkeypatch, 2, 8, (1, 8), (1, 2))
+  groups = launch.node_groups(mesh, (1, 8))
+  assert sorted(sorted(d.id for d in g) for g in groups.values()) == [list(range(8)), list(range(8, 16))]
+  launch.check_nodes_on_hosts(mesh, (1, 8), {p: "a" if p < 8 else "b" for p in range(16)})
+  with pytest.raises(launch.LaunchError, match=r"the mesh's node \(0, 0\) \(devices 0..7\) spans hosts a, b: "
+                                               r"processes must be ranked node by node"):
+    launch.check_nodes_on_hosts(mesh, (1, 8), {p: "ab"[p % 2] for p in range(16)})
