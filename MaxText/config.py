@@ -23,6 +23,8 @@ from typing import Any, Literal, Mapping
 import omegaconf
 import pydantic
 
+from MaxText import overflow
+
 # The shipped configs: MaxText/configs links to the repo's configs/ in a checkout
 # and is a copy inside an installed wheel (pyproject package-data).
 REPO_CONFIGS = Path(__file__).parent / "configs"
@@ -123,8 +125,9 @@ class ForkConfig(pydantic.BaseModel):
       description="a2a_padded: rows per peer buffer = factor x the balanced share (the EP size never overflows).")
   moe_a2a_padded_on_overflow: Literal["error", "flag"] = pydantic.Field(
       default="error",
-      description="a2a_padded/ragged_a2a/hierarchical overflow: raise, or only flag moe_has_overflow "
-      "(pair with moe_dropless_fallback=step).")
+      description="a bounded dispatch buffer (a2a_padded, ragged_a2a, hierarchical) sent more rows than it holds: "
+      "error stops the run after that step (exit 8, the step not saved); flag, only with upstream's "
+      "moe_dropless_fallback=step, replays the step with every buffer at the EP size (MaxText/overflow.py).")
   moe_ragged_a2a_capacity_factor: float | None = pydantic.Field(
       default=None, gt=0, allow_inf_nan=False,
       description="ragged_a2a: receive rows = factor x this shard's T*K (unset: the EP size, never overflows).")
@@ -568,6 +571,9 @@ def load(args: list[str]) -> RunConfig:
   except pydantic.ValidationError as e:
     raise _fork_error(e, origins) from None
   check_moe_keys(fork, origins)
+  problem, theirs = overflow.upstream_keys(fork, theirs, origins)
+  if problem:
+    raise ConfigError(problem)
   theirs = node_limited_groups(fork, theirs)
   _router_checks(fork, theirs, origins)
   if fork.moe_profile_every_n_steps and theirs.get("profiler"):

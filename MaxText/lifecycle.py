@@ -27,6 +27,7 @@ EXIT_NONFINITE = 4  # the state went non-finite; it was not saved (the last chec
 EXIT_LOCKED = 5  # another live job holds the run directory
 EXIT_SAVE_FAILED = 6  # a checkpoint could not be written (disk full, unwritable); the last good one is kept
 EXIT_OUT_OF_MEMORY = 7  # the train step does not fit in device memory (XLA's RESOURCE_EXHAUSTED)
+EXIT_MOE_OVERFLOW = 8  # a bounded MoE dispatch buffer dropped rows (on_overflow=error); that step was not saved
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1/SIGINT: checkpoint saved at the next step boundary (EX_TEMPFAIL: rerun)
 EXIT_ABORTED = 130  # a second SIGINT: stopped at once, nothing saved since the last checkpoint
 

@@ -28,6 +28,7 @@ from MaxText.plan import hardware
 from MaxText import launch
 from MaxText import lifecycle
 from MaxText import metrics
+from MaxText import overflow
 from MaxText import progress as progress_lines
 from MaxText import xla_presets
 from patches import UpstreamMismatch
@@ -471,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     return fail(lifecycle.EXIT_LOCKED, f"run directory locked: {e}")
   except checkpoint_guard.NonFiniteState as e:
     return fail(lifecycle.EXIT_NONFINITE, f"non-finite state: {e}")
+  except overflow.DispatchOverflow as e:
+    return fail(lifecycle.EXIT_MOE_OVERFLOW, f"MoE dispatch overflow: {e}")
   except disk_full.StorageFailure as e:
     _exit_now(lifecycle.EXIT_SAVE_FAILED, str(e))
   except KeyboardInterrupt:

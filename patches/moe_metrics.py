@@ -14,7 +14,11 @@ intermediate_outputs, config)` (train.py ~738), called when
   - record_activation_metrics, under the marker, adds the `moe/` scalars and a
     top-level "moe_expert_counts_LE" array (upstream already carries vectors
     there, e.g. moe_required_rbf), then calls upstream's own only when the
-    user's config asked for it.
+    user's config asked for it;
+  - with moe_a2a_padded_on_overflow=error, it also reduces every MoE layer's
+    `moe_has_overflow` flags (our block sows them per shard, unreduced, only
+    for a bounded dispatch) into one scalar, MaxText/overflow.SCALAR, once per
+    step; patches/step_metrics.py reads it right after the step.
 
 Everything is computed inside the jitted step; nothing syncs. Which steps are
 written is decided on the host (patches/metric_logger.py).
@@ -41,6 +45,8 @@ SEAM_RECORD = Seam(
 )
 
 _MARKER = "_maxtext_moe_metrics_user_record"  # in the view: the user's record_internal_nn_metrics
+_STATS = "_maxtext_moe_metrics_stats"  # in the view: the moe/ statistics are on
+_OVERFLOW = "_maxtext_moe_metrics_overflow"  # in the view: the step carries the overflow scalar
 COUNTS_KEY = "moe_expert_counts_LE"
 
 
@@ -63,15 +69,31 @@ def _gather(intermediate_outputs) -> dict | None:
           "overflow_L": per(stats.OVERFLOW, 1)[:, 0], "buffer_L2": per(stats.BUFFER, 2)}
 
 
+def _overflow_flags(intermediate_outputs):
+  """float32 1.0 if any shard of any MoE layer flagged an overflow; None when no layer sowed a flag."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  flags = maxtext_utils.collect_intermediates_by_suffix(intermediate_outputs, "moe_has_overflow", ravel=False)
+  if not flags:
+    return None
+  return jnp.any(jnp.concatenate([jnp.ravel(f) for f in flags])).astype(jnp.float32)
+
+
 def _wrap_record(original):
   @functools.wraps(original)
   def record_activation_metrics(output_metrics, intermediate_outputs, config):
     flat = object.__getattribute__(config, "_flat_config")
     if _MARKER not in flat:
       return original(output_metrics, intermediate_outputs, config)
+    from MaxText import overflow  # pylint: disable=import-outside-toplevel
     from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
 
-    got = _gather(intermediate_outputs)
+    if flat[_OVERFLOW]:
+      flags = _overflow_flags(intermediate_outputs)
+      if flags is not None:  # a bounded dispatch in some layer: else nothing can overflow, and no scalar
+        output_metrics["scalar"][overflow.SCALAR] = flags
+    got = _gather(intermediate_outputs) if flat[_STATS] else None
     if got is not None:
       output_metrics["scalar"].update(stats.summarize(got["counts_LE"], got["entropy_L"], got["bias_L3"],
                                                       got["overflow_L"], got["buffer_L2"]))
@@ -87,17 +109,30 @@ def _wrap_step(train_step):
   @functools.wraps(train_step)
   def step_fn(model, config, *args, **kwargs):
     view = _config_view.view(config, record_internal_nn_metrics=True,
-                             **{_MARKER: bool(getattr(config, "record_internal_nn_metrics", False))})
+                             **{_MARKER: bool(getattr(config, "record_internal_nn_metrics", False)),
+                                _STATS: _wanted["stats"], _OVERFLOW: _wanted["overflow"]})
     return train_step(model, view, *args, **kwargs)
 
   return step_fn
 
 
-def wanted(fork) -> bool:
+_wanted = {"stats": False, "overflow": False}
+
+
+def _stats(fork) -> bool:
   return fork.moe_block in ("ours", "upstream") and fork.moe_metrics_every_n_steps > 0
 
 
+def wanted(fork) -> bool:
+  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+
+  return _stats(fork) or overflow.checked(fork)
+
+
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
+  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+
+  _wanted.update(stats=_stats(fork), overflow=overflow.checked(fork))
   _config_view.SEAM.check()
   SEAM_RECORD.check()
   SEAM.apply(_wrap_step)
@@ -105,5 +140,6 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
 
 
 def undo() -> None:
+  _wanted.update(stats=False, overflow=False)
   SEAM_RECORD.undo()
   SEAM.undo()

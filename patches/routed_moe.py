@@ -16,7 +16,10 @@ changes, by `moe_block`:
   ours      MaxText/moe/block.py: route -> dispatch -> gmm -> combine, with
             moe_dispatch_backend and moe_gmm_backend (unset: auto; the pick is logged).
             Returns what upstream's returns: (output, load-balance loss or
-            None, routing-bias update or None), and sows `moe_has_overflow`.
+            None, routing-bias update or None), and sows `moe_has_overflow`
+            (a bounded dispatch's per-shard flags, MaxText/overflow.py). In
+            upstream's dropless replay (`force_dropless`) its buffers hold
+            the EP size.
   te        upstream's own `_te_moe_block` (TE's fused MoEBlock); needs TE and
             upstream's te_moe_block=true (+ prefuse_moe_weights=true,
             te_gmm_quantization); refused with what to set otherwise.
@@ -156,15 +159,8 @@ def _ours(layer, inputs, settings: dict):
   batch, seq, hidden = inputs.shape
   ep_size = layer.get_expert_parallelism_size()
   backend = dispatch.resolve(settings["dispatch"], ep_size=ep_size)
-  axis_name = layer._expert_parallelism_name  # pylint: disable=protected-access
   router_cfg = _router_config(layer, settings)
-  if backend == "te_ncclep":  # the capacity TE was bootstrapped with, not the raw keys
-    options = _te_ncclep_options(layer, batch * seq, settings["te_ncclep_options"])
-  else:
-    options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
-  if backend == "hierarchical":
-    options.update(_node_layout(layer, ep_size, router_cfg))
-  disp = dispatch.make(backend, num_experts=layer.num_experts, axis_name=axis_name, ep_size=ep_size, **options)
+  disp = _dispatcher(layer, backend, settings, ep_size, batch * seq, router_cfg)
   block_cfg = block.BlockConfig(
       router=router_cfg,
       **families.glu(cfg),
@@ -186,20 +182,50 @@ def _ours(layer, inputs, settings: dict):
   _CALLS[backend] += 1
   nodes = f" = {disp.nodes} nodes x {disp.local_size}" if backend == "hierarchical" else ""
   chunks = f", {block_cfg.overlap_chunks} chunks" if block_cfg.overlap_chunks > 1 else ""
+  replay = ", dropless replay: buffers at the EP size" if _replaying(layer, backend) else ""
   _log(f"routed MoE layer -> our block (dispatch {backend}{' in fp8' if block_cfg.fp8_dispatch else ''}, "
-       f"gmm {block_cfg.gmm_backend}, EP {ep_size}{nodes}{chunks})")
-  y_TD, r, overflow, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
-  layer.sow(nnx.Intermediate, "moe_has_overflow", overflow)
+       f"gmm {block_cfg.gmm_backend}, EP {ep_size}{nodes}{chunks}{replay})")
+  y_TD, r, overflow_S, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
+  if backend in BOUNDED:  # each shard's flag, unreduced: the train step reduces every layer's once (MaxText/overflow.py)
+    layer.sow(nnx.Intermediate, "moe_has_overflow", overflow_S)
   if settings.get("moe_metrics"):  # moe_metrics_every_n_steps > 0: small arrays, read in the step (moe_metrics.py)
     from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
 
     bias_E = None if layer.gate.bias is None else layer.gate.bias[...]
-    for name, value in stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, layer.num_experts, overflow, buffer_2,
-                                         score_func=router_cfg.score_func).items():
+    for name, value in stats.layer_stats(r.ids_TK, r.scores_TE, bias_E, layer.num_experts, jnp.any(overflow_S),
+                                         buffer_2, score_func=router_cfg.score_func).items():
       layer.sow(nnx.Intermediate, name, jax.lax.stop_gradient(value))
   if settings["on_expert_counts"] is not None:  # moe_log_expert_load: global counts, outside the shard_map
     jax.debug.callback(settings["on_expert_counts"], routing.expert_counts_E(r.ids_TK, layer.num_experts))
   return (y_TD.reshape(batch, seq, hidden), *_aux_outputs(layer, r, batch))
+
+
+# Dispatchers whose buffers have a capacity, so that rows can be dropped (and flagged); the others are dropless.
+BOUNDED = ("a2a_padded", "hierarchical", "ragged_a2a", "te_ncclep")
+
+
+def _replaying(layer, backend: str) -> bool:
+  """In upstream's dropless replay program (moe_dropless_fallback=step: train.py build_dropless_graphdef sets
+  `force_dropless` on every RoutedMoE), for a dispatcher whose capacity we size."""
+  return bool(getattr(layer, "force_dropless", False)) and backend in BOUNDED and backend != "te_ncclep"
+
+
+def _dispatcher(layer, backend: str, settings: dict, ep_size: int, num_tokens: int, router_cfg):
+  """The layer's dispatcher with its backend's own options; in upstream's dropless replay, capacity factor =
+  the EP size, with which no buffer of a2a_padded, hierarchical or ragged_a2a can overflow (each one's docstring
+  says why), so the replayed step trains on every token."""
+  from MaxText.moe import dispatch  # pylint: disable=import-outside-toplevel
+
+  if backend == "te_ncclep":  # the capacity TE was bootstrapped with, not the raw keys
+    options = _te_ncclep_options(layer, num_tokens, settings["te_ncclep_options"])
+  else:
+    options = {k: v for k, v in settings.get(f"{backend}_options", {}).items() if v is not None}
+  if _replaying(layer, backend):
+    options["capacity_factor"] = float(ep_size)
+  if backend == "hierarchical":
+    options.update(_node_layout(layer, ep_size, router_cfg))
+  return dispatch.make(backend, num_experts=layer.num_experts, axis_name=layer._expert_parallelism_name,  # pylint: disable=protected-access
+                       ep_size=ep_size, **options)
 
 
 def _node_layout(layer, ep_size: int, router) -> dict:
@@ -290,12 +316,9 @@ def settings_from(fork, hooks=None) -> dict:
       "block": fork.moe_block,
       "dispatch": fork.moe_dispatch_backend,
       "gmm": gmm_backend(fork),
-      "a2a_padded_options": {"capacity_factor": fork.moe_a2a_padded_capacity_factor,
-                             "on_overflow": fork.moe_a2a_padded_on_overflow},
-      "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor,
-                             "on_overflow": fork.moe_a2a_padded_on_overflow},
-      "hierarchical_options": {"capacity_factor": fork.moe_hierarchical_capacity_factor,
-                               "on_overflow": fork.moe_a2a_padded_on_overflow},
+      "a2a_padded_options": {"capacity_factor": fork.moe_a2a_padded_capacity_factor},
+      "ragged_a2a_options": {"capacity_factor": fork.moe_ragged_a2a_capacity_factor},
+      "hierarchical_options": {"capacity_factor": fork.moe_hierarchical_capacity_factor},
       "overlap_chunks": fork.moe_ep_overlap_chunks,
       "node_limited_routing": fork.moe_node_limited_routing,
       # None capacity: the dropless bound (patches/te_ncclep_bootstrap.py plan), as bootstrapped.

@@ -8,6 +8,11 @@ checkpoint guard (patches/checkpoint_guard.py) reads them only when it refuses
 a non-finite state, to name that step's loss and gradient norm; upstream's
 metric logger sees them a step later. Everything else (`.lower`, attributes)
 passes through to upstream's jitted function.
+
+With moe_a2a_padded_on_overflow=error, a step whose scalars carry the MoE
+overflow scalar (MaxText/overflow.py: only when a layer traced a bounded
+dispatch) is waited for here and, if any buffer overflowed, stops the run
+(DispatchOverflow) before upstream's loop saves or logs that step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ SEAM = Seam(
 )
 
 _latest: dict[str, Any] = {}
+_fork: list[Any] = [None]  # the run's ForkConfig: what the overflow message names
 
 
 def latest_scalars() -> dict[str, Any]:
@@ -43,10 +49,33 @@ class _KeepsMetrics:
     state, metrics = self._jitted(*args, **kwargs)
     _latest.clear()
     _latest.update((metrics or {}).get("scalar", {}))
+    _stop_on_overflow(state)
     return state, metrics
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
+
+
+def _stop_on_overflow(state) -> None:
+  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+
+  fork = _fork[0]
+  if fork is None or not overflow.checked(fork) or overflow.SCALAR not in _latest:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if float(jax.device_get(_latest[overflow.SCALAR])) > 0:  # waits for the step: one scalar, once per step
+    raise overflow.DispatchOverflow(overflow.message(fork, latest_scalars(), _step_of(state)))
+
+
+def _step_of(state) -> int | None:
+  """The step just trained: the optimizer's count after it, less one (None where the state has no such count)."""
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    return int(jax.device_get(state["optimizer"]["step"].get_value())) - 1
+  except Exception:  # pylint: disable=broad-exception-caught
+    return None
 
 
 def _wrap(original):
@@ -63,9 +92,11 @@ def wanted(fork) -> bool:  # pylint: disable=unused-argument
 
 
 def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
+  _fork[0] = fork
   SEAM.apply(_wrap)
 
 
 def undo() -> None:
+  _fork[0] = None
   _latest.clear()
   SEAM.undo()

@@ -35,7 +35,7 @@ def main(backend: str, chunks: list[int]) -> None:
 
   experts, top_k, hidden, mlp, tokens = 32, 8, 1024, 512, 2048 * len(devices)  # 4 experts and 2,048 tokens per GPU
   mesh = jax.sharding.Mesh(np.array(devices), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-  options = {"on_overflow": "flag", **({"nodes": 2} if backend == "hierarchical" else {})}  # no host callback here
+  options = {"nodes": 2} if backend == "hierarchical" else {}
   disp = dispatch.make(backend, num_experts=experts, axis_name="expert", ep_size=len(devices), **options)
   sharding = block.Sharding(mesh=mesh, token_axes=("expert",), expert_axis="expert")
   spec = lambda *shape, s=P(): jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, s))  # noqa: E731

@@ -40,12 +40,13 @@ def test_ring_and_a2a_padded_match_one_device_forward_and_grads():
     assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-4 and not r["overflow"], r
 
 
-def test_a2a_padded_overflow_is_flagged_or_raises_a_clear_error():
+def test_a2a_padded_overflow_is_flagged_on_the_device():
+  """All 6 rows of a shard to one peer, bound 2: flagged, not silent (the train step stops the run on it:
+  tests/test_train.py)."""
   proc = _ep_check("overflow")
+  assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-  assert row["overflow"] is True  # all 6 rows of a shard to one peer, bound 2: reported, not silent
-  assert proc.returncode != 0  # on_overflow="error": the same case raises
-  assert "a2a_padded dispatch overflow" in proc.stderr and "exceed the buffer bound 2" in proc.stderr
+  assert row["overflow"] is True
 
 
 def test_ragged_a2a_refuses_cpu_but_traces_forward_and_backward():
@@ -131,11 +132,12 @@ def test_fp8_experts_on_every_mesh_match_one_device(case, n):
       assert 0 < r["expert_grad_rel_err"] < 0.06, r
 
 
-def test_fp8_dispatch_backward_adds_no_overflow_check():
-  """The FP8 dispatch's backward re-traces the dispatcher for its transpose; a2a_padded's host callback
-  (on_overflow=error) would survive there, so the backward's copy runs with on_overflow=flag."""
-  rows = _json_lines(_ep_check("fp8_dispatch_callbacks"))
-  assert rows == [{"on_overflow": "error", "callbacks": 1}]
+def test_the_block_adds_no_host_callback_and_no_all_reduce_for_the_overflow():
+  """a2a_padded's compiled block gradient on 4 devices, with and without the FP8 dispatch: no host callback (one
+  per layer call, forward and remat, before) and no all-reduce (each shard's flag was agreed by one per call)."""
+  rows = _json_lines(_ep_check("callbacks"))
+  assert rows == [{"fp8_dispatch": False, "callbacks": 0, "all_reduces": 0},
+                  {"fp8_dispatch": True, "callbacks": 0, "all_reduces": 0}]
 
 
 # The entry point on 4 simulated CPU devices: (mesh keys, dispatch backend). One MoE layer (3 dense + 1)

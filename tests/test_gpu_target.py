@@ -71,11 +71,12 @@ def test_a_target_the_planner_cannot_compile_for_says_why(monkeypatch, capsys):
       in capsys.readouterr().out
 
 
-def test_host_callbacks_are_compiled_in_their_device_form():
+def test_only_the_expert_load_callback_is_left_out_of_a_gpu_plan():
+  """The overflow check has no host callback (MaxText/overflow.py): the plan compiles the run's own program."""
   run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours", "moe_log_expert_load=true"])
-  assert plan.gpu_target_substitutes(run) == {"moe_a2a_padded_on_overflow": "flag", "moe_log_expert_load": False}
-  run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_a2a_padded_on_overflow=flag"])
-  assert plan.gpu_target_substitutes(run) == {}
+  assert plan.gpu_target_substitutes(run) == {"moe_log_expert_load": False}
+  run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours"])
+  assert run.fork.moe_a2a_padded_on_overflow == "error" and plan.gpu_target_substitutes(run) == {}
 
 
 @pytest.mark.slow
@@ -94,7 +95,7 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
                         "--json", str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "compile-only H100 SXM 80 GB devices" in out.stdout
-  assert "set for the compile: moe_a2a_padded_on_overflow=flag" in out.stdout
+  assert "moe_a2a_padded_on_overflow=flag" not in out.stdout  # the run's program: no substitute for the overflow
   r = json.loads(path.read_text())
   assert r["platform"] == "gpu_target" and r["mesh"]["expert"] == 4 and r["mesh"]["fsdp"] == 4
   assert r["verdict"]["fits"] and not r["verdict"]["marginal"] and r["verdict"]["usable_bytes"] == hardware.GPUS["h100"].hbm_bytes.value * 0.75

@@ -178,8 +178,8 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
   """Per-shard part of the block: tokens and routing in, weighted expert sum out.
 
   Returns (y_TD, overflow, buffer_12): overflow is a bool[1], True where a
-  bounded dispatch buffer (a2a_padded) could not hold every row; False
-  otherwise. buffer_12: this shard's [largest rows sent to a peer / capacity,
+  bounded dispatch buffer (a2a_padded) of this shard could not hold every row;
+  False otherwise. buffer_12: this shard's [largest rows sent to a peer / capacity,
   rows over capacity (dropped)], zeros for dispatchers without such a buffer.
   """
   moved = _dispatch(x_TD, ids_TK, cfg, dispatcher)
@@ -315,18 +315,21 @@ def _expert_specs(experts: Experts, sharding: Sharding) -> Experts:
 
 def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
               sharding: Sharding | None = None):
-  """Routed experts of T tokens; returns (y_TD, Routing, overflow: bool[]).
+  """Routed experts of T tokens; returns (y_TD, Routing, overflow: bool[], any shard's).
 
   With `sharding`, `experts` holds every expert (global view) and the shard_map
   hands each expert shard its slice.
   """
-  return moe_block_with_buffer(x_TD, router, experts, cfg, dispatcher, sharding)[:3]
+  y_TD, r, overflow_S, _ = moe_block_with_buffer(x_TD, router, experts, cfg, dispatcher, sharding)
+  return y_TD, r, jnp.any(overflow_S)
 
 
 def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
                           sharding: Sharding | None = None):
-  """moe_block, plus the bounded dispatch buffer's use: f32[2] = [fullest per-peer buffer's fill (fraction of
-  capacity, max over shards), rows beyond capacity, i.e. dropped (sum over shards)]; zeros when unbounded."""
+  """moe_block with each shard's overflow flag unreduced, bool[shards] (bool[1] on one device: the train step
+  reduces every layer's at once, MaxText/overflow.py), plus the bounded dispatch buffer's use: f32[2] =
+  [fullest per-peer buffer's fill (fraction of capacity, max over shards), rows beyond capacity, i.e. dropped
+  (sum over shards)]; zeros when unbounded."""
   with jax.named_scope("route"):
     r = routing_lib.route(x_TD, router.kernel_DE, router.bias_E, cfg.router, dtype=cfg.gate_dtype)
   weights_TK = r.weights_TK
@@ -335,7 +338,7 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
   if getattr(dispatcher, "global_view", False):
     y_TD, overflow = global_view_dispatch_ffn_combine(x_TD, r.ids_TK, weights_TK, experts, cfg, dispatcher,
                                                       sharding)
-    return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jnp.zeros((2,), jnp.float32)
+    return y_TD.astype(cfg.dtype), r, overflow, jnp.zeros((2,), jnp.float32)
   body = lambda x, ids, w, e: chunked(x, ids, w, e, cfg, dispatcher)  # noqa: E731
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
@@ -346,7 +349,7 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
                          out_specs=(tok, every_shard, every_shard), check_vma=sharding.vmapped_axis is None)
   y_TD, overflow, buffer_S2 = body(x_TD, r.ids_TK, weights_TK, experts)
   buffer_2 = jnp.stack([jnp.max(buffer_S2[:, 0]), jnp.sum(buffer_S2[:, 1])])
-  return y_TD.astype(cfg.dtype), r, jnp.any(overflow), jax.lax.stop_gradient(buffer_2)
+  return y_TD.astype(cfg.dtype), r, overflow, jax.lax.stop_gradient(buffer_2)
 
 
 jax.tree_util.register_dataclass(Experts, data_fields=["w0_EDF", "w1_EDF", "wo_EFD", "b0_EF", "b1_EF", "bo_ED"],

@@ -29,7 +29,6 @@ by FP8's rounding (tests/test_fp8_dispatch.py bounds it).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -98,14 +97,6 @@ def _moved_tiles(dispatcher, x_TD, ids_TK, keep_M1=None):
   return unpack(keep(packed_MW), k_padded), meta
 
 
-def _checked_once(dispatcher):
-  """The dispatcher for a backward's re-trace: the forward already checked its buffers, and a host
-  callback there would survive XLA's dead-code pass (a2a_padded's on_overflow=error)."""
-  if getattr(dispatcher, "on_overflow", "flag") != "flag":
-    return dataclasses.replace(dispatcher, on_overflow="flag")
-  return dispatcher
-
-
 def _dispatch_fwd(dispatcher, x_TD, ids_TK):
   tiles_M, meta = _moved_tiles(dispatcher, x_TD, ids_TK)
   xhat_MD = fp8_quant.dequantize_rows(tiles_M, x_TD.shape[1], x_TD.dtype)
@@ -118,7 +109,6 @@ def _dispatch_bwd(dispatcher, residuals, cotangents):
   ids_TK, x_stamp = residuals
   ct_MD = cotangents[0]
   zeros_TD = vma.like_operands(jnp.zeros((ids_TK.shape[0], ct_MD.shape[1]), x_stamp.dtype), x_stamp)
-  dispatcher = _checked_once(dispatcher)
   _, pullback = jax.vjp(lambda x: dispatcher.dispatch(x, ids_TK)[0], zeros_TD)
   (dx_TD,) = pullback(ct_MD.astype(x_stamp.dtype))
   return vma.like_primal(dx_TD, x_stamp), None
@@ -161,7 +151,7 @@ def _output_combine_bwd(dispatcher, static, tag, residuals, ct_TD):
   gmm_residuals, pull_weights, weights_TK, meta, ids_TK, rows_stamp = residuals
   with jax.named_scope("combine"):
     (ct_weights_TK,) = pull_weights(ct_TD)
-    dy_tiles = _weighted_cotangent_tiles(_checked_once(dispatcher), ct_TD, weights_TK, meta, ids_TK, rows_stamp)
+    dy_tiles = _weighted_cotangent_tiles(dispatcher, ct_TD, weights_TK, meta, ids_TK, rows_stamp)
   # The tiles' values in h's dtype: gmm.backward's contract for dout_tiles.
   dy_MD = fp8_quant.dequantize_rows(dy_tiles, ct_TD.shape[1], gmm_residuals[0].dtype)
   d_operands = gmm_lib.backward(static, gmm_residuals, dy_MD, dout_tiles=dy_tiles)

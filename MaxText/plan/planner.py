@@ -68,12 +68,10 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
 
 
 def gpu_target_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
-  """A host callback needs a GPU runtime to lower, which a compile-only device has not: the overflow
-  check raises through one (a2a_padded, ragged_a2a), so it is compiled as its `flag` form, which
-  computes the same overflow and keeps it on the device; expert-load logging is a callback too."""
+  """A host callback needs a GPU runtime to lower, which a compile-only device has not: expert-load logging
+  is one, and is left out of the plan (for measurements only). The dispatch overflow check has none (it is
+  reduced in the step and read by the host after it, MaxText/overflow.py): the plan compiles the run's program."""
   out: dict[str, Any] = {}
-  if run.fork.moe_a2a_padded_on_overflow == "error":
-    out["moe_a2a_padded_on_overflow"] = "flag"
   if run.fork.moe_log_expert_load:
     out["moe_log_expert_load"] = False
   return out

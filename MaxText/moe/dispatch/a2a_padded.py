@@ -18,11 +18,11 @@ Inside `shard_map` over the expert axis (n shards, E_l = E/n experts each):
 
 C = ceil(capacity_factor * T*K / n): capacity_factor 1 fits a perfectly
 balanced routing, n fits anything (then never overflows). A peer sent more
-than C rows is an *overflow*: it is detected from the counts (every shard of
-the axis agrees) and, by `on_overflow`, either raises a runtime error naming
-the counts ("error"), or is returned as a flag that the block reports
-(upstream sows it as `moe_has_overflow`; with `moe_dropless_fallback=step`
-upstream rolls the step back) ("flag"). Rows are never dropped unreported.
+than C rows is an *overflow*: only its first C rows travel. Each shard flags
+its own overflow from its counts (meta.overflow, no collective and no host
+callback); the block returns the flags, the layer sows them unreduced as
+`moe_has_overflow`, and the train step reduces them once
+(MaxText/overflow.py: the run stops, or upstream replays the step dropless).
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
 from MaxText.moe.dispatch import local
 
 NAME = "a2a_padded"
-OnOverflow = Literal["error", "flag"]
 
 
 def unavailable_reason() -> str | None:
@@ -63,7 +60,7 @@ class A2AMeta:
       (R = padding).
     group_sizes_G: int32[E_l]: rows per local expert after the exchange.
     group_offset: int32[] = 0: the rows hold local experts only.
-    overflow: bool[]: some shard of the axis had more than C rows for a peer.
+    overflow: bool[]: this shard had more than C rows for a peer (its rows past C were not sent).
     num_local_experts: E_l.
     capacity: C.
   """
@@ -113,15 +110,6 @@ def expert_major(recv_PE, block_start_P, rows: int):
   return src_R, dest_R, group_sizes.astype(jnp.int32)
 
 
-def raise_on_overflow(overflow, rows_P, bound, backend=NAME):
-  """Host callback: a clear runtime error when a bounded buffer overflowed."""
-  if overflow:
-    raise RuntimeError(
-        f"MoE {backend} dispatch overflow: rows per peer {rows_P.tolist()} exceed the buffer bound {bound}; "
-        f"raise moe_{backend}_capacity_factor (the EP size never overflows) or set "
-        "moe_a2a_padded_on_overflow=flag with upstream's moe_dropless_fallback=step")
-
-
 @dataclasses.dataclass(frozen=True)
 class A2APaddedDispatcher:
   """Padded all_to_all EP over `axis_name`."""
@@ -130,7 +118,6 @@ class A2APaddedDispatcher:
   axis_name: str
   ep_size: int
   capacity_factor: float = 2.0
-  on_overflow: OnOverflow = "error"
   name: str = NAME
 
   def capacity(self, slots: int) -> int:
@@ -149,15 +136,13 @@ class A2APaddedDispatcher:
     send_PE = slots.group_sizes_G.reshape(n, num_local)
     send_P = send_PE.sum(1)
     send_start_P = exclusive_cumsum(send_P)
-    overflow = jax.lax.pmax(jnp.any(send_P > cap).astype(jnp.int32), self.axis_name) > 0
-    if self.on_overflow == "error":
-      jax.debug.callback(raise_on_overflow, overflow, send_P, cap)
+    overflow = jnp.any(send_P > cap)
 
     c = jnp.arange(cap)[None, :]
     take_PC = jnp.where(c < jnp.minimum(send_P, cap)[:, None], send_start_P[:, None] + c, x_MD.shape[0])
     send_PCD = x_MD.at[take_PC].get(mode="fill", fill_value=0)
     recv_RD = self._a2a(send_PCD).reshape(rows, -1)
-    # Counts as sent: on overflow only the first C rows per peer travel (reported above).
+    # Counts as sent: on overflow only the first C rows per peer travel (flagged above).
     sent_PE = jnp.clip(cap - exclusive_cumsum(send_PE, axis=1), 0, send_PE)
     recv_PE = self._a2a(sent_PE)  # row p: what peer p sent me, per local expert
 
@@ -180,13 +165,11 @@ class A2APaddedDispatcher:
     return local.combine_rows(y_MD, weights_TK, meta.slots.order_M, meta.slots.slot_row_TK, y_RD.dtype)
 
 
-def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float = 2.0,
-         on_overflow: OnOverflow = "error") -> A2APaddedDispatcher:
+def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float = 2.0) -> A2APaddedDispatcher:
   if axis_name is None or num_experts % ep_size:
     raise ValueError(f"a2a_padded dispatch needs an expert mesh axis and num_experts ({num_experts}) divisible by "
                      f"its size ({ep_size})")
-  if capacity_factor <= 0 or on_overflow not in ("error", "flag"):
-    raise ValueError(f"a2a_padded: capacity_factor must be > 0 (got {capacity_factor}) and on_overflow "
-                     f"'error' or 'flag' (got {on_overflow!r})")
+  if not 0 < capacity_factor < math.inf:
+    raise ValueError(f"a2a_padded: capacity_factor must be finite and > 0 (got {capacity_factor})")
   return A2APaddedDispatcher(num_experts=num_experts, axis_name=axis_name, ep_size=ep_size,
-                             capacity_factor=capacity_factor, on_overflow=on_overflow)
+                             capacity_factor=capacity_factor)

@@ -37,8 +37,8 @@ under jit).
 Capacities: C1 = min(T, ceil(f T P / N)) rows per node, P = min(K, N, M) (T: a token goes to a node
 once, so T never overflows); C2 = min(R1 min(K, E_l), ceil(f T K / L)) slots per local peer, R1 = N C1
 (T K slots reach a shard when balanced). f = capacity_factor; f = the EP size never overflows. A buffer
-sent more than it holds is an overflow, with a2a_padded's contract: every shard of the axis agrees,
-and it raises with the counts (on_overflow "error") or is returned as a flag (on_overflow "flag").
+sent more than it holds is an overflow, with a2a_padded's contract: the rows past its capacity are not
+sent, and the shard flags it (meta.overflow) for the train step to reduce once (MaxText/overflow.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from MaxText.moe import vma
 from MaxText.moe.dispatch import a2a_padded, local
-from MaxText.moe.dispatch.a2a_padded import OnOverflow, exclusive_cumsum
+from MaxText.moe.dispatch.a2a_padded import exclusive_cumsum
 
 NAME = "hierarchical"
 
@@ -177,7 +177,7 @@ class HierarchicalMeta:
     send2_L: int32[L]: slots bound for each local rank (may exceed C2 on overflow).
     src_R, dest_R: int32[R2]: a2a_padded's expert-major maps of the rows received in stage 2.
     group_sizes_G: int32[E_l]: rows per local expert; group_offset: int32[] = 0.
-    overflow: bool[]: some shard of the axis had a buffer sent more than it holds.
+    overflow: bool[]: this shard sent a buffer more than it holds (the rest was not sent).
     num_local_experts: E_l.  capacity1, capacity2: C1, C2.
   """
 
@@ -203,15 +203,6 @@ class HierarchicalMeta:
     return jnp.stack([fill.astype(jnp.float32), over.astype(jnp.float32)])[None]
 
 
-def raise_on_overflow(overflow, send1_N, cap1, send2_L, cap2):
-  """Host callback (every shard, so that none is left waiting in a collective): a clear runtime error."""
-  if overflow:
-    raise RuntimeError(
-        f"MoE hierarchical dispatch overflow: the most (token, node) rows a shard sent each node {send1_N.tolist()} "
-        f"(bound {cap1}), the most slots a shard sent each local rank {send2_L.tolist()} (bound {cap2}); raise "
-        "moe_hierarchical_capacity_factor (the EP size never overflows) or set moe_a2a_padded_on_overflow=flag with upstream's moe_dropless_fallback=step")
-
-
 @dataclasses.dataclass(frozen=True)
 class HierarchicalDispatcher:
   """Two-level EP over `axis_name` (ep_size = nodes x local ranks, node-major)."""
@@ -221,7 +212,6 @@ class HierarchicalDispatcher:
   ep_size: int
   nodes: int
   capacity_factor: float = 2.0
-  on_overflow: OnOverflow = "error"
   max_nodes_per_token: int | None = None
   name: str = NAME
 
@@ -276,16 +266,12 @@ class HierarchicalDispatcher:
     send2_L = send2_LE.sum(1)
     slot2_R, dst2_RK = buffer_maps(slots.order_M, slots.slot_row_TK, recv_ids_RK // per_shard, send2_L, c2)
     recv2 = self._a2a(spread(recv_x, slot2_R, dst2_RK).reshape(l, c2, d), self.local_groups()).reshape(l * c2, d)
-    # Counts as sent: on overflow only the first C2 slots per rank travel (reported below).
+    # Counts as sent: on overflow only the first C2 slots per rank travel (flagged below).
     sent2_LE = jnp.clip(c2 - exclusive_cumsum(send2_LE, axis=1), 0, send2_LE)
     recv2_LE = self._a2a(sent2_LE, self.local_groups())  # row m: what local rank m sent me, per local expert
     src_R, dest_R, group_sizes = a2a_padded.expert_major(recv2_LE, jnp.arange(l, dtype=jnp.int32) * c2, l * c2)
 
-    bad = jnp.any(send1_N > c1) | jnp.any(send2_L > c2)
-    overflow = jax.lax.pmax(bad.astype(jnp.int32), self.axis_name) > 0
-    if self.on_overflow == "error":
-      most = lambda a: jax.lax.pmax(a, self.axis_name)  # noqa: E731  # the counts to name, in this mode only
-      jax.debug.callback(raise_on_overflow, overflow, most(send1_N), c1, most(send2_L), c2)
+    overflow = jnp.any(send1_N > c1) | jnp.any(send2_L > c2)
     meta = HierarchicalMeta(dst1_TN=dst1_TN, slot1_R=slot1_R, send1_N=send1_N, dst2_RK=dst2_RK, slot2_R=slot2_R,
                             send2_L=send2_L, src_R=src_R, dest_R=dest_R, group_sizes_G=group_sizes,
                             group_offset=jnp.zeros((), jnp.int32), overflow=overflow, num_local_experts=per_shard,
@@ -306,13 +292,11 @@ class HierarchicalDispatcher:
 
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int, nodes: int = 1, capacity_factor: float = 2.0,
-         on_overflow: OnOverflow = "error", max_nodes_per_token: int | None = None) -> HierarchicalDispatcher:
+         max_nodes_per_token: int | None = None) -> HierarchicalDispatcher:
   if axis_name is None or num_experts % ep_size or nodes < 1 or ep_size % nodes:
     raise ValueError(f"hierarchical dispatch needs an expert mesh axis, num_experts ({num_experts}) divisible by its "
                      f"size ({ep_size}), and that size divisible by the nodes ({nodes})")
-  if capacity_factor <= 0 or on_overflow not in ("error", "flag"):
-    raise ValueError(f"hierarchical: capacity_factor must be > 0 (got {capacity_factor}) and on_overflow 'error' or "
-                     f"'flag' (got {on_overflow!r})")
+  if not 0 < capacity_factor < math.inf:
+    raise ValueError(f"hierarchical: capacity_factor must be finite and > 0 (got {capacity_factor})")
   return HierarchicalDispatcher(num_experts=num_experts, axis_name=axis_name, ep_size=ep_size, nodes=nodes,
-                                capacity_factor=capacity_factor, on_overflow=on_overflow,
-                                max_nodes_per_token=max_nodes_per_token)
+                                capacity_factor=capacity_factor, max_nodes_per_token=max_nodes_per_token)

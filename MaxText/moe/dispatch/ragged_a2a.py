@@ -36,8 +36,9 @@ checks that the block's grad jaxpr has no float psum over the expert axis.
 
 R = ceil(capacity_factor * T*K), default capacity_factor = EP size (never
 overflows). When a shard would receive more than R rows every shard learns it
-from the counts, nothing is sent (ragged_all_to_all must not write past R),
-and the overflow is raised or flagged as in a2a_padded.
+from the counts (one all-reduce: every shard must agree, since nothing may be
+sent then: ragged_all_to_all must not write past R), and the overflow is
+flagged as in a2a_padded, for the train step to reduce (MaxText/overflow.py).
 """
 
 from __future__ import annotations
@@ -164,7 +165,6 @@ class RaggedA2ADispatcher:
   axis_name: str
   ep_size: int
   capacity_factor: float | None = None
-  on_overflow: a2a_padded.OnOverflow = "error"
   name: str = NAME
   exchange_impl: ExchangeImpl = jax.lax.ragged_all_to_all  # tests: an all_to_all emulation on CPU
 
@@ -180,9 +180,6 @@ class RaggedA2ADispatcher:
     send_PE = slots.group_sizes_G.reshape(n, num_local)
     recv_PE = self._a2a(send_PE)
     overflow = jax.lax.pmax((recv_PE.sum() > rows).astype(jnp.int32), self.axis_name) > 0
-    if self.on_overflow == "error":
-      jax.debug.callback(functools.partial(a2a_padded.raise_on_overflow, backend=NAME), overflow, recv_PE.sum(1),
-                         rows)
     send_PE = jnp.where(overflow, 0, send_PE)  # never write past the receive buffer
     recv_PE = jnp.where(overflow, 0, recv_PE)
     send_P, recv_P = send_PE.sum(1), recv_PE.sum(1)
@@ -209,10 +206,9 @@ class RaggedA2ADispatcher:
 
 
 def make(*, num_experts: int, axis_name: str | None, ep_size: int, capacity_factor: float | None = None,
-         on_overflow: a2a_padded.OnOverflow = "error",
          exchange_impl: ExchangeImpl = jax.lax.ragged_all_to_all) -> RaggedA2ADispatcher:
   if axis_name is None or num_experts % ep_size:
     raise ValueError(f"ragged_a2a dispatch needs an expert mesh axis and num_experts ({num_experts}) divisible "
                      f"by its size ({ep_size})")
   return RaggedA2ADispatcher(num_experts=num_experts, axis_name=axis_name, ep_size=ep_size,
-                             capacity_factor=capacity_factor, on_overflow=on_overflow, exchange_impl=exchange_impl)
+                             capacity_factor=capacity_factor, exchange_impl=exchange_impl)
