@@ -27,8 +27,8 @@ only (MaxText/progress.watch_save); then one line gives the step directory's siz
 time (`checkpoint 40 saved: 1.23 GiB in 3.4 s`), and `saves` keeps it for the summary.
 
 Before each save starts, our record of the step goes to <run>/maxtext-moe/checkpoints/<step>.json: each
-float array's shape, dtype and content digest, from the same pass as the finite check
-(MaxText/checkpoint_records.py). A step directory without it is never resumed from;
+array's shape, dtype and content digest (floats, integer step counts and RNG keys alike), from the same pass as
+the finite check (MaxText/checkpoint_records.py). A step directory without it is never resumed from;
 patches/checkpoint_restore.py compares the restored arrays with it. After each save the records of steps orbax
 has deleted go; a save still in flight (async_checkpointing: orbax commits it in the background) keeps its
 record (MaxText/checkpoint_records.drop_stale_records).
@@ -80,15 +80,15 @@ _stop_watching = threading.Event()
 
 
 def _leaves_with_paths(state) -> list[tuple[str, Any]]:
+  """Every array of the state by its key path: the floats, and the integer ones (the optimizer's step counts,
+  which drive the learning-rate schedule; RNG keys and counters), all digested in each record."""
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   if isinstance(state, nnx.Module):
     state = nnx.state(state)
   flat, _ = jax.tree_util.tree_flatten_with_path(state)
-  return [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in flat
-          if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+  return [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in flat if hasattr(x, "dtype")]
 
 
 def _scalar(scalars: dict[str, Any], name: str) -> str:
@@ -98,7 +98,7 @@ def _scalar(scalars: dict[str, Any], name: str) -> str:
 
 def check_finite(state, step: int, last_saved: int | None) -> tuple[list[tuple[str, Any]], list[str]]:
   """Raises NonFiniteState naming the step, the arrays and the step's loss and gradient norms; else returns
-  the state's float arrays (name, array) and their content digests (the same pass: MaxText/checkpoint_records)."""
+  the state's arrays (name, array) and their content digests (the same pass: MaxText/checkpoint_records)."""
   from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
 
   leaves = _leaves_with_paths(state)
@@ -122,7 +122,7 @@ def check_finite(state, step: int, last_saved: int | None) -> tuple[list[tuple[s
 
 
 def _state_nbytes(state) -> int:
-  return sum(int(x.size) * x.dtype.itemsize for _, x in _leaves_with_paths(state))
+  return sum(int(x.size) * getattr(x.dtype, "itemsize", 16) for _, x in _leaves_with_paths(state))  # a key: 16 B
 
 
 # How storage failures read when they come through tensorstore (orbax's writer)

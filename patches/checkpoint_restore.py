@@ -10,8 +10,10 @@ tiny model's largest data file load as other numbers). Here:
      upstream started, and orbax's step list is reloaded so that every process sees the same;
   2. a candidate whose record's shapes differ from the state this config builds is a config change,
      not damage: ShapeMismatch (a ConfigError) names the first array, as before orbax would fail;
-  3. each candidate is restored by upstream (`step=` given), then checked: the restored float arrays
-     finite and equal to the digests taken at save. A candidate that fails to load with the
+  3. each candidate is restored by upstream (`step=` given), then checked: the restored arrays the same
+     set of names as at save, finite, and equal to the digests taken at save (integer step counts and RNG keys
+     included). In a multi-process job the processes first agree whether every one loaded it (`agree`: one
+     all-gather), so all set it aside or none does. A candidate that fails to load with the
      checkpoint's own damage (tensorstore's OUT_OF_RANGE, DATA_LOSS, ...; orbax's layout errors), or
      fails the check, is reported in one line and set aside (`<step>.unusable`, its files kept), and
      the one before is tried, down to none: then the run starts at step 0, as one line says. Any other
@@ -111,6 +113,23 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def agree(ok: bool) -> list[bool]:
+  """Every process's `ok`, by process index (one all-gather of an int32 a process; just [ok] with one process).
+
+  A checkpoint's files are read by every process, each its own shards: one process can fail to load what the
+  others loaded. Before any process checks the digests (a computation over the global arrays, which every process
+  must join) or sets the step aside, they agree, so that none goes on with a state the others dropped, and none
+  waits in a collective the others never reach."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_count() == 1:
+    return [ok]
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return [bool(x) for x in np.asarray(multihost_utils.process_allgather(np.int32(ok))).reshape(-1)]
+
+
 def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
   """Process 0 renames the step directory; every process then reloads orbax's step list."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -207,20 +226,21 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
   manager = bound.arguments["checkpoint_manager"]
   _sync("maxtext-moe-checkpoints")  # process 0 set stray step directories aside before upstream started
   manager.reload()
-  current = {name: [list(x.shape), str(x.dtype)]
-             for name, x in checkpoint_guard._leaves_with_paths(bound.arguments["abstract_unboxed_pre_state"])}  # pylint: disable=protected-access
+  abstract = checkpoint_guard._leaves_with_paths(bound.arguments["abstract_unboxed_pre_state"])  # pylint: disable=protected-access
   data_iterator = bound.arguments["data_iterator"]
   before = _iterator_states(data_iterator)
   steps = checkpoint_records.complete_steps(run_dir)
   failed_reads = False
   for i, step in enumerate(reversed(steps)):
     record = checkpoint_records.read_record(run_dir, step)
+    current = {name: [list(x.shape), str(x.dtype)] for name, x in checkpoint_records.covered(record, abstract)}
     diff = first_difference(checkpoint_records.shapes_of(record), current)
     if diff:
       raise ShapeMismatch(f"resuming {run_dir} from checkpoint step {step}: the model's shape changed: {diff}")
     bound.arguments["step"] = step
     # Quieted before the read: the other reads' callbacks may fire while the failed one is still propagating.
     _quiet_failed_reads()
+    why = None
     try:
       restored = original(*bound.args, **bound.kwargs)
     except Exception as e:  # pylint: disable=broad-exception-caught
@@ -229,12 +249,16 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
         raise
       why = f"it does not load: {why}"
       failed_reads = True
-    else:
+    failed = [i for i, ok in enumerate(agree(why is None)) if not ok]  # every process, or none, goes on
+    if why is None and failed:
+      why = f"it does not load on process {failed[0]} (its log says why)"
+    if why is None:
       if not failed_reads:
         _unquiet()  # a read that went well leaves nothing behind to quiet
       items = restored[0]["items"] if restored[0] is not None else None
       named = checkpoint_guard._leaves_with_paths(items) if items is not None else []  # pylint: disable=protected-access
-      finite, digests = checkpoint_records.scan([x for _, x in named])
+      named = checkpoint_records.covered(record, named)
+      finite, digests = checkpoint_records.scan([x for _, x in named])  # global arrays: the same on every process
       why = checkpoint_records.mismatch(record, named, finite, digests)
       if why is None:
         if i:

@@ -1,6 +1,7 @@
 """Hostile but realistic cases on the tiny config, and whether each keeps the README's exit-code promises.
 
-  PYTHONPATH=$PWD python tests/reliability_bad_inputs.py [--subprocess] [--no-train | --train-only] [-k WORD]
+  PYTHONPATH=$PWD python tests/reliability_bad_inputs.py [--subprocess] [--no-train | --train-only]
+      [--async-checkpoints] [-k WORD ...]
 
 Each case is a command line a user runs (`python -m MaxText.train`, or `python -m MaxText.plan`), with what
 it finds on disk (a broken data file, a damaged checkpoint, a torn lock, a full disk) and what must come of
@@ -16,6 +17,12 @@ Cases without a training step run in this process (file descriptors 1 and 2 capt
 count; `--subprocess`: each its own `python -m`); those that train, set an environment, send a signal or
 need a private mount namespace (a small tmpfs for a full disk: `unshare -m`, as root) run as subprocesses.
 The run-directory cases are in tests/reliability_run_cases.py; `--no-train` leaves out those that train.
+`--async-checkpoints` runs the cases that resume or write checkpoints again with async_checkpointing=true
+(upstream's default, the recipes'), their base runs too; the others are left out.
+
+A damaged checkpoint's case holds its promise when the resume names the damage in any of the words the restore
+has for it (it does not load, it holds non-finite values, its digests differ) and sets the step aside: which check
+meets flipped bytes first depends on where they fell, not on the damage being caught.
 """
 
 from __future__ import annotations
@@ -332,13 +339,21 @@ def main() -> int:
   parser.add_argument("--subprocess", action="store_true", help="every case in its own python -m, as a user runs it")
   parser.add_argument("--no-train", action="store_true", help="leave out the cases that train")
   parser.add_argument("--train-only", action="store_true", help="only the cases that train")
-  parser.add_argument("-k", default="", help="only the cases whose command line or name holds this")
+  parser.add_argument("--async-checkpoints", action="store_true",
+                      help="the cases that resume or write checkpoints, with async_checkpointing=true")
+  parser.add_argument("-k", action="append", default=[],
+                      help="only the cases whose command line or name holds this (given again: any of them)")
   parser.add_argument("--show", action="store_true", help="print the output of each case that is not clean")
   opts = parser.parse_args()
   counts: dict[str, int] = {}
   with tempfile.TemporaryDirectory() as tmp_name:
     tmp = Path(tmp_name)
-    selected = [c for c in cases(tmp) if opts.k in _shown(c, tmp) and not (opts.no_train and c.trains)
+    chosen = cases(tmp)
+    if opts.async_checkpoints:
+      import reliability_run_cases  # pylint: disable=import-outside-toplevel
+
+      chosen = [a for a in map(reliability_run_cases.saves_async, chosen) if a is not None]
+    selected = [c for c in chosen if any(k in _shown(c, tmp) for k in opts.k or [""]) and not (opts.no_train and c.trains)
                 and not (opts.train_only and not c.trains)]
     for i, case in enumerate(selected):
       started = time.monotonic()

@@ -1,12 +1,13 @@
 """Kill and signal trials on the tiny config: steps lost, and whether the resumed
 run's losses equal an unbroken run's.
 
-  PYTHONPATH=$PWD python tests/reliability_preemption.py [--steps 12] [--period 4] SIGNAL@STEP ...
+  PYTHONPATH=$PWD python tests/reliability_preemption.py [--steps 12] [--period 4] [--async-checkpoints] SIGNAL@STEP ...
 
 e.g. `SIGTERM@3 SIGUSR1@6 SIGINT@8 SIGKILL@6`. Each trial starts a run, sends
 the signal when `[progress] step STEP/` is printed, resumes it with the same
 command, and compares every step's loss with one unbroken run (same schedule).
-Steps lost = steps trained before the signal that had to be trained again.
+Steps lost = steps trained before the signal that had to be trained again. `--async-checkpoints`: every run
+(the unbroken one too) saves with async_checkpointing=true, upstream's default and the recipes'.
 Prints PASS/FAIL per trial and a table last.
 """
 
@@ -21,9 +22,12 @@ from pathlib import Path
 from conftest import BackgroundRun, run_train  # this folder is on sys.path when the script runs
 
 
+ASYNC: list[str] = []  # ["async_checkpointing=true"] with --async-checkpoints
+
+
 def _args(steps: int, period: int) -> tuple[str, ...]:
   return ("configs/deepseek3-tiny.yml", f"steps={steps}", f"checkpoint_period={period}",
-          f"learning_rate_schedule_steps={steps}")
+          f"learning_rate_schedule_steps={steps}", *ASYNC)
 
 
 def _trained(stdout: str) -> int:
@@ -54,7 +58,9 @@ def main() -> int:
   parser.add_argument("trials", nargs="+")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--period", type=int, default=4)
+  parser.add_argument("--async-checkpoints", action="store_true", help="save with async_checkpointing=true")
   opts = parser.parse_args()
+  ASYNC[:] = ["async_checkpointing=true"] if opts.async_checkpoints else []
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp)
     unbroken = run_train(out, *_args(opts.steps, opts.period), run_name="unbroken")

@@ -9,6 +9,7 @@ of "trained" runs to steps=12, so it trains steps 10 and 11 unless a checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -26,6 +27,7 @@ BASES = {
     "diverged": (("learning_rate=1e6", "warmup_steps_fraction=0.5", "checkpoint_period=100", "steps=6",
                   "learning_rate_schedule_steps=6"), 4),
 }
+ASYNC = "async_checkpointing=true"  # upstream's default and the recipes': orbax commits each save in the background
 PY = f"PYTHONPATH={REPO} {sys.executable}"
 COMPLETE = f"{PY} -c 'import sys; from MaxText import lifecycle; print(\"[case] complete\", lifecycle.checkpoint_steps(__import__(\"pathlib\").Path(sys.argv[1])))' $RUN"
 
@@ -69,11 +71,14 @@ def grain(data: Path, *changes: str) -> tuple[str, ...]:
 
 
 def base_run(tmp: Path, kind: str) -> Path:
-  """The run directory of base run `kind`, trained on first use."""
+  """The run directory of base run `kind` ("trained", or "trained-async": its saves with ASYNC), trained on first
+  use."""
   run_dir = tmp / "bases" / kind
   if (run_dir / "summary.json").exists() or (run_dir / "maxtext-moe" / "nonfinite.json").exists():
     return run_dir
-  args, code = BASES[kind]
+  name, _, variant = kind.partition("-")
+  args, code = BASES[name]
+  args = (*args, ASYNC) if variant == "async" else args
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   proc = subprocess.run([sys.executable, "-m", "MaxText.train", TINY, *args, f"base_output_directory={tmp / 'bases'}",
                          f"run_name={kind}", f"jax_cache_dir={tmp / 'jax_cache'}"], cwd=REPO, env=env,
@@ -314,13 +319,16 @@ def training_cases(tmp: Path) -> list[Case]:
       RESUME, code=0, base="trained", setup=setup, trains=True, name=name, warns=warns,
       check=set_aside(*aside, then=trained_steps(first)))
   damaged = "WARNING: checkpoint 9 of .* is damaged \\({}.*set aside as checkpoints/9.unusable; trying checkpoint 8"
+  # Flipped bytes are caught in whichever check meets them first: a read that fails, a value that is not finite, or a
+  # digest that differs (each seen for the same 400 flipped bytes); any of them, named, is the promise kept.
+  any_damage = "(it does not load|it holds non-finite values|the content of \\d+ arrays differs from its digest)"
   stray = "WARNING: .*checkpoints/9 is not a checkpoint \\({}.*set aside as 9.unusable"
   return [
       resumed(mkdir("checkpoints/99"), "a stray empty checkpoints/99", "checkpoints/99 is not a checkpoint",
               10, ("99.unusable",)),
       resumed(truncate(9), "checkpoint 9: a data file truncated", damaged.format("it does not load"), 9,
               ("9.unusable",)),
-      resumed(flip_bytes(9, 400), "checkpoint 9: 400 bytes flipped", damaged.format("it does not load"), 9,
+      resumed(flip_bytes(9, 400), "checkpoint 9: 400 bytes flipped", damaged.format(any_damage), 9,
               ("9.unusable",)),
       resumed(flip_bytes(9, 1, bits=True), "checkpoint 9: one bit flipped", damaged.format("the content of 1 arrays"),
               9, ("9.unusable",)),
@@ -382,6 +390,15 @@ def disk_cases(tmp: Path) -> list[Case]:
            shell=f"{mount.format('64m')} && " + after_4.replace("/4/", "/0/").format(fill),
            name="a disk that fills mid-run: TensorBoard writes next"),
   ]
+
+
+def saves_async(case: Case) -> Case | None:
+  """The case again with its checkpoints saved asynchronously (its base run's too); None for a case that neither
+  resumes nor writes a checkpoint."""
+  if "enable_checkpointing=false" in case.args or not (case.base or case.trains):
+    return None
+  return dataclasses.replace(case, args=(*case.args, ASYNC), base=case.base and f"{case.base}-async",
+                             name=f"{case.name or ' '.join(case.args)} (async saves)")
 
 
 def cases(tmp: Path) -> list[Case]:

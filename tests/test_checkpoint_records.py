@@ -98,6 +98,98 @@ def test_a_record_that_is_garbled_or_of_another_step_is_not_one(tmp_path):
     checkpoint_records.read_record(tmp_path, 8)
 
 
+def test_integer_arrays_and_rng_keys_are_digested_too():
+  """The optimizer's step counts drive the learning-rate schedule and the RNG keys the dropout: both are in the
+  record and digested (the numpy reference of a key is that of its uint32 data)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+  key = jax.random.split(jax.random.key(3, impl="unsafe_rbg"), 3)
+  state = {"opt_state": {"count": jnp.int32(41)}, "rngs": {"key": key, "count": jnp.arange(3, dtype=jnp.uint32)},
+           "w": jnp.ones((2, 3), jnp.float32), "mask": jnp.array([True, False, True])}
+  leaves, digests = checkpoint_guard.check_finite(state, 7, None)
+  named = dict(zip((n for n, _ in leaves), digests))
+  assert sorted(named) == ["mask", "opt_state/count", "rngs/count", "rngs/key", "w"]
+  assert named["opt_state/count"] == _reference_digest(np.asarray(41, np.int32))
+  assert named["rngs/key"] == _reference_digest(np.asarray(jax.random.key_data(key)))
+  assert named["mask"] == _reference_digest(np.array([1, 0, 1], np.uint8))
+  assert checkpoint_guard.check_finite({**state, "opt_state": {"count": jnp.int32(42)}}, 7, None)[1] != digests
+
+
+def _verdict(record_arrays: dict[str, str], restored: dict[str, str], digest=checkpoint_records.DIGEST):
+  """mismatch() of a record with these {name: digest} against restored arrays with these (all finite)."""
+  record = {"step": 1, "digest": digest, "arrays": {n: {"shape": [1], "dtype": "float32", "digest": d}
+                                                    for n, d in record_arrays.items()}}
+  named = [(n, None) for n in restored]
+  return checkpoint_records.mismatch(record, named, [True] * len(named), list(restored.values()))
+
+
+def test_the_restored_arrays_must_be_the_recorded_ones_name_for_name():
+  """A key path that drifted would compare no digest for it: a missing or extra name fails, the first named."""
+  assert _verdict({"a": "1", "b": "2"}, {"a": "1", "b": "2"}) is None
+  assert _verdict({"a": "1", "b": "2"}, {"a": "1"}) == (
+      "its arrays are not those recorded at save (1 missing, 0 extra; first 'b' was recorded but not restored)")
+  assert _verdict({"a": "1"}, {"a": "1", "opt/count": "9"}) == (
+      "its arrays are not those recorded at save (0 missing, 1 extra; first 'opt/count' was restored but not "
+      "recorded)")
+  assert _verdict({"a": "1", "n": "2"}, {"a": "1", "n": "3"}).startswith("the content of 1 arrays differs")
+
+
+def test_a_record_from_before_integer_digests_vouches_for_its_float_arrays():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  named = [("w", jnp.ones(2)), ("count", jnp.int32(1))]
+  assert checkpoint_records.covered({"digest": checkpoint_records.DIGEST_FLOATS}, named) == named[:1]
+  assert checkpoint_records.covered({"digest": checkpoint_records.DIGEST}, named) == named
+  assert _verdict({"w": "1"}, {"w": "2"}, checkpoint_records.DIGEST_FLOATS).startswith("the content of 1 arrays")
+
+
+def test_the_processes_agree_on_a_load_before_any_sets_it_aside(monkeypatch):
+  """patches/checkpoint_restore.agree: one all-gather of each process's flag; simulated here (process 1 of 3
+  failed), the real collective over two processes in test_two_processes_agree_on_a_load."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  assert checkpoint_restore.agree(True) == [True] and checkpoint_restore.agree(False) == [False]
+  gathered = []
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: gathered.append(x) or np.array([int(x), 0, 1], np.int32))
+  assert checkpoint_restore.agree(True) == [True, False, True]
+  assert gathered == [1] and np.asarray(gathered[0]).dtype == np.int32
+
+
+AGREE = r"""
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from patches import checkpoint_restore
+print("AGREED", checkpoint_restore.agree(int(sys.argv[2]) == 0), flush=True)
+"""
+
+
+@pytest.mark.slow  # two processes, each its own jax
+def test_two_processes_agree_on_a_load(tmp_path):
+  """Two real processes (jax.distributed on localhost, gloo): process 1 failed to load, so both see it."""
+  import socket  # pylint: disable=import-outside-toplevel
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  procs = [subprocess.Popen([sys.executable, "-c", AGREE, f"localhost:{port}", str(i)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+  assert [out.strip().splitlines()[-1] for out, _ in outs] == ["AGREED [True, False]"] * 2
+
+
 def _step_dir(run_dir: Path, name: str, committed: bool) -> None:
   (run_dir / "checkpoints" / name / "items").mkdir(parents=True)
   if committed:
@@ -200,6 +292,24 @@ def test_restore_skips_damaged_checkpoints_down_to_the_last_good_one(tmp_path, r
   assert "resumed from checkpoint step 0 instead (loaded, finite, digests as at save)" in out
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["0", "1.unusable", "2.unusable"]
   assert [c.step for c in manager.checkpoints] == [0]  # orbax's own list agrees: its next save is not refused
+
+
+@pytest.mark.slow
+def test_a_checkpoint_another_process_could_not_load_is_set_aside_by_all(tmp_path, restore, capsys, monkeypatch):
+  """Simulated: process 1 of 2 failed to load checkpoint 2 (this one loaded it); the agreement says so, and this
+  process sets it aside too and restores checkpoint 1, without checking digests the other would never join."""
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  call, seen = restore
+  run_dir = tmp_path / "run"
+  manager = _saved_run(run_dir)
+  asked = []
+  monkeypatch.setattr(checkpoint_restore, "agree", lambda ok: asked.append(ok) or [ok, len(asked) > 1])
+  restored, _ = call(manager)
+  np.testing.assert_array_equal(np.asarray(restored["items"]["params"]["w"]), np.asarray(_state(1)["params"]["w"]))
+  assert asked == [True, True] and seen == [1]
+  assert (f"WARNING: checkpoint 2 of {run_dir} is damaged (it does not load on process 1 (its log says why)); set "
+          "aside as checkpoints/2.unusable; trying checkpoint 1") in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ test_lifecycle.py, test_checkpoint_records.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,8 +15,6 @@ import sys
 import pytest
 
 from conftest import REPO
-
-pytestmark = pytest.mark.slow
 
 
 def _harness(*options: str) -> tuple[int, int, str]:
@@ -30,21 +29,52 @@ def _harness(*options: str) -> tuple[int, int, str]:
   return int(found.group(1)), int(found.group(2)), fails
 
 
+DAMAGE_NAMED = ("it does not load: ValueError: DATA_LOSS: Error reading shard entry {0, 0}",
+                "it holds non-finite values in 37 arrays (first opt_state/1/0/mu/w)",
+                "the content of 2 arrays differs from its digest at save (first params/w): bytes changed on disk")
+
+
+@pytest.mark.parametrize("why", DAMAGE_NAMED)
+def test_a_damaged_checkpoint_named_in_any_words_is_clean(tmp_path, why):
+  """The harness's verdict on "checkpoint 9: 400 bytes flipped": each way the restore names the damage (all three
+  seen for those bytes) is the promise kept; a resume that names none stays silent."""
+  import reliability_bad_inputs as harness  # pylint: disable=import-outside-toplevel
+  import reliability_run_cases  # pylint: disable=import-outside-toplevel
+
+  case = next(c for c in reliability_run_cases.training_cases(tmp_path) if c.name == "checkpoint 9: 400 bytes flipped")
+  run_dir = tmp_path / "bad"
+  (run_dir / "checkpoints" / "9.unusable").mkdir(parents=True)
+  (run_dir / "summary.json").write_text(json.dumps({"losses": {str(s): 1.0 for s in (9, 10, 11)}}))
+  said = (f"[maxtext-moe] WARNING: checkpoint 9 of {run_dir} is damaged ({why}); set aside as "
+          "checkpoints/9.unusable; trying checkpoint 8\n")
+  assert harness.verdict(case, harness.Result(0, said, "", run_dir), {})[0] == "clean"
+  assert harness.verdict(case, harness.Result(0, "resuming from checkpoint step 9\n", "", run_dir), {})[0] == "silent"
+  (run_dir / "summary.json").unlink()  # a stand-in, not a run's: the fast tier's guard looks for one
+
+
+@pytest.mark.slow
 def test_every_case_that_stops_before_training_is_clean():
   """Bad config, data, tokenizers, run directories, locks and full disks at start: one line, the documented code."""
   total, clean, fails = _harness("--no-train")
   assert total >= 120 and clean == total, fails
 
 
-# Open: in 3 of 9 runs of the harness on 2026-12-05 (none alone, under load only) this case resumes from
-# checkpoint 9 with no warning though 400 of its data file's bytes were XOR-ed, where one flipped bit at the first of
-# the same positions is always caught by the digest. Until its cause is found it is reported, not counted clean
-# (README's reliability table says so); every other case must be clean.
-INTERMITTENT = "checkpoint 9: 400 bytes flipped"
-
-
+@pytest.mark.slow
 def test_every_case_that_trains_is_clean():
-  """Damaged checkpoints, torn locks, the remedy of an exit 4, a stop without checkpoints, disks that fill."""
+  """Damaged checkpoints, torn locks, the remedy of an exit 4, a stop without checkpoints, disks that fill. A
+  damaged checkpoint is clean when the resume names its damage in any words (does not load, non-finite values,
+  digests that differ) and sets it aside: 400 flipped bytes meet whichever check they reach first."""
   total, clean, fails = _harness("--train-only")
-  others = [line for line in fails.splitlines() if INTERMITTENT not in line]
-  assert total >= 20 and not others and clean >= total - 1, fails
+  assert total >= 20 and clean == total, fails
+
+
+# With async_checkpointing=true (upstream's default, the recipes'), orbax commits each save in the background: the
+# base run and these resumes over damage, about 3 minutes here (all 20 such cases: 7 min 10 s, 2026-12-05).
+ASYNC_CASES = ("a stray empty checkpoints/99", "checkpoint 9: a data file truncated", "checkpoint 9: 400 bytes flipped",
+               "checkpoint 9: one bit flipped", "checkpoint 9: our record deleted", "every checkpoint damaged")
+
+
+@pytest.mark.slow
+def test_checkpoint_cases_with_async_saves_are_clean():
+  total, clean, fails = _harness("--train-only", "--async-checkpoints", *(a for k in ASYNC_CASES for a in ("-k", k)))
+  assert total == len(ASYNC_CASES) and clean == total, fails
