@@ -11,6 +11,7 @@ whose one line names the key and the value.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -99,6 +100,7 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
   check_run_name(str(config.run_name), Path(config.base_output_directory))
   check_pipeline(run, config)
   check_output_directory(Path(config.base_output_directory))
+  check_run_directory(Path(config.base_output_directory) / str(config.run_name))
   if run.fork.moe_block == "ours" and config.num_experts > 1:
     check_our_block(run, config)
 
@@ -188,11 +190,34 @@ def check_pipeline(run: RunConfig, config: Any) -> None:
 
 def _writable(directory: Path) -> bool:
   """By trying (os.access says yes to root even on a read-only mount); leaves nothing behind."""
+  return _write_error(directory) is None
+
+
+def _write_error(directory: Path) -> str | None:
+  """Why a file cannot be created in `directory` (the OS's words); None when one can."""
   try:
     with tempfile.TemporaryFile(dir=directory):
-      return True
-  except OSError:
-    return False
+      return None
+  except OSError as e:
+    return e.strerror or str(e)
+
+
+RUN_ENTRIES = ("checkpoints", "maxtext-moe", "tensorboard")  # the folders a run writes in, inside its directory
+
+
+def check_run_directory(run_dir: Path) -> None:
+  """An existing run directory, and the folders a run writes in there: each where it points, a directory, and
+  writable. A dangling symlink (a scratch disk not mounted) ended in orbax's FileExistsError traceback after the
+  compile; a read-only one was reported as a full disk."""
+  key = f"config key 'run_name' = '{run_dir.name}'"
+  for path in (run_dir, *(run_dir / name for name in RUN_ENTRIES)):
+    if path.is_symlink() and not path.exists():
+      raise ConfigError(f"{key}: {path} is a symbolic link to '{os.readlink(path)}', which does not exist (a disk "
+                        "not mounted?); mount it, or remove the link")
+    if path.exists() and not path.is_dir():
+      raise ConfigError(f"{key}: {path} exists and is not a directory")
+    if path.is_dir() and (why := _write_error(path)) is not None:
+      raise ConfigError(f"{key}: {path} cannot be written here ({why}); make it writable, or pick another run_name")
 
 
 def check_output_directory(base: Path) -> None:
@@ -298,7 +323,6 @@ def check_run_name(run_name: str, base: Path) -> None:
   if run_name in ("", ".", "..") or "/" in run_name or "\\" in run_name or "\0" in run_name:
     raise ConfigError(f"config key 'run_name' = {run_name!r}: must be one directory name inside "
                       f"base_output_directory ({base}), without '/' and not '.' or '..'")
-  import os  # pylint: disable=import-outside-toplevel
 
   probe = base if base.is_dir() else base.parent
   try:
@@ -331,7 +355,6 @@ def check_backends(run: RunConfig) -> None:
 def backend_failure(e: BaseException) -> ConfigError | None:
   """jax failing to start its backend (JAX_PLATFORMS=cuda without a GPU is an AssertionError with no
   message inside xla_bridge) as one line naming the environment; None for any other error."""
-  import os  # pylint: disable=import-outside-toplevel
   import traceback  # pylint: disable=import-outside-toplevel
 
   frames = traceback.extract_tb(e.__traceback__)

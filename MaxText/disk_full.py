@@ -1,4 +1,5 @@
-"""A full (or read-only) disk, whoever writes first: exit 6 with one line.
+"""A full (or read-only) disk, whoever writes first: exit 6 with one line ("storage full", or "storage not
+writable" for a read-only or forbidden one).
 
 TensorBoard's events (patches/tensorboard.py writes them in the caller's thread), upstream's metrics,
 a checkpoint (patches/checkpoint_guard.SaveFailed), the lock, the run's records and summary.json all
@@ -13,6 +14,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 from typing import Callable
+
+
+# The OS's words for storage that refuses writes with space to spare (EROFS, EACCES, EPERM).
+UNWRITABLE = ("Read-only file system", "Permission denied", "Operation not permitted")
 
 
 class StorageFailure(RuntimeError):
@@ -57,6 +62,9 @@ def line(e: BaseException, run_dir: Path, summary_written: bool | None = None) -
   probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
   steps = lifecycle.checkpoint_steps(run_dir)
   reason = str(checkpoint_guard.no_space_reason(e)).replace(f" ({path})", "")
+  kept = f"the last complete checkpoint ({'step ' + str(steps[-1]) if steps else 'none'}) is kept{summary}"
+  if reason.startswith(UNWRITABLE):  # a disk remounted read-only, permissions: not a lack of space
+    return (f"storage not writable: could not write {path}: {reason}; {kept}; make it writable or move "
+            "base_output_directory")
   return (f"storage full: could not write {path}: {reason}; {shutil.disk_usage(probe).free / 2**20:.1f} MiB free "
-          f"there; the last complete checkpoint ({'step ' + str(steps[-1]) if steps else 'none'}) is kept{summary}; "
-          "free space or move base_output_directory")
+          f"there; {kept}; free space or move base_output_directory")

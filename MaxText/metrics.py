@@ -4,6 +4,7 @@ patches/metric_logger.py with the scalars upstream already computed."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -206,7 +207,14 @@ def _saves_text(saves: list[dict[str, Any]] | None) -> str:
 
 
 def write_summary(summary: dict[str, Any], directory: Path, name: str = "summary.json") -> Path:
+  """Atomically (a temporary file, then a rename): a disk that fills mid-write leaves the previous summary or none,
+  never an empty or torn one (a full disk left a 0-byte summary.json while the run said it was not written)."""
   directory.mkdir(parents=True, exist_ok=True)
   path = directory / name
-  path.write_text(json.dumps(summary, indent=2, sort_keys=True))
+  tmp = path.with_name(f".{name}.tmp{os.getpid()}")
+  try:
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
   return path

@@ -29,6 +29,7 @@ BASES = {
 }
 ASYNC = "async_checkpointing=true"  # upstream's default and the recipes': orbax commits each save in the background
 PY = f"PYTHONPATH={REPO} {sys.executable}"
+SUMMARY_SIZE = "echo \"[case] summary.json $(wc -c < $RUN/summary.json 2>/dev/null || echo absent)\""  # in `post`
 COMPLETE = f"{PY} -c 'import sys; from MaxText import lifecycle; print(\"[case] complete\", lifecycle.checkpoint_steps(__import__(\"pathlib\").Path(sys.argv[1])))' $RUN"
 
 
@@ -193,6 +194,27 @@ def printed(text: str, then=None):
   return check
 
 
+def summary_as_said(result: Result) -> str | None:
+  """A line that says "summary.json not written" leaves none (a full disk once left a 0-byte one), and one that says
+  it was written leaves a whole one (SUMMARY_SIZE, run in `post`)."""
+  size = next((line.split()[-1] for line in result.stdout.splitlines() if line.startswith("[case] summary.json ")), None)
+  if "summary.json not written" in result.stderr and size != "absent":
+    return f"lost: the line says summary.json was not written, and one of {size} bytes is there"
+  if "summary.json written" in result.stderr and (size is None or not size.isdigit() or int(size) == 0):
+    return f"lost: the line says summary.json was written, and it is {size}"
+  return None
+
+
+def dangling_link(relative: str):
+  def damage(run_dir: Path, data: Path) -> None:  # pylint: disable=unused-argument
+    path = run_dir / relative
+    if path.is_dir():
+      shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(run_dir.parent / "unmounted-scratch" / relative)
+  return damage
+
+
 def same_refusal_twice(result: Result) -> str | None:
   """The refused resume left effective_config.json alone: run again, the line still names the key."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
@@ -307,6 +329,14 @@ def existing_run_cases(tmp: Path) -> list[Case]:
            setup=write("maxtext-moe/nonfinite.json", '{"step": 3, "checkp'),
            says="'nonfinite_skip_batches' = 3: the record of the last non-finite stop, .* cannot be read",
            name="nonfinite.json garbled, a skip asked for"),
+      Case(RESUME, base="trained", setup=dangling_link("checkpoints"),
+           says="checkpoints is a symbolic link to '.*unmounted-scratch/checkpoints', which does not exist",
+           name="a dangling checkpoints symlink"),
+      Case(("steps=3",), setup=lambda r, d: dangling_link(r.name)(r.parent, d),
+           says="bad is a symbolic link to '.*', which does not exist", name="a run directory that is a dangling link"),
+      Case(RESUME, base="trained", shell="mount --bind $RUN $RUN && mount -o remount,bind,ro $RUN",
+           says="config key 'run_name' = 'bad': .*bad cannot be written here \\(Read-only file system\\)",
+           name="a read-only run directory"),
       Case((*RESUME, "base_emb_dim=32"), base="trained", own_process=True, check=same_refusal_twice,
            says="the model's shape changed: .*config keys changed since: base_emb_dim 64 -> 32",
            name="resume with another model shape, twice"),
@@ -369,7 +399,10 @@ def disk_cases(tmp: Path) -> list[Case]:
   fill = "(dd if=/dev/zero of=$OUT/filler bs=64k >/dev/null 2>&1 || true)"
   after_4 = "(while [ ! -e $RUN/checkpoints/4/commit_success.txt ]; do sleep 0.1; done; {}) &"
   full = "maxtext-moe: (storage full: could not write|checkpoint not saved: )"
-  kept_4 = lambda r: None if "[case] complete [0, 4]" in r.stdout else f"lost: {r.stdout[-300:]!r}"  # noqa: E731
+  kept = lambda steps: lambda r: summary_as_said(r) or (  # noqa: E731
+      None if f"[case] complete {steps}" in r.stdout else f"lost: {r.stdout[-300:]!r}")
+  kept_4 = kept([0, 4])
+  post = f"{COMPLETE}; {SUMMARY_SIZE}"
   mid = ("steps=40", "checkpoint_period=4", "log_period=1")
   return [
       Case(("steps=3",), code=6, shell=f"{mount.format('1m')} && {fill}; true",
@@ -379,14 +412,14 @@ def disk_cases(tmp: Path) -> list[Case]:
       Case(("steps=3",), code=6,
            shell=f"{mount.format('1m')} && mkdir -p $RUN/maxtext-moe && : > $RUN/maxtext-moe/lock.json && {fill}; true",
            says="storage full: could not write .*lock.json", name="a disk full at start, an empty lock.json left"),
-      Case(mid, code=6, trains=True, says=full, post=COMPLETE, check=kept_4,
+      Case(mid, code=6, trains=True, says=full, post=post, check=kept_4,
            shell=f"{mount.format('64m')} && " + after_4.format(fill), name="a disk that fills mid-run (TensorBoard on)"),
-      Case((*mid, "enable_tensorboard=false"), code=6, trains=True, says=full, post=COMPLETE, check=kept_4,
+      Case((*mid, "enable_tensorboard=false"), code=6, trains=True, says=full, post=post, check=kept_4,
            shell=f"{mount.format('64m')} && " + after_4.format(fill), name="a disk that fills mid-run (TensorBoard off)"),
       Case(("steps=40", "checkpoint_period=100", "log_period=1"), code=6, trains=True,
            says="maxtext-moe: storage full: could not write .*/tensorboard/bad/events.out.tfevents.*: No space left on "
            "device; 0.0 MiB free there; the last complete checkpoint \\(step 0\\) is kept; summary.json not written",
-           post=COMPLETE, check=lambda r: None if "[case] complete [0]" in r.stdout else f"lost: {r.stdout[-300:]!r}",
+           post=post, check=kept([0]),
            shell=f"{mount.format('64m')} && " + after_4.replace("/4/", "/0/").format(fill),
            name="a disk that fills mid-run: TensorBoard writes next"),
   ]
