@@ -132,6 +132,25 @@ def test_expert_biases_leave_empty_and_padding_rows_alone():
     assert np.all(np.asarray(getattr(dex, name))[idle] == 0), name
 
 
+def test_expert_bias_gradient_is_a_gemm_not_a_scatter_add():
+  """A gathered bias_EN[expert of row m] has a scatter-add of every row into E rows as its gradient, serialized by
+  its collisions on a GPU (the GPT-OSS proxy's step: 2.98 s on an H200, BENCHMARKS.md "Families on one H200");
+  as a one-hot GEMM the gradient is onehot_ME^T @ dh_MN. The value: each held row gets its expert's bias, rows of
+  experts held elsewhere and padding rows none."""
+  import types as pytypes  # pylint: disable=import-outside-toplevel
+
+  meta = pytypes.SimpleNamespace(group_sizes_G=jnp.array([3, 0, 2, 4]), group_offset=1)  # this shard: experts 1-2
+  h_MN = jnp.zeros((10, 3))
+  bias_EN = jnp.arange(6.0).reshape(2, 3) + 1
+  plus = lambda b: block._plus_row_bias(h_MN, b, meta, jnp.float32)  # noqa: E731
+  got = np.asarray(plus(bias_EN))
+  want = np.zeros((10, 3))
+  want[3:5] = np.asarray(bias_EN)[1]  # rows 3-4: expert 2 (local 1); expert 1 has none; rows 0-2 expert 0, 5-8 expert 3
+  np.testing.assert_array_equal(got, want)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(plus(b) * jnp.arange(30.0).reshape(10, 3))))(bias_EN))
+  assert "scatter" not in jaxpr and "dot_general" in jaxpr
+
+
 @pytest.mark.slow  # jit compiles of the block and its reference, value and gradients
 def test_llama4_weighs_the_token_before_its_one_expert():
   router = routing.RouterConfig(num_experts=8, top_k=1, score_func="", bias_selects_only=False,

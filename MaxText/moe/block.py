@@ -157,9 +157,12 @@ def _plus_row_bias(h_MN, bias_EN, meta, dtype):
   num_rows, num_local = h_MN.shape[0], bias_EN.shape[0]
   # Row m belongs to (global) group g(m): the first whose cumulative size exceeds m; rows past the last are padding.
   group_M = jnp.searchsorted(jnp.cumsum(meta.group_sizes_G), jnp.arange(num_rows), side="right")
-  local_M = group_M - meta.group_offset
-  held_M = (local_M >= 0) & (local_M < num_local)
-  bias_MN = jnp.where(held_M[:, None], bias_EN.astype(dtype)[jnp.clip(local_M, 0, num_local - 1)], 0)
+  # One-hot rows (all zero for rows of experts not held here, and padding), so the bias is a GEMM, and so is its
+  # gradient, onehot_ME^T @ dh_MN. Gathering bias_EN[local_M] instead makes the backward a scatter-add of every row
+  # into E rows, serialized by its collisions on a GPU: the GPT-OSS proxy's step took 2.98 s on an H200, 82% of it
+  # under the grouped GEMMs' scope (tools/bench_families.py, BENCHMARKS.md "Families on one H200").
+  onehot_ME = jax.nn.one_hot(group_M - meta.group_offset, num_local, dtype=dtype)
+  bias_MN = jnp.dot(onehot_ME, bias_EN.astype(dtype), preferred_element_type=jnp.float32)
   return h_MN + bias_MN.astype(h_MN.dtype)
 
 
