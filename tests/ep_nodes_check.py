@@ -199,6 +199,43 @@ def trace_with_kernel_typing(gmm_backend, name):
     return f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
 
 
+def capacity_routing(tokens_per_shard: int = 8):
+  """x, router, experts and a V3 router config whose routing is fixed: hidden 16 = one dimension per expert, router
+  kernel 10 x identity, so a token with x = 1 on experts a and b scores sigmoid(10) there and 0.5 elsewhere, and picks
+  exactly (a, b). Every shard's 8 tokens: token j's first choice is expert 2j (peer j of 8 under a2a_padded, 2 slots
+  a peer balanced); tokens 1-3 take expert 1 second, so peer 0 receives 4 slots from each shard: 2x its balanced
+  share. Capacity factor 1 holds 2 and overflows, 2 (the default) holds 4 exactly. On 2 nodes x 4 (hierarchical)
+  the same routing puts 8 slots on node 0's first rank from each stage-2 sender against 4 balanced: the same."""
+  second = [3, 1, 1, 1, 5, 7, 9, 11]
+  pairs = [(2 * j, second[j]) for j in range(tokens_per_shard)]
+  shards = 8
+  x_TD = np.zeros((tokens_per_shard * shards, EXPERTS), np.float32)
+  for t in range(x_TD.shape[0]):
+    x_TD[t, list(pairs[t % tokens_per_shard])] = 1.0
+  _, _, ex = make_params(jax.random.key(0), tokens=1, hidden=EXPERTS, experts=EXPERTS)
+  router = block.Router(jnp.eye(EXPERTS) * 10.0, jnp.zeros((EXPERTS,)))
+  cfg = block.BlockConfig(router=routing.RouterConfig(num_experts=EXPERTS, top_k=2, routed_scaling_factor=2.5),
+                          dtype=jnp.float32)
+  return jnp.asarray(x_TD), router, ex, cfg
+
+
+def default_capacity(backend, name):
+  """The routing above at capacity factor 1 (overflows) and at the dispatcher's default (2): whether it overflowed,
+  and at the default, loss and every gradient against the float32 dense reference."""
+  x, router, ex, cfg = capacity_routing()
+  probe = jax.random.normal(jax.random.key(5), x.shape)
+  ref_val, ref_grads, _ = value_and_grads(dense_loss(cfg, probe), x, router, ex)
+  out = {"backend": backend, "layout": name}
+  for label, options in (("f1", {"capacity_factor": 1.0}), ("default", {})):
+    disp, sharding, _ = on_mesh(backend, name, **options)
+    val, grads, overflow = value_and_grads(loss_fn(cfg, disp, sharding, probe), x, router, ex)
+    out[f"overflow_{label}"] = overflow
+    if label == "default":
+      out.update(capacity_factor=disp.capacity_factor, loss_rel_err=abs(val - ref_val) / abs(ref_val),
+                 grad_err=max_err(grads, ref_grads))
+  return out
+
+
 def main(case: str):
   if case in ("match8", "match16", "match8_quick", "match16_quick"):
     names = [n for n in LAYOUTS if layout_size(n) == int(case[5:7].rstrip("_"))]
@@ -250,6 +287,9 @@ def main(case: str):
         except Exception as e:  # pylint: disable=broad-exception-caught
           print(f"FAIL {backend} expert2x4 node_limit={node_limit} chunks={chunks} {type(e).__name__}: "
                 f"{str(e)[:300]}", flush=True)
+  elif case == "default_capacity":
+    for backend, name in (("a2a_padded", "expert2x4"), ("hierarchical", "expert2x4")):
+      print(json.dumps(default_capacity(backend, name)), flush=True)
   elif case == "overflow":  # every token to expert 0's node, bound too small: flagged on the device
     name = "expert2x4"
     mesh, nodes, _ = layout(name)

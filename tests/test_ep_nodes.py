@@ -11,6 +11,7 @@ EP split.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -90,6 +91,18 @@ def test_hierarchical_overflow_is_flagged_on_the_device_with_no_host_callback_or
   (row,) = _check(8, "overflow")
   assert row["shards"] == 8 and 0 < row["shards_flagged"] < 8, row  # the senders to node 0's first rank
   assert row["callbacks"] == 0 and row["all_reduces"] == 0, row
+
+
+@pytest.mark.slow
+def test_the_default_capacity_factor_holds_twice_a_balanced_share():
+  """A fixed routing that sends one peer (a2a_padded), and one local rank of a node (hierarchical), twice its
+  balanced share: capacity factor 1 overflows; the dispatchers' default, 2, does not, and matches the float32
+  dense reference in loss and every gradient."""
+  rows = _check(8, "default_capacity")
+  assert [r["backend"] for r in rows] == ["a2a_padded", "hierarchical"]
+  for r in rows:
+    assert r["overflow_f1"] and not r["overflow_default"] and r["capacity_factor"] == 2.0, r
+    assert r["loss_rel_err"] < 1e-5 and r["grad_err"] < 1e-5, r
 
 
 @pytest.mark.slow
@@ -192,20 +205,40 @@ def test_unbounded_ep_keys_stop_with_one_line_and_exit_2(tmp_path, key, value, w
 # --- training runs ------------------------------------------------------------------------------------------
 
 EIGHT_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-# One MoE layer (3 dense + 1), 64 tokens a sequence, 8 sequences; 2 routing groups of 4 experts, one kept per token:
-# on 2 nodes, node-limited routing to M = 1 node (the same routing on every layout).
-COMMON = ("moe_block=ours", "base_num_decoder_layers=4", "max_target_length=64",
-          "n_routing_groups=2", "topk_routing_group=1", "learning_rate_schedule_steps=6", "checkpoint_period=3")
+# One MoE layer (3 dense + 1), 64 tokens a sequence, 8 sequences, float32; 2 routing groups of 4 experts, one kept
+# per token, top-2: on 2 nodes, node-limited routing to M = 1 node, whose score (the top K/M = 2) is the
+# group-limited one, so the routing is the same on every layout.
+COMMON = ("moe_block=ours", "dtype=float32", "base_num_decoder_layers=4", "max_target_length=64",
+          "num_experts_per_tok=2", "n_routing_groups=2", "topk_routing_group=1", "learning_rate_schedule_steps=6",
+          "checkpoint_period=3",
+          # Buffers at the EP size: this routing (2 of one group's 4 experts) passes the default's 2x a balanced
+          # share (the run stops at step 0, exit 8), and a run that dropped rows would not be the one-device run's.
+          "moe_a2a_padded_capacity_factor=8", "moe_hierarchical_capacity_factor=8")
 ONE_NODE_OF_8 = ("per_device_batch_size=1", "ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "moe_dispatch_backend=a2a_padded")
 TWO_NODES_OF_4 = ("per_device_batch_size=1", "num_slices=2", "dcn_expert_parallelism=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=1",
                   "moe_dispatch_backend=hierarchical", "moe_node_limited_routing=true")
 
 
-def _close(got: dict[int, float], want: dict[int, float]) -> None:
-  """bf16 activations: another mesh changes the order of float32 reductions, nothing else (as tests/test_ep.py)."""
-  assert sorted(got) and set(got) <= set(want), (got, want)
-  for step, loss in got.items():
-    assert abs(loss - want[step]) < 0.02 * max(1.0, abs(want[step])), (step, got, want)
+def _grad_norms(run_dir: Path) -> dict[int, float]:
+  """Each step's raw gradient norm from the run directory's event files (a resumed run adds one)."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # pylint: disable=import-outside-toplevel
+
+  norms: dict[int, float] = {}
+  for events in sorted(glob.glob(str(run_dir / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)):
+    acc = EventAccumulator(events, size_guidance={"scalars": 0})
+    acc.Reload()
+    norms.update({e.step: e.value for e in acc.Scalars("learning/raw_grad_norm")})
+  assert norms, run_dir
+  return norms
+
+
+def _close(got: dict[int, float], want: dict[int, float], what: str = "loss") -> None:
+  """float32 everywhere and the same weights and data: another mesh changes only the order of float32 reductions,
+  so each step's value agrees to 1e-5 relative (as tests/test_pipeline.py), far below a step's change (> 1%) and
+  what a wrong dispatch in one MoE layer moves."""
+  assert sorted(got) and set(got) <= set(want), (what, got, want)
+  for step, value in got.items():
+    assert abs(value - want[step]) <= 1e-5 * abs(want[step]), (what, step, got, want)
 
 
 @pytest.mark.slow
@@ -223,6 +256,7 @@ def test_a_checkpoint_of_two_nodes_of_four_resumes_on_one_node_of_eight(tmp_path
   assert "resuming from checkpoint step 2" in second.stdout and "(dispatch a2a_padded, gmm xla, EP 8)" in second.stdout
   assert sorted(first_losses) == [0, 1, 2] and sorted(second.losses()) == [3, 4, 5]
   _close({**first_losses, **second.losses()}, unbroken.losses())
+  _close(_grad_norms(second.run_dir), _grad_norms(unbroken.run_dir), "gradient norm")  # both runs' event files
 
 
 @pytest.mark.slow
@@ -239,6 +273,8 @@ def test_training_on_two_nodes_of_four_matches_one_device(tmp_path, backend):
   assert f"(dispatch {backend}, gmm xla, EP 8" in run.stdout
   assert sorted(run.losses()) == [0, 1, 2]
   _close(run.losses(), one.losses())
+  _close(_grad_norms(run.run_dir), _grad_norms(one.run_dir), "gradient norm")
+  assert one.losses()[2] < one.losses()[0]  # it trains
 
 
 # --- the exchange beside the grouped GEMMs (compile-only H200s) ---------------------------------------------
