@@ -417,19 +417,22 @@ def with_upstream_defaults(run: RunConfig, composed: Composed) -> RunConfig:
 
 
 def _check_offload_acts(run: RunConfig) -> None:
-  """host_offload acts only through upstream's remat_policy=custom on the tensors named
-  moe_mlpwi_0/1, which upstream's block and ours (MaxText/moe/block.py) tag and TE's does not;
-  a user key that wins over the preset's can leave it nothing to do."""
+  """host_offload acts only through upstream's remat_policy=custom, on the tensors whose remat location is
+  'offload': by default moe_mlpwi_0/1, which upstream's block and ours (MaxText/moe/block.py) tag and TE's does
+  not, or a run's own (decoder_layer_input, ...); a user key that wins over the preset's can leave it nothing to do."""
+  from maxtext.configs import types  # pylint: disable=import-outside-toplevel
+
   up = run.upstream
   if up.get("remat_policy") != "custom":
     raise PresetError(f"xla preset host_offload has no effect with remat_policy={up.get('remat_policy')!r}: it "
                       "offloads through remat_policy=custom (drop your remat_policy or set it to custom)")
-  if not any(up.get(k) == "offload" for k in ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")):
-    raise PresetError("xla preset host_offload has no effect: none of moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo is "
-                      "'offload' (your values win over the preset's)")
-  if run.fork.moe_block == "te":
-    raise PresetError("xla preset host_offload has no effect with moe_block=te: TE's MoE block does not tag "
-                      "moe_mlpwi_0/1 (use moe_block=ours or upstream)")
+  offloaded = [k for k in types.RematAndOffload.model_fields if up.get(k) == "offload"]
+  if not offloaded:
+    raise PresetError("xla preset host_offload has no effect: no remat location (moe_mlpwi_0, moe_mlpwi_1, "
+                      "decoder_layer_input, ...) is 'offload' (your values win over the preset's)")
+  if run.fork.moe_block == "te" and all(k.startswith("moe_") for k in offloaded):
+    raise PresetError(f"xla preset host_offload has no effect with moe_block=te: TE's MoE block does not tag "
+                      f"{', '.join(offloaded)} (use moe_block=ours or upstream)")
 
 
 def report(composed: Composed) -> dict[str, Any]:

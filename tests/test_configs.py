@@ -153,7 +153,9 @@ def test_nvidia_reference_layout_is_the_128_gpu_recipe():
   assert (fsdp, c["ici_expert_parallelism"]) == (16, 8)  # ICI FSDP 8 x DCN FSDP 2 = 16, x ICI EP 8
   # NVIDIA's reference batch is 6 sequences per GPU; on 80 GB one fits (the recipe's plan).
   assert (c["max_target_length"], c["per_device_batch_size"], c["remat_policy"]) == (4096, 1, "custom")
-  assert c["moe_mlpwi_0"] == c["moe_mlpwi_1"] == "offload"
+  # NVIDIA offloads the experts' up-projections; ours recomputes them until the custom-remat loss drift is
+  # explained (BENCHMARKS.md "Host offload"), and offloads the layer inputs only.
+  assert c["moe_mlpwi_0"] == c["moe_mlpwi_1"] == "remat" and c["decoder_layer_input"] == "offload"
 
 
 def test_moe_block_ours_alone_picks_the_fast_grouped_gemm():

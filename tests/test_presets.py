@@ -166,12 +166,20 @@ def test_nothing_before_run_environment_creates_a_jax_backend():
 
 @pytest.mark.parametrize("args,message", [
     (["remat_policy=full"], "host_offload has no effect with remat_policy='full'"),
-    (["moe_mlpwi_0=remat", "moe_mlpwi_1=device"], "none of moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo is 'offload'"),
+    (["moe_mlpwi_0=remat", "moe_mlpwi_1=device"], "no remat location .* is 'offload'"),
 ])
 def test_host_offload_that_can_offload_nothing_is_a_config_error(args, message):
   run = fork_config.load(["xla_presets=[host_offload]", *args])
   with pytest.raises(xp.PresetError, match=message):
     xp.with_upstream_defaults(run, xp.compose_for(run, {}))
+
+
+def test_host_offload_of_the_layer_inputs_alone_acts():
+  """The 128-GPU 671B recipes offload only the layer inputs (decoder_layer_input), their experts' activations
+  recomputed: the preset has that to do, on any block."""
+  run = fork_config.load(["xla_presets=[host_offload]", "moe_mlpwi_0=remat", "moe_mlpwi_1=remat",
+                          "decoder_layer_input=offload", "moe_block=ours"])
+  assert xp.with_upstream_defaults(run, xp.compose_for(run, {})).upstream["decoder_layer_input"] == "offload"
 
 
 def test_host_offload_acts_on_both_blocks_that_tag_the_activations():
