@@ -73,9 +73,10 @@ def upstream_keys(fork, upstream: dict[str, Any], origins: dict[str, str]) -> tu
   return None, out
 
 
-def message(fork, scalars: dict[str, Any], step: int | None) -> str:
-  """One line: where rows were dropped and what to change."""
-  backend = fork.moe_dispatch_backend
+def message(fork, scalars: dict[str, Any], step: int | None, traced: tuple[str, ...] = ()) -> str:
+  """One line: where rows were dropped and what to change. traced: the bounded dispatchers the layers ran
+  (moe_dispatch_backend=auto resolves per platform)."""
+  backend = traced[0] if len(traced) == 1 else fork.moe_dispatch_backend
   key = CAPACITY_KEYS.get(backend, "the dispatch's capacity factor")
   dropped = scalars.get("moe/dropped_tokens")
   fill = scalars.get("moe/capacity_used_pct")

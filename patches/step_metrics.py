@@ -65,7 +65,10 @@ def _stop_on_overflow(state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   if float(jax.device_get(_latest[overflow.SCALAR])) > 0:  # waits for the step: one scalar, once per step
-    raise overflow.DispatchOverflow(overflow.message(fork, latest_scalars(), _step_of(state)))
+    from patches import routed_moe  # pylint: disable=import-outside-toplevel
+
+    traced = tuple(b for b in routed_moe.call_counts() if b in routed_moe.BOUNDED)
+    raise overflow.DispatchOverflow(overflow.message(fork, latest_scalars(), _step_of(state), traced))
 
 
 def _step_of(state) -> int | None:
