@@ -273,7 +273,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
   checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
   checkpoint_compat.check_load_parameters(run)
-  data_checks.check(run, config)  # the data files and the tokenizer, before the run directory exists
+  check_data_on_process_0(run, config, process.process_id)  # before the run directory exists
   if dry_run:
     for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
       log(line)
@@ -527,6 +527,22 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
     raise
   except (ValueError, TypeError, KeyError, AssertionError) as e:
     raise config_checks.upstream_error(run, e) from e
+
+
+def check_data_on_process_0(run: fork_config.RunConfig, config: Any, process_id: int) -> None:
+  """The data files and the tokenizer (MaxText/data_checks.py), read by process 0 alone: the checks glob and stat
+  every shard, which a thousand processes would do a thousand times over one shared filesystem. The verdict is
+  shared (one all-gather), so every process stops on bad data, process 0 with the line naming the key."""
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  error = None
+  if process_id == 0:
+    try:
+      data_checks.check(run, config)
+    except fork_config.ConfigError as e:
+      error = e
+  if not checkpoint_restore.agree(error is None)[0]:
+    raise error or fork_config.ConfigError("the data checks failed on process 0, whose line names the key")
 
 
 def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> str | None:

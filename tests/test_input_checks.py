@@ -191,3 +191,30 @@ def test_tensorboard_writes_in_the_callers_thread_and_a_full_disk_names_the_even
   with pytest.raises(OSError) as e:
     writer.add_scalar("learning/loss", 0.5, 3)
   assert e.value.errno == errno.ENOSPC and e.value.filename.startswith(str(tmp_path / "tb" / "events.out.tfevents"))
+
+
+def test_only_process_0_reads_the_data_and_every_process_stops_on_its_verdict(monkeypatch):
+  """The data checks stat every shard: process 0 alone runs them. With two processes (the all-gather of each one's
+  verdict simulated by index), bad data stops process 0 with its line and process 1 with one naming process 0."""
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  calls = []
+
+  def bad_data(run, config):
+    calls.append(run)
+    raise fork_config.ConfigError("config key 'grain_train_files' = '/x*': no file matches it")
+
+  monkeypatch.setattr(data_checks, "check", bad_data)
+  process_0_ok = []
+
+  def all_gather(ok):  # the first call is process 0's: its verdict is what every process then receives
+    if not process_0_ok:
+      process_0_ok.append(ok)
+    return [process_0_ok[0], True]
+
+  monkeypatch.setattr(checkpoint_restore, "agree", all_gather)
+  with pytest.raises(fork_config.ConfigError, match="grain_train_files"):
+    train.check_data_on_process_0("run", None, process_id=0)
+  with pytest.raises(fork_config.ConfigError, match="the data checks failed on process 0"):
+    train.check_data_on_process_0("run", None, process_id=1)
+  assert calls == ["run"]  # process 1 read nothing
