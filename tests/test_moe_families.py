@@ -582,3 +582,5 @@ def test_bench_gmm_families_are_the_proxies_expert_shapes(monkeypatch):
     experts = 384 // 8 if family == "kimi-k2" else c["num_experts"]
     assert bench_gmm.FAMILIES[family] == (c["base_emb_dim"], c["base_moe_mlp_dim"], experts,
                                           c["num_experts_per_tok"]), family
+    tokens = c["per_device_batch_size"] * c["max_target_length"]
+    assert bench_gmm.proxy_rows(family) == tokens * c["num_experts_per_tok"], family

@@ -47,7 +47,7 @@ SHAPES = {  # name -> (K, N) of one expert's product
 }
 # Each MoE family's experts as its one-GPU proxy runs them (configs/bench/<family>-proxy-1xh200.yml): hidden D,
 # expert width F, experts G on the GPU, top-k K. --family benchmarks up (D -> F) and down (F -> D) at
-# M = PROXY_TOKENS x K rows, and the whole expert FFN. Kimi-K2's G is 48, what a GPU holds of its 384 experts
+# M = proxy_rows (its tokens x K), and the whole expert FFN. Kimi-K2's G is 48, what a GPU holds of its 384 experts
 # under the one-node recipe's EP 8 (its 1-GPU proxy keeps 32, DeepSeek-V3's shape).
 FAMILIES = {
     "deepseek3": (7168, 2048, 32, 8),
@@ -59,6 +59,13 @@ FAMILIES = {
     "deepseek2": (2048, 1408, 64, 6),
 }
 PROXY_TOKENS = 4 * 4096  # the proxies' batch: 4 sequences of 4,096 tokens
+# Proxies that run fewer: GPT-OSS's dot_product attention (its sinks and window) holds 2 sequences.
+PROXY_TOKENS_OF = {"gpt-oss": 2 * 4096}
+
+
+def proxy_rows(family: str) -> int:
+  """The routed rows a family's proxy feeds its grouped GEMMs a step: its tokens x top-k."""
+  return PROXY_TOKENS_OF.get(family, PROXY_TOKENS) * FAMILIES[family][3]
 for _family, (_d, _f, _, _) in FAMILIES.items():
   SHAPES[f"{_family}_up"], SHAPES[f"{_family}_down"] = (_d, _f), (_f, _d)
 DISTS = ("balanced", "zipf1.2", "one90", "some_empty")
@@ -546,7 +553,7 @@ def main():
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
       ap.error(f"unknown family {unknown}; valid: all, {', '.join(FAMILIES)}")
-    rows_of = {n: (PROXY_TOKENS * FAMILIES[n][3], FAMILIES[n][2]) for n in names}
+    rows_of = {n: (proxy_rows(n), FAMILIES[n][2]) for n in names}
     gemm_list = [(f"{n}_{side}", *rows_of[n]) for n in names for side in ("up", "down")]
     ffn_list = [(*rows_of[n], FAMILIES[n][:2]) for n in names]
     ARGS.dists, ARGS.ffn = ("balanced,zipf1.2" if ARGS.dists == "all" else ARGS.dists), True

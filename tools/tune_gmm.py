@@ -255,9 +255,9 @@ def main():
   if args.family is not None:
     if args.family not in bench.FAMILIES:
       ap.error(f"unknown --family {args.family!r}; valid: {', '.join(bench.FAMILIES)}")
-    _, _, args.g, top_k = bench.FAMILIES[args.family]
+    args.g = bench.FAMILIES[args.family][2]
     PROBLEMS.update(family_problems(args.family))
-    args.m, args.problems = bench.PROXY_TOKENS * top_k, ",".join(family_problems(args.family))
+    args.m, args.problems = bench.proxy_rows(args.family), ",".join(family_problems(args.family))
   args.problems = args.problems or "up,down,dlhs_down,dlhs_up,dw_up,dw_down"
   unknown = [p for p in args.problems.split(",") if p not in PROBLEMS]
   if unknown:
