@@ -22,23 +22,27 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.hf import checkpoint, deepseek, run as hf_run, safetensors
+from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors
 from MaxText.hf.errors import BadInput, HFError, NotWritten
 
 DTYPES = {"bf16": ("BF16", "bfloat16"), "f32": ("F32", "float32")}
 # decoder_block -> the module that lays that family out (pieces(shapes, config), hf_config(config, dtype))
-FAMILIES = {"deepseek": deepseek}
+FAMILIES = {"deepseek": deepseek, gqa.QWEN3_MOE.decoder_block: gqa.QWEN3_MOE, gqa.MIXTRAL.decoder_block: gqa.MIXTRAL}
 
 
 def log(msg: str) -> None:
   print(f"[export_hf] {msg}", file=sys.stderr, flush=True)
 
 
-def family_of(config: Any):
+def family_of(config: Any, fork: Any):
+  """The layout this model exports to; BadInput naming the key when there is none (or it cannot hold the model)."""
   block = str(getattr(config.decoder_block, "value", config.decoder_block))
   if block not in FAMILIES:
-    raise BadInput(f"config key 'decoder_block' = {block!r}: no Hugging Face layout for it "
+    raise BadInput(f"config key 'decoder_block' = {block!r}: no Hugging Face layout for it yet "
                    f"(exported: {', '.join(sorted(FAMILIES))})")
+  why = FAMILIES[block].refusal(config, fork)
+  if why:
+    raise BadInput(why)
   return FAMILIES[block]
 
 
@@ -55,9 +59,10 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
   if out_dir.exists():
     raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
   ckpt = checkpoint.Checkpoint(run_dir, step)
-  config = hf_run.upstream_config(hf_run.load(run_dir))
-  family = family_of(config)
-  pieces = ordered(family.pieces({k: a.shape for k, a in ckpt.arrays.items()}, config))
+  run = hf_run.load(run_dir)
+  config = hf_run.upstream_config(run)
+  family = family_of(config, run.fork)
+  pieces = ordered(family.pieces({k: a.shape for k, a in ckpt.arrays.items()}, config, run.fork))
   placed = {p.key for p in pieces}
   left = [k for k in ckpt.arrays if k not in placed]
   if left:

@@ -266,3 +266,11 @@ def train(tmp_path):
     return run_train(tmp_path, *args, **kwargs)
 
   return _train
+
+
+@pytest.fixture(scope="session")
+def hf_python() -> str:
+  """The torch + transformers environment's python (scripts/hf_env.sh), for the Hugging Face parity tests."""
+  from hf_helpers import hf_env_python  # pylint: disable=import-outside-toplevel
+
+  return hf_env_python()

@@ -9,27 +9,25 @@ more; a damaged checkpoint is refused, nothing written.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import REPO, run_train
+import hf_helpers
+from conftest import run_train
 from MaxText import export_hf
 from MaxText.hf import checkpoint, layout, safetensors
-from MaxText.hf.errors import DAMAGED, NO_CHECKPOINT
+from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4  # float32 logits, ours against transformers' (measured: 3e-6)
 TRAIN = ("configs/deepseek3-tiny.yml", "steps=5", "mtp_num_layers=1", "routed_bias_update_rate=0.05")
 _RUNS: dict[str, Path] = {}
+ARCH = "DeepseekV3ForCausalLM"
 
 
 @pytest.fixture(scope="module")
@@ -44,34 +42,24 @@ def trained(tmp_path_factory):
   return get
 
 
-@pytest.fixture(scope="session")
-def hf_python() -> str:
-  """.venv-hf's python (scripts/hf_env.sh; one builder at a time across pytest-xdist workers)."""
-  with open(Path(tempfile.gettempdir()) / "maxtext-moe-hf-env.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    proc = subprocess.run([str(REPO / "scripts" / "hf_env.sh")], capture_output=True, text=True, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout.strip().splitlines()[-1]
+_CACHED: dict[tuple, Path] = {}
 
 
-def _export(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "MaxText.export_hf", str(run_dir), str(out), *args], cwd=REPO,
-                        capture_output=True, text=True, check=False)
+def _exported(run_dir: Path, dtype: str, root: Path) -> Path:
+  """One export per run and dtype for the module (each is a subprocess that starts upstream's config)."""
+  if (run_dir, dtype) not in _CACHED:
+    out = root / f"{run_dir.name}_{dtype}"
+    proc = hf_helpers.export(run_dir, out, "--dtype", dtype)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _CACHED[(run_dir, dtype)] = out
+  return _CACHED[(run_dir, dtype)]
 
 
-def _ours(run_dir: Path, out: Path) -> np.ndarray:
-  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "ours", str(run_dir), str(out)], cwd=REPO,
-                        capture_output=True, text=True, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return np.load(out)
-
-
-def _hf(hf_python: str, hf_dir: Path, out: Path) -> np.ndarray:
-  proc = subprocess.run([hf_python, "tests/hf_logits.py", "hf", str(hf_dir), str(out)], cwd=REPO,
-                        capture_output=True, text=True, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "DeepseekV3ForCausalLM" in proc.stdout
-  return np.load(out)
+def _ours_cached(run_dir: Path, root: Path) -> np.ndarray:
+  if (run_dir, "ours") not in _CACHED:
+    hf_helpers.ours(run_dir, root / f"{run_dir.name}_ours.npy")
+    _CACHED[(run_dir, "ours")] = root / f"{run_dir.name}_ours.npy"
+  return np.load(_CACHED[(run_dir, "ours")])
 
 
 def _expected_names(layers: int, dense: int, experts: int, mtp: int) -> set[str]:
@@ -92,18 +80,20 @@ def _expected_names(layers: int, dense: int, experts: int, mtp: int) -> set[str]
   return names
 
 
-def test_export_places_every_weight_where_deepseek_publishes_it(trained, tmp_path):
+def test_export_places_every_weight_where_deepseek_publishes_it(trained, tmp_path, tmp_path_factory):
   from transformers import AutoConfig  # pylint: disable=import-outside-toplevel  (no torch needed)
 
-  run_dir = trained("ours")
-  proc = _export(run_dir, tmp_path / "f32", "--dtype", "f32")
+  run_dir, root = trained("ours"), tmp_path_factory.getbasetemp()
+  out = root / f"{run_dir.name}_f32"  # kept for the module's other tests (pytest removes a passed test's tmp_path)
+  proc = hf_helpers.export(run_dir, out, "--dtype", "f32")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "digests as at save" in proc.stderr and "peak resident memory" in proc.stderr
-  config = AutoConfig.from_pretrained(tmp_path / "f32")
+  _CACHED[(run_dir, "f32")] = out
+  config = AutoConfig.from_pretrained(out)
   assert type(config).__name__ == "DeepseekV3Config" and config.rope_interleave
   assert (config.num_hidden_layers, config.first_k_dense_replace, config.n_routed_experts, config.n_group,
           config.topk_group, config.num_nextn_predict_layers) == (5, 3, 8, 4, 3, 1)
-  f32 = safetensors.Reader(tmp_path / "f32")
+  f32 = safetensors.Reader(out)
   assert set(f32.names()) == _expected_names(5, 3, 8, 1)
   ckpt = checkpoint.Checkpoint(run_dir)
   bias_LE = ckpt.peek(checkpoint.AUX + ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate", "bias"), ())
@@ -111,19 +101,16 @@ def test_export_places_every_weight_where_deepseek_publishes_it(trained, tmp_pat
   for i in (0, 1):
     assert np.array_equal(f32.read(f"model.layers.{3 + i}.mlp.gate.e_score_correction_bias"), bias_LE[i])
   assert np.array_equal(f32.read("model.layers.5.shared_head.head.weight"), f32.read("lm_head.weight"))
-  proc = _export(run_dir, tmp_path / "bf16")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  bf16 = safetensors.Reader(tmp_path / "bf16")
+  bf16 = safetensors.Reader(_exported(run_dir, "bf16", root))
   for name in ("model.layers.4.mlp.experts.7.down_proj.weight", "model.layers.1.self_attn.q_b_proj.weight"):
     assert np.array_equal(bf16.read(name), f32.read(name).astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize("block", ["ours", "upstream"])
-def test_transformers_logits_equal_ours(block, trained, hf_python, tmp_path):
-  run_dir = trained(block)
-  proc = _export(run_dir, tmp_path / "hf", "--dtype", "f32")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  ours, theirs = _ours(run_dir, tmp_path / "ours.npy"), _hf(hf_python, tmp_path / "hf", tmp_path / "hf.npy")
+def test_transformers_logits_equal_ours(block, trained, hf_python, tmp_path, tmp_path_factory):
+  run_dir, root = trained(block), tmp_path_factory.getbasetemp()
+  ours = _ours_cached(run_dir, root)
+  theirs = hf_helpers.theirs(hf_python, _exported(run_dir, "f32", root), tmp_path / "hf.npy", ARCH)
   diff = float(np.abs(ours - theirs).max())
   print(f"moe_block={block}: max |ours - transformers| = {diff:.2e} over logits of max |{np.abs(ours).max():.2f}|")
   assert diff < TOL
@@ -139,17 +126,18 @@ def _without_bias(src: Path, dst: Path) -> None:
   safetensors.write(dst, [(n, tuple(reader.info(n)["shape"])) for n in names], produce, np.dtype(np.float32), 5e9)
 
 
-def test_dropping_the_bias_or_the_rope_order_breaks_the_logits(trained, hf_python, tmp_path, monkeypatch):
+def test_dropping_the_bias_or_the_rope_order_breaks_the_logits(trained, hf_python, tmp_path, monkeypatch,
+                                                              tmp_path_factory):
   """The two things upstream's path misses, each shown to matter: the same comparison fails without either."""
-  run_dir = trained("ours")
-  assert _export(run_dir, tmp_path / "hf", "--dtype", "f32").returncode == 0
-  ours = _ours(run_dir, tmp_path / "ours.npy")
-  _without_bias(tmp_path / "hf", tmp_path / "no_bias")
+  run_dir, root = trained("ours"), tmp_path_factory.getbasetemp()
+  ours = _ours_cached(run_dir, root)
+  _without_bias(_exported(run_dir, "f32", root), tmp_path / "no_bias")
   monkeypatch.setattr(layout, "rope_to_interleaved", np.arange)  # columns left in MaxText's order
   export_hf.export(run_dir, tmp_path / "no_rope", None, "f32", int(5e9))
   diffs = {}
   for variant in ("no_bias", "no_rope"):
-    diffs[variant] = float(np.abs(ours - _hf(hf_python, tmp_path / variant, tmp_path / f"{variant}.npy")).max())
+    theirs = hf_helpers.theirs(hf_python, tmp_path / variant, tmp_path / f"{variant}.npy", ARCH)
+    diffs[variant] = float(np.abs(ours - theirs).max())
   print(f"max |ours - transformers|: bias zeroed {diffs['no_bias']:.3g}, RoPE columns not interleaved "
         f"{diffs['no_rope']:.3g} (tolerance {TOL})")
   assert min(diffs.values()) > 100 * TOL
@@ -164,11 +152,127 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_written(trained, tmp_pat
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
-  proc = _export(run_dir, tmp_path / "out")
+  proc = hf_helpers.export(run_dir, tmp_path / "out")
   assert proc.returncode == DAMAGED, proc.stderr[-3000:]
   line = proc.stderr.strip().splitlines()[-1]
   assert line.startswith(f"export_hf: checkpoint step {step} of {run_dir} is damaged: ")
   assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
   (run_dir / "maxtext-moe" / "checkpoints" / f"{step}.json").unlink()  # our record of the save gone
-  proc = _export(run_dir, tmp_path / "out", "--step", str(step))
+  proc = hf_helpers.export(run_dir, tmp_path / "out", "--step", str(step))
   assert proc.returncode == NO_CHECKPOINT and "no record of ours" in proc.stderr
+
+
+# --- import: python -m MaxText.import_hf, and training from what it writes ---
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_import_of_an_export_gives_the_runs_parameters_bit_for_bit(dtype, trained, tmp_path, tmp_path_factory):
+  run_dir = trained("ours")
+  proc = hf_helpers.import_(_exported(run_dir, dtype, tmp_path_factory.getbasetemp()), tmp_path / "params")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "not imported" not in proc.stderr  # the config takes the MTP module too
+  got = hf_helpers.params_checkpoint(tmp_path / "params")
+  ckpt = checkpoint.Checkpoint(run_dir)
+  assert sorted(got) == sorted(ckpt.arrays)
+  for key, x in got.items():
+    want = ckpt.peek(key, ())
+    want = want.astype(ml_dtypes.bfloat16).astype(np.float32) if dtype == "bf16" else want
+    assert x.dtype == want.dtype and np.array_equal(x.view(np.uint32), want.view(np.uint32)), key
+
+
+def test_a_run_trains_from_the_import_and_its_logits_are_the_runs(trained, tmp_path, tmp_path_factory):
+  """load_parameters_path restores every weight (the routing bias included): upstream's own params-only load gives
+  logits identical to the run's checkpoint, and a run started from it has, at its first step, the loss the
+  original run has when it resumes from that checkpoint (the tiny config's synthetic data is one fixed batch)."""
+  run_dir, root = trained("ours"), tmp_path_factory.getbasetemp()
+  assert hf_helpers.import_(_exported(run_dir, "f32", root), tmp_path / "params").returncode == 0
+  ours = _ours_cached(run_dir, root)
+  assert np.array_equal(hf_helpers.ours(run_dir, tmp_path / "imp.npy", "--params", str(tmp_path / "params")), ours)
+  resumed = shutil.copytree(run_dir, tmp_path / "resumed" / "outputs" / "resumed")
+  again = run_train(tmp_path / "resumed", *TRAIN, "steps=6", "allow_schedule_change=true", "moe_block=ours",
+                    run_name="resumed")
+  assert again.returncode == 0 and resumed == again.run_dir, again.stderr[-3000:]
+  started = run_train(tmp_path, *TRAIN, "steps=1", f"load_parameters_path={tmp_path / 'params'}",
+                      run_name="started")
+  assert started.returncode == 0, started.stderr[-3000:]
+  print(f"loss at the import's first step {started.losses()[0]:.7f}, the run's after resuming "
+        f"{again.losses()[5]:.7f}")
+  assert abs(started.losses()[0] - again.losses()[5]) <= 1e-6 * abs(again.losses()[5])
+
+
+def _fp8_blocks(w_OI: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+  """DeepSeek-V3's released form: float8_e4m3fn weights and a float32 scale_inv per block x block tile."""
+  rows, cols = -(-w_OI.shape[0] // block), -(-w_OI.shape[1] // block)
+  s = np.zeros((rows, cols), np.float32)
+  q = np.zeros(w_OI.shape, ml_dtypes.float8_e4m3fn)
+  for i in range(rows):
+    for j in range(cols):
+      tile = w_OI[i * block:(i + 1) * block, j * block:(j + 1) * block]
+      s[i, j] = max(np.abs(tile).max(), 1e-12) / 448.0
+      q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / s[i, j]).astype(ml_dtypes.float8_e4m3fn)
+  return q, s
+
+
+def test_fp8_block_scaled_weights_are_dequantized_as_read(trained, tmp_path, tmp_path_factory):
+  run_dir = trained("ours")
+  hf_dir = _exported(run_dir, "f32", tmp_path_factory.getbasetemp())
+  reader = safetensors.Reader(hf_dir)
+  fp8 = {n for n in reader.names() if n.endswith("proj.weight") and "layers.0." not in n}  # layer 0 stays f32
+  tensors, want = [], {}
+  for name in reader.names():
+    x = reader.read(name)
+    if name in fp8:
+      q, s = _fp8_blocks(x, block=16)  # the tiny widths are under 128: 16 x 16 tiles, so that several scales act
+      tensors += [(name, q), (f"{name}_scale_inv", s)]
+      want[name] = q.astype(np.float32) * np.repeat(np.repeat(s, 16, 0), 16, 1)[: x.shape[0], : x.shape[1]]
+    else:
+      tensors.append((name, x))
+  (tmp_path / "fp8").mkdir()
+  config = json.loads((hf_dir / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+  (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+  for dtype in (np.dtype(np.float32), np.dtype(ml_dtypes.float8_e4m3fn)):  # safetensors' shards hold one dtype here
+    part = [(n, x) for n, x in tensors if x.dtype == dtype]
+    sub = tmp_path / f"part_{dtype.name}"
+    sub.mkdir()
+    safetensors.write(sub, [(n, x.shape) for n, x in part], lambda i, part=part: part[i][1], dtype, 5e9)
+  _merge_shards(tmp_path / "fp8", [tmp_path / "part_float32", tmp_path / "part_float8_e4m3fn"])
+  proc = hf_helpers.import_(tmp_path / "fp8", tmp_path / "params")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = hf_helpers.params_checkpoint(tmp_path / "params")
+  q_b = want["model.layers.3.self_attn.q_b_proj.weight"]
+  assert not np.array_equal(q_b, reader.read("model.layers.3.self_attn.q_b_proj.weight"))  # FP8 lost bits
+  key = checkpoint.PARAMS + ("decoder", "moe_layers", "self_attention", "wq_b", "kernel")
+  assert np.array_equal(got[key][:, 0], layout.heads_in(rope=8).to_maxtext(q_b, got[key][:, 0].shape))
+  key = checkpoint.PARAMS + ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "wo")
+  assert np.array_equal(got[key][5, 1], want["model.layers.4.mlp.experts.5.down_proj.weight"].T)
+
+
+def _merge_shards(dst: Path, parts: list[Path]) -> None:
+  weight_map = {}
+  for n, part in enumerate(parts):
+    for shard in sorted(part.glob("*.safetensors")):
+      name = f"part{n}-{shard.name}"
+      shutil.move(shard, dst / name)
+      index = json.loads((part / safetensors.INDEX).read_text())["weight_map"]
+      weight_map.update({t: name for t, s in index.items() if s == shard.name})
+  (dst / safetensors.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_import_refuses_bad_input_in_one_line_and_writes_nothing(trained, tmp_path, tmp_path_factory):
+  shutil.copytree(_exported(trained("ours"), "f32", tmp_path_factory.getbasetemp()), tmp_path / "hf")
+  cases = {
+      "widths": (["configs/deepseek3-tiny.yml", "mtp_num_layers=1", "base_moe_mlp_dim=16"], BAD_INPUT,
+                 "model.layers.3.mlp.shared_experts.gate_proj.weight is [32, 64] in"),
+      "layers": (["configs/deepseek3-tiny.yml", "mtp_num_layers=1", "base_num_decoder_layers=4"], BAD_INPUT,
+                 "has no place in the config's model"),
+  }
+  for name, (args, code, words) in cases.items():
+    proc = hf_helpers.import_(tmp_path / "hf", tmp_path / name, *args)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == code and line.startswith("import_hf: ") and words in line, (name, proc.stderr[-2000:])
+    assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.tmp").exists()
+  shard = next((tmp_path / "hf").glob("*.safetensors"))
+  shard.rename(shard.with_suffix(".gone"))
+  proc = hf_helpers.import_(tmp_path / "hf", tmp_path / "missing")
+  assert proc.returncode == DAMAGED and f"{shard.name} is missing (" in proc.stderr.strip().splitlines()[-1]

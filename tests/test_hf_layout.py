@@ -16,7 +16,7 @@ import pytest
 
 from MaxText import checkpoint_records, export_hf
 from MaxText.hf import checkpoint, layout, safetensors
-from MaxText.hf.errors import BAD_INPUT, NO_CHECKPOINT
+from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 
 
 def _rope_halves(x_TR, pos_T, theta=10_000.0):
@@ -71,10 +71,11 @@ def test_heads_in_moves_only_each_heads_rope_tail():
   assert list(rows) == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_digest_folded_slice_by_slice_is_the_saved_digest(dtype):
-  """The export checks what it reads against our record: slices read in any order add up to the digest the
-  trainer takes of the whole array at save (MaxText/checkpoint_records.scan)."""
+@pytest.mark.parametrize("dtype,block", [(np.float32, 1 << 22), (ml_dtypes.bfloat16, 1 << 22), (np.float32, 7)])
+def test_digest_folded_slice_by_slice_is_the_saved_digest(dtype, block, monkeypatch):
+  """The export checks what it reads against our record: slices read in any order (and folded a few rows at a
+  time) add up to the digest the trainer takes of the whole array at save (MaxText/checkpoint_records.scan)."""
+  monkeypatch.setattr(checkpoint, "BLOCK", block)
   x = np.random.default_rng(2).normal(size=(3, 4, 5, 6)).astype(dtype)
   _, (want,) = checkpoint_records.scan([x])
   sums = [0, 0, 0, 0]
@@ -132,3 +133,40 @@ def test_export_refuses_an_existing_output(tmp_path, capsys):
   (tmp_path / "run" / "checkpoints").mkdir(parents=True)
   code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), capsys=capsys)
   assert code == BAD_INPUT and "already exists" in err
+
+
+# Tiny family configs (configs/<name>-tiny.yml) that no layout takes, and the reason each gives.
+NO_LAYOUT = {
+    "gpt-oss": "config key 'decoder_block' = 'gpt_oss': no Hugging Face layout for it yet",
+    "llama4": "config key 'decoder_block' = 'llama4': no Hugging Face layout for it yet",
+    "deepseek2": "config key 'routed_score_func' = 'softmax': DeepseekV3's layout needs 'sigmoid'",
+    "kimi-k2": "config key 'rope_type' = 'yarn': only plain RoPE is exported",
+}
+
+
+@pytest.mark.parametrize("family", sorted(NO_LAYOUT))
+def test_a_family_without_a_layout_is_refused_naming_the_key(family):
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.hf import errors, run as hf_run  # pylint: disable=import-outside-toplevel
+
+  run = hf_run.on_this_machine(fork_config.load([f"configs/{family}-tiny.yml"]))
+  with pytest.raises(errors.BadInput) as e:
+    export_hf.family_of(hf_run.upstream_config(run), run.fork)
+  assert str(e.value).startswith(NO_LAYOUT[family]) and "\n" not in str(e.value)
+
+
+def test_import_refuses_another_architecture_and_missing_shards(tmp_path, capsys):
+  from MaxText import import_hf  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"],
+                                                           "model_type": "gpt_oss"}))
+  assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == BAD_INPUT
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("import_hf: ") and "holds a GptOssForCausalLM (model_type 'gpt_oss')" in err
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
+  (tmp_path / "hf" / safetensors.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}}))
+  assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == DAMAGED
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "model-00002-of-00002.safetensors is missing (1 tensors of the index" in err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()

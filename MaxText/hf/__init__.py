@@ -4,6 +4,7 @@
   safetensors.py  sharded safetensors written header-first (one tensor in memory at a time), and read
   layout.py       the transforms between a stored slice and an HF tensor (transpose, heads, RoPE column order)
   deepseek.py     DeepSeek-V3: the released checkpoint's tensor names and config.json
+  gqa.py          Qwen3-MoE and Mixtral: grouped-query attention and a routed MoE in every layer
   run.py          a run directory's model config, rebuilt from the run's own record
   errors.py       the exit codes, one per cause
 """

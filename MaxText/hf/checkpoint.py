@@ -63,30 +63,44 @@ def _damaged(run_dir: Path, step: int, e: BaseException) -> Damaged:
   return Damaged(f"checkpoint step {step} of {run_dir} is damaged: it does not load: {why}")
 
 
+BLOCK = 1 << 22  # elements folded at a time: a few temporaries of this many uint32 (tens of MB), whatever the slice
+
+
 def fold(sums: list[int], shape: tuple[int, ...], dtype: np.dtype, index: tuple[int | slice, ...],
          region: np.ndarray) -> None:
   """Adds region = whole[index] to sums [sum1, sum2, nonfinite, elements] of an array of `shape`: the digest of
   checkpoint_records._digest_and_nonfinite, each element weighted by its row-major position in the whole array,
-  so that the regions of a partition, in any order, add up to the whole array's digest."""
+  so that the regions of a partition, in any order, add up to the whole array's digest. uint32 arithmetic wraps
+  as the digest's does (mod 2^32)."""
   full = tuple(index) + (slice(None),) * (len(shape) - len(index))
   bounds = [ix.indices(n)[:2] if isinstance(ix, slice) else (ix, ix + 1) for ix, n in zip(full, shape)]
   extent = [stop - start for start, stop in bounds]
+  region = np.ascontiguousarray(region).reshape(extent) if extent else np.ascontiguousarray(region).reshape(())
+  if not extent:  # a scalar
+    region, bounds, shape, extent = region.reshape(1), [(0, 1)], (1,), [1]
+  strides = [int(np.prod(shape[a + 1:])) % 2**32 for a in range(len(shape))]
+  rows = max(1, BLOCK // max(1, int(np.prod(extent[1:]))))
+  for r0 in range(0, extent[0], rows):
+    block = region[r0:r0 + rows]
+    first = [(bounds[0][0] + r0, bounds[0][0] + r0 + block.shape[0])] + bounds[1:]
+    _fold_block(sums, dtype, first, strides, block)
+
+
+def _fold_block(sums: list[int], dtype: np.dtype, bounds: list[tuple[int, int]], strides: list[int],
+                block: np.ndarray) -> None:
   width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize]
-  bits = np.ascontiguousarray(region).view(width).astype(np.uint64).reshape(extent)
-  position = np.zeros(extent, np.uint64)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    along = (np.arange(*bounds[axis], dtype=np.uint64) * np.uint64(stride % 2**32)) % 2**32
-    position = position + along.reshape([-1 if a == axis else 1 for a in range(len(shape))])
-    stride *= shape[axis]
-  mask = np.uint64(0xFFFFFFFF)
-  position &= mask
-  s1 = int(np.sum((bits * ((position * np.uint64(2) + np.uint64(1)) & mask)) & mask, dtype=np.uint64))
-  s2 = int(np.sum(bits ^ ((position * np.uint64(0x9E3779B1)) & mask), dtype=np.uint64))
+  bits = block.view(width).astype(np.uint32, copy=False)
+  position = np.zeros(block.shape, np.uint32)
+  for axis, ((start, stop), stride) in enumerate(zip(bounds, strides)):
+    along = ((np.arange(start, stop, dtype=np.uint64) * np.uint64(stride)) % 2**32).astype(np.uint32)
+    position += along.reshape([-1 if a == axis else 1 for a in range(block.ndim)])
+  s1 = int(np.sum(bits * (position * np.uint32(2) + np.uint32(1)), dtype=np.uint64))
+  s2 = int(np.sum(bits ^ (position * np.uint32(0x9E3779B1)), dtype=np.uint64))
   sums[0], sums[1] = (sums[0] + s1) & 0xFFFFFFFF, (sums[1] + s2) & 0xFFFFFFFF
-  inexact = dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))  # ml_dtypes' bfloat16 is kind "V"
-  sums[2] += int(np.count_nonzero(~np.isfinite(region.astype(np.float32)))) if inexact else 0
-  sums[3] += region.size
+  if dtype.kind == "f" or dtype.name.startswith(("bfloat", "float")):  # ml_dtypes' bfloat16 is kind "V"
+    finite = np.isfinite(block if dtype.kind == "f" else block.astype(np.float32))
+    sums[2] += int(block.size - np.count_nonzero(finite))
+  sums[3] += block.size
 
 
 class Checkpoint:
@@ -111,7 +125,7 @@ class Checkpoint:
     largest = max((a.chunk_bytes for a in self.arrays.values()), default=0)
     # One decoded chunk stays cached while its slices are read (tensorstore evicts beyond the limit).
     self._context = ts.Context({"cache_pool": {"total_bytes_limit": largest + (1 << 20)}})
-    self._open: dict[tuple[str, ...], Any] = {}
+    self._open: dict[tuple[tuple[str, ...], bool], Any] = {}  # (key, whole array?) -> tensorstore handle
     self._sums: dict[tuple[str, ...], list[int]] = {}  # key -> [sum1, sum2, nonfinite, elements read]
 
   def _stored(self, ts, key: tuple[str, ...]) -> Stored:
@@ -136,11 +150,13 @@ class Checkpoint:
     """A read not counted towards the digest (a second copy of a region read())."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-    if key not in self._open:
+    whole = all(isinstance(ix, slice) and ix == slice(None) for ix in index)
+    if (key, whole) not in self._open:  # a whole-array read gains nothing from keeping its chunk decoded
       spec = {"driver": "zarr3", "kvstore": {**self._kv, "path": ".".join(key) + "/"}}
-      self._open[key] = ts.open(spec, open=True, read=True, context=self._context).result()
+      context = ts.Context() if whole else self._context
+      self._open[key, whole] = ts.open(spec, open=True, read=True, context=context).result()
     try:
-      region = np.asarray(self._open[key][index].read().result())
+      region = np.asarray(self._open[key, whole][index].read().result())
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise _damaged(self.run_dir, self.step, e) from e
     return region

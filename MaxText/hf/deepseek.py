@@ -14,14 +14,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from MaxText.hf import layout
-from MaxText.hf.checkpoint import AUX, PARAMS
 from MaxText.hf.errors import BadInput
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
 
 
-def refusal(c: Any) -> str | None:
+def refusal(c: Any, fork: Any) -> str | None:
   """Why DeepseekV3's layout cannot hold this model (one line naming the key), or None."""
   checks = [
       ("decoder_block", str(getattr(c.decoder_block, "value", c.decoder_block)), "deepseek"),
@@ -37,6 +36,9 @@ def refusal(c: Any) -> str | None:
       why = {"rope_type": "only plain RoPE is exported and checked against transformers (YaRN is not yet)"}.get(
           key, f"DeepseekV3's layout needs {wanted!r}")
       return f"config key '{key}' = {value!r}: {why}"
+  if not (c.model_name.startswith("deepseek3") or fork.moe_router == "deepseek_v3"):
+    return (f"config key 'moe_router' = {fork.moe_router!r} at model_name {c.model_name!r}: not DeepSeek-V3's "
+            "router (the routing bias would be a trained weight); set moe_router: deepseek_v3")
   if c.num_experts <= 1 or c.first_num_dense_layers >= c.num_decoder_layers:
     return f"config key 'num_experts' = {c.num_experts}: DeepseekV3's layout needs MoE layers"
   return None
@@ -112,32 +114,7 @@ EXPERTS = [((*MOE, w), f"{hf}.weight") for w, hf in (("wi_0", "gate_proj"), ("wi
 BIAS = (*MOE, "gate", "bias")  # under nnx_aux: a MoEBiasVar
 
 
-class Source:
-  """Where layer i of a group lives: stacked (one array, the layer on param_scan_axis; nnx_aux's at 0) or one
-  array per layer (scan_layers: false, groups named `<group>_<i>`)."""
-
-  def __init__(self, shapes: Mapping[tuple[str, ...], tuple[int, ...]], scan_axis: int):
-    self.shapes, self.scan_axis = shapes, scan_axis
-
-  def find(self, root: tuple[str, ...], sub: tuple[str, ...], picks: dict[int, int], layer: int | None):
-    """(key, index, slice shape) of sub under root (layer None: not a stacked group), or None when absent."""
-    for top in (PARAMS, AUX):
-      key = top + root + sub
-      if key in self.shapes:
-        shape = self.shapes[key]
-        picks = dict(picks)
-        if layer is not None:
-          picks[0 if top == AUX else self.scan_axis] = layer
-        index, sliced = layout.slice_index(shape, picks)
-        return key, index, sliced
-    return None
-
-  def layer_roots(self, group: str, count: int) -> list[tuple[tuple[str, ...], int | None]]:
-    stacked = any(k[len(PARAMS):len(PARAMS) + 2] == ("decoder", group) for k in self.shapes)
-    return [(("decoder", group), i) if stacked else (("decoder", f"{group}_{i}"), None) for i in range(count)]
-
-
-def _layer(src: Source, root, layer, hf_prefix: str, rules, c, moe: bool, out: list, need_bias: bool) -> None:
+def _layer(src: layout.Source, root, layer, hf_prefix: str, rules, c, moe: bool, out: list, need_bias: bool) -> None:
   def add(sub, name, transform, picks=None, required=True):
     found = src.find(root, sub, picks or {}, layer)
     if found is None:
@@ -157,14 +134,14 @@ def _layer(src: Source, root, layer, hf_prefix: str, rules, c, moe: bool, out: l
       add(sub, f"mlp.experts.{e}.{hf}", layout.LINEAR, picks={0: e})
 
 
-def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any) -> list[layout.Piece]:
+def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any) -> list[layout.Piece]:
   """Every HF tensor of the model, in the order they are written: the embedding, each layer, the MTP modules, the
   final norm and head. Expert arrays are walked expert-major within a layer group so that each stored chunk is
   decoded once (MaxText/hf/checkpoint.py)."""
-  why = refusal(c)
+  why = refusal(c, fork)
   if why:
     raise BadInput(why)
-  src = Source(shapes, c.param_scan_axis)
+  src = layout.Source(shapes, c.param_scan_axis)
   need_bias = bool(c.routed_bias)
   out: list[layout.Piece] = []
   top = [(("token_embedder", "embedding"), "model.embed_tokens.weight", layout.SAME),
@@ -187,7 +164,7 @@ def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any) -> list[la
   return out
 
 
-def _mtp(src: Source, c: Any, k: int, prefix: str, exported: list[layout.Piece], need_bias: bool) -> list[layout.Piece]:
+def _mtp(src: layout.Source, c: Any, k: int, prefix: str, exported: list[layout.Piece], need_bias: bool) -> list[layout.Piece]:
   """MTP module k as DeepSeek publishes it: its own norms and projection, a MoE decoder layer, and copies of the
   shared embedding and head (MaxText shares them with the main model)."""
   root = ("mtp_block", f"mtp_layer_{k}")
@@ -209,3 +186,41 @@ def _mtp(src: Source, c: Any, k: int, prefix: str, exported: list[layout.Piece],
   out.append(layout.Piece(f"{prefix}.shared_head.head.weight", head.key, head.index, head.transform,
                           head.maxtext_shape, copy=True))
   return out
+
+
+# --- import: config.json -> our config keys ---
+
+DEFAULT_CONFIG = "configs/deepseek3-tiny.yml"  # run settings for an import given no config: CPU, our block
+
+
+def maxtext_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """Our config keys for a DeepseekV3 config.json (the inverse of hf_config); BadInput for what we cannot run."""
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind != "default":
+    raise BadInput(f"config.json rope type {kind!r}: only plain RoPE is imported and checked (YaRN is not yet)")
+  if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise BadInput(f"config.json scoring_func {hf.get('scoring_func')!r} / topk_method {hf.get('topk_method')!r}: "
+                   "DeepSeek-V3's router is sigmoid with noaux_tc")
+  if hf.get("moe_layer_freq", 1) != 1 or hf.get("hidden_act", "silu") != "silu":
+    raise BadInput(f"config.json moe_layer_freq {hf.get('moe_layer_freq')} / hidden_act {hf.get('hidden_act')!r}: "
+                   "our DeepSeek layers need 1 and silu")
+  theta = rope.get("rope_theta", hf.get("rope_theta", 10_000))
+  return {
+      "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
+      "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
+      "base_num_query_heads": hf["num_attention_heads"],
+      "base_num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+      "first_num_dense_layers": hf["first_k_dense_replace"], "vocab_size": hf["vocab_size"],
+      "num_experts": hf["n_routed_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+      "shared_experts": hf["n_shared_experts"], "routed_scaling_factor": hf["routed_scaling_factor"],
+      "n_routing_groups": hf["n_group"], "topk_routing_group": hf["topk_group"],
+      "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "q_lora_rank": hf.get("q_lora_rank") or 0,
+      "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
+      "qk_rope_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
+      "normalization_layer_epsilon": hf["rms_norm_eps"], "rope_type": "default", "rope_max_timescale": theta,
+      "max_position_embeddings": hf["max_position_embeddings"],
+      "original_max_position_embeddings": hf["max_position_embeddings"],
+      "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+      "mtp_num_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0,
+  }

@@ -14,9 +14,11 @@ columns (i, i + r/2) to (2i, 2i + 1) in the query's and the key's RoPE part give
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
+
+from MaxText.hf.checkpoint import AUX, PARAMS
 
 
 def rope_to_interleaved(r: int) -> np.ndarray:
@@ -52,16 +54,20 @@ SAME = Transform("same", lambda x: x, lambda y, shape: y.reshape(shape), lambda 
 LINEAR = Transform("linear", lambda x_IO: x_IO.T, lambda y_OI, shape: y_OI.T.reshape(shape), lambda s: (s[1], s[0]))
 
 
-def heads_in(rope: int = 0) -> Transform:
-  """[in, H, d] -> [H*d, in] (a projection into heads: q_b_proj, kv_b_proj), RoPE tail of each head interleaved."""
+def heads_in(rope: int = 0, scale: float = 1.0) -> Transform:
+  """[in, H, d] -> [H*d, in] (a projection into heads: q_b_proj, kv_b_proj, q/k/v_proj), the RoPE tail of each head
+  interleaved, times `scale` (a query whose weights hold MaxText's 1/sqrt(d) gets sqrt(d): exact, and so back,
+  when d is a power of 4)."""
 
   def to_hf(x_IHd):
-    return _permute_tail(x_IHd, rope, 2, inverse=False).reshape(x_IHd.shape[0], -1).T
+    y_Ni = _permute_tail(x_IHd, rope, 2, inverse=False).reshape(x_IHd.shape[0], -1).T
+    return y_Ni if scale == 1.0 else (y_Ni * np.float32(scale)).astype(x_IHd.dtype)
 
   def to_maxtext(y_Ni, shape):
+    y_Ni = y_Ni if scale == 1.0 else (y_Ni / np.float32(scale)).astype(y_Ni.dtype)
     return _permute_tail(y_Ni.T.reshape(shape), rope, 2, inverse=True)
 
-  return Transform(f"heads_in(rope={rope})", to_hf, to_maxtext, lambda s: (s[1] * s[2], s[0]))
+  return Transform(f"heads_in(rope={rope}, scale={scale:g})", to_hf, to_maxtext, lambda s: (s[1] * s[2], s[0]))
 
 
 # [H, d, out] -> [out, H*d]: the attention output projection
@@ -96,3 +102,36 @@ def slice_index(shape: tuple[int, ...], picks: dict[int, int]) -> tuple[tuple[in
   """(index, slice shape) picking `picks` {axis: i} of an array of `shape`; picked axes drop out."""
   index = tuple(picks[a] if a in picks else slice(None) for a in range(len(shape)))
   return index, tuple(n for a, n in enumerate(shape) if a not in picks)
+
+
+class Source:
+  """Where layer i of a group lives: stacked (one array, the layer on param_scan_axis; nnx_aux's at 0) or one
+  array per layer (scan_layers: false, groups named `<group>_<i>`)."""
+
+  def __init__(self, shapes: Mapping[tuple[str, ...], tuple[int, ...]], scan_axis: int):
+    self.shapes, self.scan_axis = shapes, scan_axis
+
+  def find(self, root: tuple[str, ...], sub: tuple[str, ...], picks: dict[int, int], layer: int | None):
+    """(key, index, slice shape) of sub under root (layer None: not a stacked group), or None when absent."""
+    for top in (PARAMS, AUX):
+      key = top + root + sub
+      if key in self.shapes:
+        shape = self.shapes[key]
+        picks = dict(picks)
+        if layer is not None:
+          axis = 0 if top == AUX else self.scan_axis
+          if axis in picks:
+            raise ValueError(f"{'/'.join(key)}: its layer axis {axis} is also its expert axis")
+          picks[axis] = layer
+        index, sliced = slice_index(shape, picks)
+        return key, index, sliced
+    return None
+
+  def layer_roots(self, group: str, count: int) -> list[tuple[tuple[str, ...], int | None]]:
+    stacked = any(k[len(PARAMS):len(PARAMS) + 2] == ("decoder", group) for k in self.shapes)
+    return [(("decoder", group), i) if stacked else (("decoder", f"{group}_{i}"), None) for i in range(count)]
+
+  def piece(self, root: tuple[str, ...], sub: tuple[str, ...], layer: int | None, name: str, transform: Transform,
+            picks: dict[int, int] | None = None) -> Piece | None:
+    found = self.find(root, sub, picks or {}, layer)
+    return None if found is None else Piece(name, found[0], found[1], transform, found[2])

@@ -8,6 +8,7 @@ widths) exactly as the run did, on this machine's CPU: the model's shape does no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,10 @@ from MaxText.hf.errors import BadInput
 # Keys that name the machine the run trained on, not the model: reading the config here must not need it.
 ON_THIS_MACHINE = {"hardware": "cpu", "skip_jax_distributed_system": True, "num_slices": 1,
                    "compile_topology": "", "compile_topology_num_slices": -1}
+
+
+def on_this_machine(run: fork_config.RunConfig) -> fork_config.RunConfig:
+  return dataclasses.replace(run, upstream={**run.upstream, **ON_THIS_MACHINE})
 
 
 def load(run_dir: Path) -> fork_config.RunConfig:

@@ -62,10 +62,11 @@ def write(out_dir: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], produce
       f.write(struct.pack("<Q", len(header)))
       f.write(header)
       for i, (tname, shape) in zip(positions, entries):
-        x = np.ascontiguousarray(produce(i))
+        x = produce(i)
         if tuple(x.shape) != tuple(shape):
           raise AssertionError(f"{tname}: produced {x.shape}, planned {shape}")
-        f.write(x.astype(dtype, copy=False).tobytes())
+        x = x.astype(dtype, order="C", copy=False)  # one copy at most (a transposed view, or another dtype)
+        f.write(memoryview(np.ascontiguousarray(x).view(np.uint8)))
         total += x.size * dtype.itemsize
         weight_map[tname] = name
   index = {"metadata": {"total_size": total}, "weight_map": weight_map}
