@@ -24,8 +24,10 @@ fi
 
 py="${MAXTEXT_MOE_HF_PYTHON:-}"
 if [ -z "$py" ]; then
-  for cand in python3.11 python3.12; do
-    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import venv' 2>/dev/null; then py="$cand"; break; fi
+  # pyenv's shims refuse a version that is installed but not selected: its versions folder is looked at too.
+  for cand in python3.11 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.11*/bin/python3 /usr/bin/python3.11 \
+              python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 /usr/bin/python3.12; do
+    if "$cand" -c 'import venv' >/dev/null 2>&1; then py="$cand"; break; fi
   done
 fi
 [ -n "$py" ] || { say "error: no python3.11 or python3.12 found; set MAXTEXT_MOE_HF_PYTHON"; exit 3; }
