@@ -59,3 +59,24 @@ def test_drift_split_variants_differ_only_in_remat():
   custom = set(bench_train.VARIANTS["ours_custom"][0]) - ours
   assert {kv.split("=")[0] for kv in custom} == {"remat_policy", "decoder_layer_input", "moe_mlpwi_0", "moe_mlpwi_1"}
   assert all(kv.endswith(("=device", "=custom")) for kv in custom)
+
+
+scaling = load_script("bench_scaling", "tools/bench_scaling.py")
+
+
+def test_scaling_meshes_lay_the_proxy_over_the_hosts_gpus_along_one_axis():
+  assert scaling.mesh_overrides("fsdp", 1) == []
+  assert scaling.mesh_overrides("ep", 8) == ["recipe_num_gpus=8", "ici_expert_parallelism=8"]
+
+
+def test_scaling_efficiency_is_the_one_gpu_step_over_the_meshs_and_ours_is_held_to_upstream_at_each_mesh():
+  rows = [{"mesh": "1", "variant": "ours", "median_step_time_s": 1.0, "planned_s": 0.9},
+          {"mesh": "1", "variant": "upstream_tokamax", "median_step_time_s": 1.5},
+          {"mesh": "ep8", "variant": "ours", "median_step_time_s": 1.25, "planned_s": 1.0},
+          {"mesh": "ep8", "variant": "upstream_tokamax", "median_step_time_s": 2.5},
+          {"mesh": "fsdp8", "variant": "ours", "returncode": "not run", "error": "not run (budget)"}]
+  scaling.annotate(rows)
+  assert rows[2]["efficiency"] == pytest.approx(0.8) and rows[3]["efficiency"] == pytest.approx(0.6)
+  assert rows[2]["ours_over_upstream"] == pytest.approx(2.0) and rows[0]["ours_over_upstream"] == pytest.approx(1.5)
+  assert rows[2]["estimate_over_measured"] == pytest.approx(0.8)
+  assert rows[4]["efficiency"] is None and "not run (budget)" in scaling.format_table(rows)
