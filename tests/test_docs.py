@@ -1,0 +1,91 @@
+"""The documents a user follows: every relative link lands on a file and heading that exist, and every training
+command they print names a config that runs (a model file under configs/models/ alone stops with "hardware is
+not set")."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import REPO
+from MaxText import config as fork_config
+from MaxText import launch
+
+DOCUMENTS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# `scripts/train.sh CONFIG`, `python -m MaxText.train [--dry-run|--print-config] CONFIG`
+TRAIN_COMMAND = re.compile(r"(?:scripts/train\.sh|-m MaxText\.train)(?: --dry-run| --print-config)? (configs/[\w./<>-]+\.yml)")
+FAMILIES = ("deepseek3", "deepseek2", "kimi-k2", "qwen3-moe", "mixtral", "gpt-oss", "llama4")
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped (but - and _), spaces as -."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+  text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+  return {_slug(m[1]) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def _links():
+  for doc in DOCUMENTS:
+    for target in LINK.findall(doc.read_text()):
+      if not re.match(r"[a-z]+:", target):
+        yield doc, target
+
+
+def test_every_relative_link_lands_on_a_file_and_heading():
+  bad = []
+  for doc, target in _links():
+    file, _, anchor = target.partition("#")
+    dest = (doc.parent / file).resolve() if file else doc
+    if not dest.exists():
+      bad.append(f"{doc.name}: {target} (no such file)")
+    elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+      bad.append(f"{doc.name}: {target} (no such heading)")
+  assert not bad, bad
+
+
+def test_the_link_check_sees_a_missing_heading():
+  assert "before-booking-a-671b-run-remat-and-offload" in _anchors(REPO / "docs/cluster.md")
+  assert "no-such-heading" not in _anchors(REPO / "docs/cluster.md")
+  assert _slug("DeepSeek-V3's router (`moe_router: deepseek_v3`)") == "deepseek-v3s-router-moe_router-deepseek_v3"
+
+
+def _commanded_configs() -> dict[str, str]:
+  """Each config a document's train command names (`<family>` expanded) -> the document."""
+  found = {}
+  for doc in DOCUMENTS:
+    for path in TRAIN_COMMAND.findall(doc.read_text()):
+      for expanded in ([path.replace("<family>", f) for f in FAMILIES] if "<family>" in path else [path]):
+        found.setdefault(expanded, doc.name)
+  return found
+
+
+def test_every_train_command_in_the_documents_names_a_config_that_runs():
+  configs = _commanded_configs()
+  assert {f"configs/{f}-tiny.yml" for f in FAMILIES} <= set(configs)  # README's family command, expanded
+  for path, doc in configs.items():
+    assert (REPO / path).is_file(), (doc, path)
+    run = fork_config.load([str(REPO / path)])
+    launch.check_hardware(run.upstream, run.explicit)  # raises for a model file alone
+
+
+def test_a_model_file_alone_is_what_the_command_check_refuses():
+  run = fork_config.load([str(REPO / "configs/models/qwen3-moe-tiny.yml")])
+  with pytest.raises(launch.LaunchError, match="hardware is not set"):
+    launch.check_hardware(run.upstream, run.explicit)
+
+
+def test_the_families_page_names_each_familys_three_configs():
+  text = (REPO / "docs/families.md").read_text()
+  for family in FAMILIES:
+    tiny, proxy = f"configs/{family}-tiny.yml", f"configs/bench/{family}-proxy-1xh200.yml"
+    if family == "deepseek3":
+      proxy = "configs/bench/proxy-1xh200.yml"
+    assert tiny in text and proxy in text, family
+    assert (REPO / tiny).is_file() and (REPO / proxy).is_file(), family
+  for recipe in sorted((REPO / "configs/recipes").glob("*-8xh100.yml")):
+    assert f"configs/recipes/{recipe.name}" in text, recipe.name
