@@ -85,6 +85,11 @@ def test_the_arithmetic_of_an_hsdp_ep_layout_by_hand():
   a2a = rows[("all-to-all", ("expert",), None)]
   assert (a2a["wire_bytes"], a2a["dropless_wire_bytes"]) == (pytest.approx(A2A_PADDED), pytest.approx(A2A_DROPLESS))
   assert len(rows) == 6
+  # Weights outside the layer scan (embedding, output head) are gathered once a microbatch: kept for the backward.
+  outside = {**LAYOUT, "groups": [{"routed": False, "elements": 10**5, "axes": ["fsdp", "expert"], "scanned": False}]}
+  rows = _by_key(analytic_comms.expected(outside, MESH))
+  assert rows[("all-gather", ("fsdp", "expert"), None)]["wire_bytes"] == pytest.approx(GATHER_FSDP_EXPERT / 2)
+  assert rows[("reduce-scatter", ("fsdp", "expert"), None)]["wire_bytes"] == pytest.approx(SCATTER_FSDP_EXPERT)
 
 
 def test_a_two_level_dispatch_pads_each_stage_by_its_own_capacity():
@@ -147,20 +152,22 @@ def test_the_layout_is_read_from_the_abstract_state_not_the_program():
 
   leaf = lambda shape, spec, dtype=jnp.float32: types.SimpleNamespace(  # noqa: E731
       shape=shape, ndim=len(shape), dtype=dtype, sharding=types.SimpleNamespace(spec=spec))
-  state = {"model": {"wi_0": leaf((32, 2, 128, 64), P("expert", None, "fsdp", None)),
-                     "gate": leaf((128, 2, 32), P("fsdp", None, None)),
-                     "wq": leaf((128, 2, 256), P(("fsdp", "expert"), None, None)),
-                     "norm": leaf((128,), P(None)), "rng": leaf((3,), P(), jnp.uint32)}}
+  state = {"model": {"decoder": {"moe_layers": {"wi_0": leaf((32, 2, 128, 64), P("expert", None, "fsdp", None)),
+                                                "gate": leaf((128, 2, 32), P("fsdp", None, None)),
+                                                "wq": leaf((128, 2, 256), P(("fsdp", "expert"), None, None))},
+                                 "norm": leaf((128,), P(None))},
+                     "token_embedder": leaf((1000, 128), P(None, ("fsdp", "expert"))), "rng": leaf((3,), P(), jnp.uint32)}}
   config = types.SimpleNamespace(
       num_experts=32, dtype=jnp.bfloat16, grad_dtype=jnp.float32, gradient_accumulation_steps=3,
       per_device_batch_size=2, max_target_length=32, emb_dim=128, num_experts_per_tok=4, mtp_num_layers=1,
       decoder_block=DecoderBlockType.DEEPSEEK, num_decoder_layers=3, first_num_dense_layers=1, topk_routing_group=2,
-      dcn_expert_parallelism=1, remat_policy="full", ici_pipeline_parallelism=1, dcn_pipeline_parallelism=1)
+      dcn_expert_parallelism=1, remat_policy="full", ici_pipeline_parallelism=1, dcn_pipeline_parallelism=1,
+      scan_layers=True)
   fork = types.SimpleNamespace(moe_block="ours", moe_dispatch_backend="auto", moe_a2a_padded_capacity_factor=1.5,
                                moe_hierarchical_capacity_factor=2.0, moe_node_limited_routing=False)
   layout = analytic_comms.layout_of(config, fork, state, MESH, "gpu")
-  assert sorted((g["routed"], tuple(g["axes"]), g["elements"]) for g in layout["groups"]) == [
-      (False, (), 128), (False, ("fsdp",), 128 * 2 * 32), (False, ("fsdp", "expert"), 128 * 2 * 256),
-      (True, ("fsdp", "expert"), 32 * 2 * 128 * 64)]
+  assert sorted((g["routed"], tuple(g["axes"]), g["scanned"], g["elements"]) for g in layout["groups"]) == [
+      (False, (), False, 128), (False, ("fsdp",), True, 128 * 2 * 32), (False, ("fsdp", "expert"), False, 1000 * 128),
+      (False, ("fsdp", "expert"), True, 128 * 2 * 256), (True, ("fsdp", "expert"), True, 32 * 2 * 128 * 64)]
   assert (layout["dtype"], layout["grad_dtype"], layout["microbatches"], layout["tokens"]) == ("bfloat16", "float32", 3, 64)
   assert (layout["dispatch"], layout["moe_layers"], layout["node_limit"], layout["recompute"]) == ("a2a_padded", 3, 0, True)

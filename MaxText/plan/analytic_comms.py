@@ -1,14 +1,15 @@
 """What each collective should move a step, from the layout alone, beside what the compiler's program moves.
 
 As MaxText/plan/analytic_memory.py does for memory: the arithmetic from the config, the mesh and the parameters'
-shapes and shardings (what the config's logical rules give them; `aot.layout_of` reads them), never the compiled
+shapes and shardings (what the config's logical rules give them; `layout_of` reads them), never the compiled
 program. Per device and step, in wire bytes (what a device sends, the figure link bandwidth divides; buffer bytes
 as hlo_inventory.py counts them):
 
   FSDP / HSDP gathers   each parameter group, all-gathered over its FSDP-like axes (those it is sharded over, less
                         `expert` for the routed experts, whose experts stay split): the gathered result R =
                         elements x compute-dtype bytes / the other axes' sizes, wire R (n - 1) / n; twice a
-                        microbatch (the forward, the backward with its recompute)
+                        microbatch for the layer scan's weights (the forward, the backward with its recompute),
+                        once for those outside it (embedding, output head, final norm: kept for the backward)
   gradient reduce-scatter  over the same axes, once a microbatch: result r = R / n, wire r (n - 1)
   gradient all-reduce   over the data axes (HSDP's replicas), once a step on the accumulated, sharded gradient in
                         grad_dtype: wire 2 g (d - 1) / d
@@ -63,7 +64,8 @@ def _row(rows: dict, key: RowKey, what: str, wire: float, minimum: float | None 
 def expected(layout: dict[str, Any], mesh_shape: dict[str, int], gpus_per_node: int = 8) -> list[dict[str, Any]]:
   """The arithmetic's rows (the module docstring), each with the lines of arithmetic behind it.
 
-  layout: "groups" ([{"routed": bool, "elements": int, "axes": [mesh axes it is sharded over]}]), "dtype",
+  layout: "groups" ([{"routed": bool, "elements": int, "axes": [mesh axes it is sharded over], "scanned": bool: in
+  the layer scan (default True)}]), "dtype",
   "grad_dtype", "microbatches", "tokens" (T a microbatch a device), "emb_dim", "top_k", "moe_layers",
   "dispatch" (the resolved backend), "capacity_factor", "hierarchical_capacity_factor", "node_limit" (M, 0:
   none), "ep_nodes" (N), "recompute" (bool), "pipeline" (None or {"stages", "microbatches", "iterations"}).
@@ -77,17 +79,19 @@ def expected(layout: dict[str, Any], mesh_shape: dict[str, int], gpus_per_node: 
     gathered = _in_mesh_order([a for a in sharded if a not in NOT_GATHERED and not (group["routed"] and a == "expert")],
                               mesh_shape)
     name = "the routed experts" if group["routed"] else "the other weights"
-    n = size(gathered)
+    if not group.get("scanned", True):
+      name = "the weights outside the layer scan"
+    n, gathers = size(gathered), 2 if group.get("scanned", True) else 1
     if n > 1:
       result = group["elements"] * b / size(a for a in sharded if a not in gathered)
-      _row(rows, ("all-gather", gathered, None), f"{name} gathered, 2 a microbatch x {micro}",
-           2 * micro * result * (n - 1) / n)
-      _row(rows, ("reduce-scatter", gathered, None), f"{name}' gradient, 1 a microbatch x {micro}",
+      _row(rows, ("all-gather", gathered, None), f"{name} gathered, {gathers} a microbatch x {micro}",
+           gathers * micro * result * (n - 1) / n)
+      _row(rows, ("reduce-scatter", gathered, None), f"the gradient of {name}, 1 a microbatch x {micro}",
            micro * result / n * (n - 1))
     d = size(data_axes)
     if d > 1:
       shard = group["elements"] * g / size(sharded)
-      _row(rows, ("all-reduce", data_axes, None), f"{name}' gradient over the replicas, once a step",
+      _row(rows, ("all-reduce", data_axes, None), f"the gradient of {name} over the replicas, once a step",
            2 * shard * (d - 1) / d, part=",".join(gathered))
   _dispatch(rows, layout, mesh_shape)
   _pipeline(rows, layout, mesh_shape, b)
@@ -252,15 +256,17 @@ def layout_of(config: Any, fork: Any, state: Any, mesh_shape: dict[str, int], pl
   from MaxText.plan import bubble  # pylint: disable=import-outside-toplevel
 
   num_experts = int(getattr(config, "num_experts", 1))
-  groups: dict[tuple[bool, tuple[str, ...]], int] = {}
+  groups: dict[tuple[bool, tuple[str, ...], bool], int] = {}
   model = state["model"] if "model" in state else state.params
-  for leaf in jax.tree_util.tree_leaves(model):
+  scan = bool(getattr(config, "scan_layers", True))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(model):
     spec = getattr(getattr(leaf, "sharding", None), "spec", None)
     if spec is None or not jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
       continue  # RNG counters and keys
     per_dim = [list(d) if isinstance(d, (tuple, list)) else [d] for d in spec]
     routed = num_experts > 1 and leaf.ndim >= 3 and leaf.shape[0] == num_experts and "expert" in per_dim[0]
-    key = (routed, _in_mesh_order([a for d in per_dim for a in d if a], mesh_shape))
+    scanned = scan and "layers" in jax.tree_util.keystr(path)  # upstream's decoder: dense_layers, moe_layers, layers
+    key = (routed, _in_mesh_order([a for d in per_dim for a in d if a], mesh_shape), scanned)
     groups[key] = groups.get(key, 0) + math.prod(leaf.shape)
   ep = mesh_shape.get("expert", 1)
   backend = fork.moe_dispatch_backend if fork.moe_block == "ours" else "upstream"
@@ -268,7 +274,7 @@ def layout_of(config: Any, fork: Any, state: Any, mesh_shape: dict[str, int], pl
     backend = "local" if ep == 1 else ("ring" if platform == "cpu" else "a2a_padded")
   moe_layers = maxtext_utils.get_dense_moe_layers(config)[1] if num_experts > 1 else 0
   return {
-      "groups": [{"routed": r, "elements": n, "axes": list(a)} for (r, a), n in groups.items()],
+      "groups": [{"routed": r, "elements": n, "axes": list(a), "scanned": sc} for (r, a, sc), n in groups.items()],
       "dtype": str(np.dtype(config.dtype)), "grad_dtype": str(np.dtype(config.grad_dtype)),
       "microbatches": int(config.gradient_accumulation_steps),
       "tokens": int(config.per_device_batch_size * config.max_target_length), "emb_dim": int(config.emb_dim),

@@ -24,6 +24,18 @@ AXES = {"data": "data", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "exp
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def config_digest(path: str | Path) -> str:
+  """A digest of what a config file sets, its base_config chain merged (comments and layout aside): a recipe
+  edited after its plan no longer matches its summary's."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+
+  chain = fork_config.load_yaml_chain(Path(path))
+  return hashlib.sha256(json.dumps(chain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def recipe_facts(run: Any, mesh: dict[str, int]) -> dict[str, Any]:
   """What a recipe's header states besides the plan's figures: every axis (ICI x DCN), the precision, the batch,
   the dispatch options. From the run's config and the compiled mesh."""
@@ -38,6 +50,7 @@ def recipe_facts(run: Any, mesh: dict[str, int]) -> dict[str, Any]:
       axes[axis] = {"ici": ici, "dcn": mesh[axis] // max(1, ici) if dcn == -1 else dcn}
   weights = str(up.get("weight_dtype", "float32"))
   return {
+      "config_digest": config_digest(run.config_path),
       "axes": axes,
       "precision": {"weights": weights, "gradients": str(up.get("grad_dtype", weights)),
                     "adam_mu": str(up.get("mu_dtype") or weights), "adam_nu": weights,
@@ -58,7 +71,7 @@ def of(report: dict[str, Any], commit: str, date: str) -> dict[str, Any]:
   recipe = Path(report["config"])
   return {
       "recipe": str(recipe.relative_to(REPO) if recipe.is_relative_to(REPO) else recipe),
-      "planned_at": {"commit": commit, "date": date},
+      "planned_at": {"commit": commit, "date": date}, "config_digest": facts["config_digest"],
       "compiled": {"platform": report["platform"], "target_gpu": report["target_gpu"]["name"],
                    "mock_topology": report["mock_topology"], "compile_seconds": round(report["compile_seconds"], 1)},
       "gpus": report["num_gpus"], "gpus_per_node": report["gpus_per_node"],
@@ -79,7 +92,7 @@ def of(report: dict[str, Any], commit: str, date: str) -> dict[str, Any]:
            "arithmetic_gib": round(r["wire_bytes"] / GiB, 2), "cause": r["cause"]}
           for r in comms.get("table", []) if r.get("cause")],
       "dispatch_padding": comms.get("padding", []),
-      "notes": report["inventory_notes"] + e["notes"],
+      "notes": sorted(set(report["inventory_notes"] + e["notes"])),
   }
 
 
