@@ -58,8 +58,10 @@ class ForkConfig(pydantic.BaseModel):
       "MaxText/lifecycle.py).")
   verbose: bool = pydantic.Field(
       default=False,
-      description="Also print upstream's import-time notices: the \"[DECOUPLED NO-OP]\" stub lines "
-      "(patches/quiet_notices.py) and transformers' warnings (else only its errors).")
+      description="Print what upstream prints as it runs: its INFO log lines (its own per-step line, the "
+      "checkpoint manager's), its prints (the step's TFLOPs, the \"[DECOUPLED NO-OP]\" stub notices) and "
+      "transformers' warnings, and our start-up details (patches, XLA_FLAGS); else absl logs at WARNING "
+      "(MaxText/quiet.py). XLA's own C++ INFO lines: TF_CPP_MIN_LOG_LEVEL=0.")
   nonfinite_skip_batches: int = pydantic.Field(
       default=0, ge=0,
       description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "

@@ -4,6 +4,7 @@ patches/metric_logger.py with the scalars upstream already computed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -48,6 +49,7 @@ class ProgressTracker:
   started: float = field(default_factory=time.monotonic)
   peak_flops: float | None = None  # per device, for MFU (MaxText/plan/hardware.py mfu_peak); None: n/a
   peak_label: str = "n/a"
+  _peak_said: bool = field(default=False, repr=False)  # the MFU's peak (or why none) goes on the first line only
 
   def on_train_step(self, step: int, scalars: dict[str, Any]) -> None:
     def scalar(name):
@@ -117,16 +119,23 @@ class ProgressTracker:
     return [r.step_time_s for r in self.steady_records()]
 
   def progress_line(self, record: StepRecord) -> str:
+    """The run's one line a step (upstream's own per-step line shows only with verbose=true): this step's loss,
+    time, TFLOP/s and tokens/s per device (upstream's figures), the ETA from the median step so far, and MFU.
+    The first line says what MFU is measured against, or why there is none; the later ones say it no more."""
     done = record.step + 1
     remaining = max(self.total_steps - done, 0)
     per_step = statistics.median(self.steady_step_times())
     pct = 100.0 * done / max(self.total_steps, 1)
     mfu = self.mfu(record)
-    mfu_text = f"MFU {100 * mfu:.1f}% of {self.peak_label}" if mfu is not None else f"MFU {self.peak_label}"
-    return (
-        f"[progress] step {done}/{self.total_steps} ({pct:.0f}%) loss {record.loss:.4f} "
-        f"{per_step:.3f} s/step ETA {fmt_seconds(remaining * per_step)} {mfu_text}"
-    )
+    if mfu is None:
+      mfu_text = "MFU n/a" if self._peak_said else f"MFU {self.peak_label}"
+    else:
+      mfu_text = f"MFU {100 * mfu:.1f}%" + ("" if self._peak_said else f" of {self.peak_label}")
+    self._peak_said = True
+    return (f"[progress] step {done}/{self.total_steps} ({pct:.0f}%): loss {record.loss:.4f}, "
+            f"{record.step_time_s:.3f} s, {_rate(record.tflops_per_device)} TFLOP/s/device, "
+            f"{_rate(record.tokens_per_s_per_device)} tokens/s/device, ETA {fmt_seconds(remaining * per_step)}, "
+            f"{mfu_text}")
 
   def mfu(self, record: StepRecord) -> float | None:
     """Upstream's model TFLOP/s per device over the dense bf16 peak (None: peak unknown, e.g. CPU)."""
@@ -168,42 +177,56 @@ def device_memory_peak_bytes() -> int | None:
   return int(peak) if peak is not None else None
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def _rate(value: float | None) -> str:
+  """12,345, 453.2, 9.87, 0.00612: three significant digits below 10, never an exponent."""
+  if value is None:
+    return "n/a"
+  if value >= 10:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
+  return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f}" if value > 0 else "0"
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+  """The closing summary: what the run did, how fast, and where its outputs are."""
   def fmt(value, spec):
     return "n/a" if value is None else format(value, spec)
 
-  lines = [
-      "=" * 72,
-      "maxtext-moe run summary",
-      f"  steps completed     {summary['steps_completed']} (last step {summary['last_step']})",
-      f"  median step time    {fmt(summary['median_step_time_s'], '.3f')} s (warm-up steps excluded)",
-      f"  median TFLOP/s/dev  {fmt(summary['median_tflops_per_device'], '.2f')}",
-      f"  loss                {fmt(summary['first_loss'], '.4f')} -> {fmt(summary['final_loss'], '.4f')}",
-      f"  peak device memory  {fmt(summary.get('peak_device_memory_gib'), '.2f')} GiB"
-      if summary.get("peak_device_memory_gib") is not None else "  peak device memory  n/a (no statistics on this backend)",
-      f"  wall time           {fmt_seconds(summary['wall_time_s'])}",
-      *([f"  compile             {summary['compile_s']:.1f} s (the train step: trace, lower and compile)"]
-        if summary.get("compile_s") is not None else []),
-      *([f"  expert load         max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} (first tenth of "
+  done = summary["steps_completed"]
+  last = summary["last_step"]
+  steps = f"{done} steps ({last - done + 1}-{last})" if done else "0 steps"
+  compiled = f" (the train step compiled in {summary['compile_s']:.1f} s)" if summary.get("compile_s") is not None else ""
+  peak = summary.get("peak_device_memory_gib")
+  return [
+      f"[maxtext-moe] run summary: {steps} in {fmt_seconds(summary['wall_time_s'])}{compiled}; loss "
+      f"{fmt(summary['first_loss'], '.4f')} -> {fmt(summary['final_loss'], '.4f')}",
+      f"  step          {fmt(summary['median_step_time_s'], '.3f')} s median after warm-up, "
+      f"{_rate(summary['median_tflops_per_device'])} TFLOP/s/device, "
+      f"{_rate(summary.get('median_tokens_per_s_per_device'))} tokens/s/device"
+      + (f", peak device memory {peak:.2f} GiB" if peak is not None else ""),
+      *([f"  expert load   max/mean tokens per expert {load['max_over_mean_first_tenth']:.2f} (first tenth of "
          f"{load['layer_calls']} MoE layer calls) -> {load['max_over_mean_last_tenth']:.2f} (last tenth)"]
         if (load := summary.get("expert_load")) else []),
-      *([f"  MoE load            step {m['step'] + 1}: max/mean {m['max_over_mean']:.2f} (worst layer "
+      *([f"  MoE load      step {m['step'] + 1}: max/mean {m['max_over_mean']:.2f} (worst layer "
          f"{m.get('worst_layer')}), CV {m['cv']:.2f}, {int(m['experts_without_tokens'])} idle expert(s), "
          f"router entropy {m['router_entropy']:.2f}, {int(m['overflow_layers'])} overflowed layer(s)"]
         if (m := summary.get("moe_load")) else []),
-      f"  run directory       {summary['run_dir']}",
-      f"  checkpoints         {summary['checkpoints'] or 'disabled'}{_saves_text(summary.get('checkpoint_saves'))}",
-      f"  tensorboard         tensorboard --logdir {summary['tensorboard']}",
-      "=" * 72,
+      f"  run directory {summary['run_dir']}",
+      f"  checkpoints   {_saves_text(summary) if summary['checkpoints'] else 'disabled'}",
+      f"  tensorboard   tensorboard --logdir {summary['tensorboard']}",
   ]
-  print("\n".join(lines), flush=True)
 
 
-def _saves_text(saves: list[dict[str, Any]] | None) -> str:
+def print_summary(summary: dict[str, Any]) -> None:
+  print("\n".join(summary_lines(summary)), flush=True)
+
+
+def _saves_text(summary: dict[str, Any]) -> str:
+  saves = summary.get("checkpoint_saves")
   if not saves:
-    return ""
+    return f"{summary['checkpoints']} (none saved by this run)"
   last = saves[-1]
-  return f" ({len(saves)} saved; the last, step {last['step']}: {fmt_bytes(last['bytes'])} in {last['seconds']:.1f} s)"
+  return (f"{len(saves)} saved in {summary['checkpoints']}; the last, step {last['step']}: {fmt_bytes(last['bytes'])} "
+          f"in {last['seconds']:.1f} s")
 
 
 def write_summary(summary: dict[str, Any], directory: Path, name: str = "summary.json") -> Path:

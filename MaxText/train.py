@@ -30,6 +30,7 @@ from MaxText import lifecycle
 from MaxText import metrics
 from MaxText import overflow
 from MaxText import progress as progress_lines
+from MaxText import quiet
 from MaxText import xla_presets
 from patches import UpstreamMismatch
 
@@ -120,22 +121,6 @@ def write_run_files(
       "xla_presets": presets or {},
   }
   (out / "effective_config.json").write_text(json.dumps(effective, indent=2, sort_keys=True, default=str))
-
-
-class _DropOrbaxInfo(logging.Filter):
-  """Orbax logs each checkpoint file operation at INFO through absl's logger
-  (about 12 lines a save); upstream's own INFO lines (loss, TFLOP/s) stay."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if "/orbax/" not in record.pathname:
-      return True
-    if record.levelno < logging.WARNING:
-      return False
-    # A full or read-only disk: orbax's writer threads each log it with a
-    # traceback; our one line (checkpoint_guard.SaveFailed) says it once.
-    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
-
-    return not any(words in record.getMessage() for words in checkpoint_guard.NO_SPACE_WORDS)
 
 
 # Upstream aborts on a NaN/Inf loss with sys.exit(1) from its metric logger;
@@ -324,20 +309,22 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
             "nonfinite_skip_batches=K skips them")
     for line in warnings:
       log(line)
-    log(f"patches applied: {', '.join(applied) or 'none'}")
-    log(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
-    for line in xla_presets.summary_lines(composed, env):
+    for line in start_lines(run, process, composed, env, applied):
       log(line)
-    log(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
 
     from absl import app  # pylint: disable=import-outside-toplevel
     from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
-    logging.getLogger("absl").addFilter(_DropOrbaxInfo())
+    quiet.install_filter(run.fork.verbose)
     compiles = _watch_train_step_compile(lead)
+
+    def upstream_main(_argv):
+      quiet.upstream_logging(run.fork.verbose)  # after app.run's flag parsing set absl's verbosity
+      return upstream_train.main(run.upstream_argv())
+
     try:
       # app.run parses absl flags (upstream's logging reads them) and calls main.
-      app.run(lambda _argv: upstream_train.main(run.upstream_argv()), argv=[sys.argv[0] or "maxtext-moe"])
+      app.run(upstream_main, argv=[sys.argv[0] or "maxtext-moe"])
     except SystemExit as e:
       if e.code not in (0, None):
         raise
@@ -398,6 +385,23 @@ def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
   return summary
 
 
+def start_lines(run: fork_config.RunConfig, process: launch.ProcessInfo, composed: xla_presets.Composed,
+                env: dict[str, str], applied: list[str]) -> list[str]:
+  """What the run says about its set-up before compiling: the presets, overrides and XLA_FLAGS when any are set,
+  the process when there are several; everything with verbose (all of it is in effective_config.json)."""
+  verbose = run.fork.verbose
+  lines = [f"patches applied: {', '.join(applied) or 'none'}"] if verbose else []
+  if verbose or process.num_processes > 1:
+    lines.append(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
+  presets = xla_presets.summary_lines(composed, env)
+  if verbose or len(presets) > 1 or composed.presets:
+    lines += presets
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if verbose or xla_flags != NEUTRAL_XLA_FLAGS:
+    lines.append(f"XLA_FLAGS={xla_flags}")
+  return lines
+
+
 def _resume_preview(run: fork_config.RunConfig, config: Any) -> list[str]:
   """What this run would do to an existing run directory (nothing written): the step directories it would set
   aside and the checkpoint it would resume; FinishedRun or a refused resume raise as they would under the lock."""
@@ -444,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
   os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  quiet.before_jax()  # XLA's C++ INFO lines, read once when the config's loading first imports jax
   from patches import checkpoint_guard, quiet_notices  # pylint: disable=import-outside-toplevel
 
   stop = lifecycle.StopRequest(abort=_abort_on_second_sigint)

@@ -23,6 +23,7 @@ from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_ma
 # Seam modules, in the order they are applied. One line each.
 SEAM_MODULES = (
     "patches.quiet_notices",  # gcloud_stub's import-time "[DECOUPLED NO-OP]" prints, unless verbose=true
+    "patches.quiet_tflops",  # upstream's print of the step's model TFLOPs (three lines), unless verbose=true
     "patches.config_errors",  # upstream config errors reach our one-line reporter
     "patches.metric_logger",  # per-step scalars feed our progress line and summary
     "patches.step_metrics",  # keeps the latest train step's scalars (device arrays) for the checkpoint guard

@@ -89,3 +89,13 @@ def test_the_families_page_names_each_familys_three_configs():
     assert (REPO / tiny).is_file() and (REPO / proxy).is_file(), family
   for recipe in sorted((REPO / "configs/recipes").glob("*-8xh100.yml")):
     assert f"configs/recipes/{recipe.name}" in text, recipe.name
+
+
+def test_troubleshooting_explains_every_exit_code():
+  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+
+  text = (REPO / "docs/troubleshooting.md").read_text()
+  codes = sorted({v for k, v in vars(lifecycle).items() if k.startswith("EXIT_")})
+  assert codes == [0, 1, 2, 3, 4, 5, 6, 7, 8, 75, 130]
+  for code in codes:
+    assert re.search(rf"^\| {code} \| \S", text, re.M), code

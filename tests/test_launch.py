@@ -321,9 +321,10 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["MAXTEXT_MOE_PYTHON"] = sys.executable
   env["XLA_FLAGS"] = "--xla_gpu_enable_latency_hiding_scheduler=false"
+  # verbose=true: upstream's INFO lines too, among them its mesh ("Num_devices: 2")
   cmd = ["bash", str(REPO / "scripts/launch_local.sh"), "-n", "2", "configs/deepseek3-tiny.yml", "steps=2",
          "enable_checkpointing=false", "xla_presets=[lhs,gpu_runtime]", f"base_output_directory={tmp_path}",
-         "run_name=two"]
+         "run_name=two", "verbose=true"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:]
   for rank in (0, 1):
@@ -332,7 +333,7 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
   # keeps its own summary file, and summary.json is process 0's.
   assert re.search(r"^\[p0\] \[progress\] step 2/2 ", proc.stdout, re.M)
   assert not re.search(r"^\[p1\] \[progress\]", proc.stdout, re.M)
-  assert re.findall(r"^\[p(\d)\] maxtext-moe run summary$", proc.stdout, re.M) == ["0"]
+  assert re.findall(r"^\[p(\d)\] \[maxtext-moe\] run summary: ", proc.stdout, re.M) == ["0"]
   assert re.findall(r"^\[p(\d)\] \[maxtext-moe\] compiled the train step in ", proc.stdout, re.M) == ["0"]
   run_files = tmp_path / "two" / "maxtext-moe"
   ranks = {rank: json.loads((run_files / f"summary.rank{rank}.json").read_text()) for rank in (0, 1)}
@@ -361,8 +362,9 @@ def test_two_processes_on_an_expert_parallel_mesh_resume_exactly(tmp_path):
   run on two cores."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["MAXTEXT_MOE_PYTHON"] = sys.executable
+  # verbose=true: upstream's INFO lines too, among them the step each process restores
   common = ["configs/deepseek3-tiny.yml", "moe_block=ours", "ici_expert_parallelism=2", "checkpoint_period=2",
-            "learning_rate_schedule_steps=4", f"base_output_directory={tmp_path}"]
+            "learning_rate_schedule_steps=4", f"base_output_directory={tmp_path}", "verbose=true"]
 
   def run(run_name: str, steps: int) -> tuple[dict[int, float], str]:
     cmd = ["bash", str(REPO / "scripts/launch_local.sh"), "-n", "2", *common, f"steps={steps}", f"run_name={run_name}"]

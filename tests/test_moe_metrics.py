@@ -179,6 +179,47 @@ def test_mfu_peak_from_the_gpu_table_or_the_override():
   assert cpu.progress_line(cpu.records[0]).endswith(f"MFU {label}")
 
 
+def test_progress_line_carries_the_step_and_says_the_mfu_reason_once(capsys):
+  """One line a step with this step's loss, time, TFLOP/s and tokens/s per device, the ETA and MFU; what MFU is
+  measured against (or why there is none) on the first line only."""
+  from MaxText import metrics
+  from MaxText.plan import hardware
+
+  _, label = hardware.mfu_peak("cpu")
+  for peak, first, later in ((989e12, "MFU 50.0% of H200 dense bf16 989 TF/s", "MFU 50.0%"),
+                             (None, f"MFU {label}", "MFU n/a")):
+    tracker = metrics.ProgressTracker(total_steps=3, peak_flops=peak, peak_label=label if peak is None else first[13:])
+    for step in range(3):
+      tracker.on_train_step(step, {"learning/loss": 2.0 - step, "perf/step_time_seconds": 1.5,
+                                   "perf/per_device_tflops_per_sec": 494.5, "perf/per_device_tokens_per_sec": 12345.6})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"[progress] step 1/3 (33%): loss 2.0000, 1.500 s, 494.5 TFLOP/s/device, 12,346 tokens/s/device, " \
+                       f"ETA 3s, {first}"
+    assert lines[1:] == [f"[progress] step 2/3 (67%): loss 1.0000, 1.500 s, 494.5 TFLOP/s/device, 12,346 tokens/s/device, "
+                         f"ETA 2s, {later}",
+                         f"[progress] step 3/3 (100%): loss 0.0000, 1.500 s, 494.5 TFLOP/s/device, 12,346 tokens/s/device, "
+                         f"ETA 0s, {later}"]
+    assert "no dense bf16 peak" not in " ".join(lines[1:])
+
+
+def test_summary_lines_say_what_ran_how_fast_and_where_the_outputs_are(tmp_path):
+  from MaxText import metrics
+
+  tracker = metrics.ProgressTracker(total_steps=2, print_every=0)
+  for step in range(2):
+    tracker.on_train_step(step, {"learning/loss": 3.0 - step, "perf/step_time_seconds": 0.25,
+                                 "perf/per_device_tflops_per_sec": 0.00612, "perf/per_device_tokens_per_sec": 2073.0})
+  summary = {**tracker.summary(tmp_path, {}), "compile_s": 30.84, "peak_device_memory_gib": None,
+             "checkpoint_saves": [{"step": 1, "bytes": 3 * 2**20, "seconds": 0.31}]}
+  lines = metrics.summary_lines(summary)
+  assert lines[0].startswith("[maxtext-moe] run summary: 2 steps (0-1) in ")
+  assert lines[0].endswith(" (the train step compiled in 30.8 s); loss 3.0000 -> 2.0000")
+  assert lines[1] == "  step          0.250 s median after warm-up, 0.00612 TFLOP/s/device, 2,073 tokens/s/device"
+  assert lines[2:] == [f"  run directory {tmp_path}",
+                       f"  checkpoints   1 saved in {tmp_path / 'checkpoints'}; the last, step 1: 3.00 MiB in 0.3 s",
+                       f"  tensorboard   tensorboard --logdir {tmp_path / 'tensorboard'}"]
+
+
 def test_bad_mfu_peak_is_one_config_error_line(tmp_path):
   result = run_rejected(tmp_path, TINY, "mfu_peak_tflops=-5")
   assert result.returncode == 2

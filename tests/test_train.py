@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -45,11 +46,11 @@ def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
 
   assert "[progress] step 5/5 (100%)" in result.stdout
   assert "ETA" in result.stdout
-  assert "maxtext-moe run summary" in result.stdout
+  assert "[maxtext-moe] run summary: 5 steps (0-4) in " in result.stdout
   summary = result.summary  # MaxText's own per-step metrics, medians after warm-up
   assert summary["steps_completed"] == 5 and summary["median_step_time_s"] > 0
   assert summary["median_tokens_per_s_per_device"] > 0 and summary["median_tflops_per_device"] > 0
-  assert f"run directory       {result.run_dir}" in result.stdout
+  assert f"  run directory {result.run_dir}" in result.stdout
   effective = (result.run_dir / "maxtext-moe" / "effective_config.json").read_text()
   assert '"steps": 5' in effective
 
@@ -61,13 +62,31 @@ def test_tiny_run_trains_logs_and_checkpoints(tmp_path):
   assert compiling < compiled < first_step
   seconds = float(lines[compiled].split(" in ")[1].removesuffix(" s"))
   assert seconds > 0 and abs(summary["compile_s"] - seconds) < 0.06
-  assert f"  compile             {seconds:.1f} s" in result.stdout
+  assert f"(the train step compiled in {seconds:.1f} s)" in result.stdout
   saves = summary["checkpoint_saves"]
   assert [s["step"] for s in saves] == saved
   for s in saves:  # the size is the finished step directory's
     assert s["bytes"] == progress.dir_bytes(result.run_dir / "checkpoints" / str(s["step"])) > 0
     assert f"[maxtext-moe] checkpoint {s['step']} saved: {progress.fmt_bytes(s['bytes'])} in {s['seconds']:.1f} s" in lines
-  assert "(3 saved; the last, step 4: " in result.stdout
+  assert f"  checkpoints   3 saved in {result.run_dir / 'checkpoints'}; the last, step 4: " in result.stdout
+
+
+@pytest.mark.slow
+def test_the_quick_start_prints_one_line_a_step_and_at_most_40_in_all(tmp_path):
+  """scripts/train.sh's run (the tiny config, 20 steps): our [progress] line once a step, none of upstream's absl
+  or C++ log lines (upstream's own step line among them), the MFU's reason once, and at most 40 lines in all;
+  the summary and the heatmap still there."""
+  result = run_train(tmp_path, TINY)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines() + result.stderr.splitlines()
+  assert len(lines) <= 40, "\n".join(lines)
+  progress_lines = [line for line in lines if line.startswith("[progress] step ")]
+  assert [line.split()[2] for line in progress_lines] == [f"{k}/20" for k in range(1, 21)]
+  assert sum("no dense bf16 peak" in line for line in lines) == 1 and "no dense bf16 peak" in progress_lines[0]
+  assert not [line for line in lines if re.match(r"[IWE]\d{4} ", line)]  # absl's and XLA's log format
+  assert not [line for line in lines if "completed step" in line or "Memstats" in line or "TFLOPs" in line]
+  assert lines[-6].startswith("[maxtext-moe] run summary: 20 steps (0-19) in ")
+  assert any(line.startswith("[maxtext-moe] MoE load at step 20,") for line in lines)
 
 
 def _files_under(root: Path) -> set[Path]:

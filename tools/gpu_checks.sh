@@ -74,7 +74,7 @@ proxy_run() {  # proxy_run NAME OVERRIDES...: the 1xH200 proxy from the repo's s
   (cd "$repo" && timeout "$limit" python3 -m MaxText.train configs/bench/proxy-1xh200.yml "$@" \
       steps="$steps" base_output_directory="$out/runs" run_name="$name") >"$out/$name.log" 2>&1
   echo "[gpu_checks] $name exit $?"
-  grep -E "completed step|RESOURCE_EXHAUSTED|Error" "$out/$name.log" | tail -n 3
+  grep -E "\[progress\] step|RESOURCE_EXHAUSTED|Error" "$out/$name.log" | tail -n 3
   rows+=("$(summary_row "$name" "$out/runs/$name")")
 }
 

@@ -106,6 +106,10 @@ def _auto(platform: str) -> tuple[str, str]:
   raise AssertionError("xla is always available")
 
 
+# (backend, platform) pairs the log has named: the block calls gmm with auto's pick by name, said once already.
+_named: set[tuple[str, str]] = set()
+
+
 @functools.cache
 def _resolve(name: str, platform: str):
   if name not in CHOICES:
@@ -113,11 +117,14 @@ def _resolve(name: str, platform: str):
   if name == "auto":
     picked, why = _auto(platform)
     _log(f"grouped-GEMM backend auto -> {picked} ({why})")
+    _named.add((picked, platform))
     return _import_backend(picked)
   reason = unavailable_reason(name)
   if reason is not None:
     raise BackendUnavailable(f"grouped-GEMM backend {name!r} is unavailable here: {reason}")
-  _log(f"grouped-GEMM backend {name}")
+  if (name, platform) not in _named:
+    _log(f"grouped-GEMM backend {name}")
+    _named.add((name, platform))
   return _import_backend(name)
 
 

@@ -1,0 +1,71 @@
+"""What a run prints at the default verbosity, and what `verbose=true` adds back.
+
+Upstream logs through absl at INFO: its own per-step line (`completed step: N, ...`, counted from 0, beside our
+`[progress]` line counted from 1), the system information, the checkpoint manager's steps, memory statistics that
+fail on CPU ("Memstats unavailable, error: 'NoneType' object is not subscriptable"), and orbax about a dozen lines a
+save. Measured on the quick start before this module: 62 of its 119 lines. At the default verbosity these go
+through the logging levels, not prints:
+
+  absl's logger at WARNING      upstream's and orbax's INFO lines (set once upstream's absl flags are parsed);
+                                its warnings and errors still show
+  XLA's C++ log at WARNING      TF_CPP_MIN_LOG_LEVEL=1 unless the environment sets it (upstream's package sets
+                                0, which prints each PjRt client's device count); read when jax is imported
+  UpstreamNoise                 orbax's per-file INFO lines and a full disk's tracebacks from orbax's writer
+                                threads (our one line says it), in any mode; without verbose, the upstream
+                                warnings a user cannot act on (upstream's own deprecated call into orbax)
+
+`verbose=true` keeps absl at INFO, as upstream runs. Upstream's bare prints are the patches' business
+(patches/quiet_notices.py, patches/quiet_tflops.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+
+# Upstream warnings that say nothing a user can change: upstream 0.2.5 passes dataset_type to its own checkpointer
+# factory (maxtext/common/checkpointing.py ~551), which then warns that the argument is deprecated.
+UNACTIONABLE = ("Specifying dataset_type upon checkpointer creation is deprecated",)
+
+
+def before_jax(environ: dict[str, str] | None = None) -> None:
+  """XLA's C++ INFO lines off unless the user's environment says otherwise; before jax is first imported."""
+  (os.environ if environ is None else environ).setdefault(CPP_LOG_LEVEL, "1")
+
+
+def upstream_logging(verbose: bool) -> None:
+  """absl's level for the run: INFO with verbose, else WARNING. Called inside absl's app.run, whose flag
+  parsing sets absl's verbosity from its own `--verbosity` default."""
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  absl_logging.set_verbosity(absl_logging.INFO if verbose else absl_logging.WARNING)
+
+
+class UpstreamNoise(logging.Filter):
+  """Orbax's per-file INFO lines (about 12 a save), the full-disk tracebacks orbax's writer threads each log
+  (patches/checkpoint_guard.SaveFailed says it once), and without verbose upstream's unactionable warnings."""
+
+  def __init__(self, verbose: bool = False):
+    super().__init__()
+    self.verbose = verbose
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if not self.verbose and any(words in message for words in UNACTIONABLE):
+      return False
+    if "/orbax/" not in record.pathname:
+      return True
+    if record.levelno < logging.WARNING:
+      return False
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    return not any(words in message for words in checkpoint_guard.NO_SPACE_WORDS)
+
+
+def install_filter(verbose: bool) -> None:
+  absl = logging.getLogger("absl")
+  for old in [f for f in absl.filters if isinstance(f, UpstreamNoise)]:
+    absl.removeFilter(old)
+  absl.addFilter(UpstreamNoise(verbose))
