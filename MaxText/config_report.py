@@ -1,6 +1,6 @@
 """What `python -m MaxText.train --help` and `--print-config` print.
 
---help: usage, the flags, the exit codes, and our keys with their descriptions
+--help: usage, the flags, the exit codes (MaxText/lifecycle.py's), and our keys with their descriptions
 (ForkConfig's pydantic `Field(description=...)`); upstream's ~900 keys are
 listed by --print-config, not here.
 
@@ -11,6 +11,7 @@ keys), one `key = value  # source` line each. Nothing is compiled or written.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import typing
@@ -19,25 +20,57 @@ from typing import Any, Mapping
 from MaxText import config as fork_config
 from MaxText import xla_presets
 
-USAGE = """\
-usage: python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=value ...]
+USAGE = "python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=value ...]"
+DESCRIPTION = """\
+Trains a config: ours and upstream MaxText's keys, checked before anything is compiled or written.
 
   config.yml      a run config (default: {default}); a relative path that is not
                   found from here is looked up in the shipped configs/
-  key=value       overrides, ours and upstream MaxText's alike (no leading dashes: steps=3)
-  --print-config  print the merged config, each value with where it came from; exit
-  --dry-run       validate everything (config, presets, launch environment, devices,
-                  upstream's checks), then exit before compiling or writing anything;
-                  a recipe for GPUs this machine lacks is checked against its own GPU
-                  count, and python -m MaxText.plan checks its devices and memory
-  -h, --help      this text
+  key=value       overrides, ours and upstream MaxText's alike (no leading dashes: steps=3)"""
+FLAGS = ("--print-config", "--dry-run")
 
-exit codes:
-  0  done (training finished, or --print-config / --dry-run passed)
-  2  bad config or launch environment: one line naming the key, value or path
-  3  the installed upstream MaxText is not the version a patch was written for
-  other  a failure inside the run (traceback on stderr)
-"""
+
+class CommandLineError(ValueError):
+  """A command line argparse refuses, or an option it does not know: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):  # argparse would print its usage and exit; the entry point says one line
+    raise CommandLineError(message)
+
+
+def train_parser() -> argparse.ArgumentParser:
+  """`python -m MaxText.train`'s options; the config and its key=value overrides are the other arguments
+  (parse_known_args), read by MaxText/config.py."""
+  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+
+  parser = _Parser(prog="python -m MaxText.train", usage=USAGE, add_help=False, allow_abbrev=False,
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   description=DESCRIPTION.format(default=fork_config.DEFAULT_CONFIG.relative_to(
+                       fork_config.REPO_CONFIGS.parent)),
+                   epilog="\n".join(["exit codes:", *lifecycle.exit_code_lines()]))
+  parser.add_argument("--print-config", action="store_true",
+                      help="print the merged config, each value with where it came from; exit")
+  parser.add_argument("--dry-run", action="store_true",
+                      help="validate everything (config, presets, launch environment, devices, upstream's checks), "
+                      "then exit before compiling or writing anything; a recipe for GPUs this machine lacks is checked "
+                      "against its own GPU count, and the printed plan command checks its devices and memory")
+  parser.add_argument("-h", "--help", action="store_true", help="this text, and our keys")
+  return parser
+
+
+def parse_command_line(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """(our options, the config and key=value overrides); CommandLineError naming the argument."""
+  options, rest = train_parser().parse_known_args(args)
+  for arg in rest:
+    if arg.startswith("--") and "=" in arg:  # --steps=3: an override written as an option
+      raise CommandLineError(f"argument '{arg}': overrides are key=value without dashes ({arg.lstrip('-')})")
+    if arg.startswith("--"):
+      raise CommandLineError(f"option '{arg}' is not one of {', '.join(FLAGS)} (or --help)")
+  if options.print_config and options.dry_run:
+    raise CommandLineError(f"options {' and '.join(FLAGS)}: use one of them")
+  return options, rest
+
 
 DISTRIBUTED_KEY = "skip_jax_distributed_system"  # base.yml: false
 # Upstream keys our loader fills when the user does not (MaxText/config.py, local_first_defaults).
@@ -62,7 +95,7 @@ def key_lines() -> list[str]:
 
 def help_text() -> str:
   return "\n".join([
-      USAGE.format(default=fork_config.DEFAULT_CONFIG.relative_to(fork_config.REPO_CONFIGS.parent)),
+      train_parser().format_help(),
       "maxtext-moe keys (upstream never sees them; upstream's keys: --print-config):",
       *key_lines(),
   ])

@@ -14,9 +14,10 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from MaxText import checkpoint_compat
 from MaxText import config as fork_config
@@ -204,7 +205,8 @@ def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
   return applied, validate_with_upstream(run)
 
 
-def dry_run_report(run: fork_config.RunConfig, process: launch.ProcessInfo, elsewhere: str | None) -> list[str]:
+def dry_run_report(run: fork_config.RunConfig, process: launch.ProcessInfo, elsewhere: str | None,
+                   overrides: Sequence[str] = ()) -> list[str]:
   """What a dry run checked, and (for GPU runs) what it could not and the command that does."""
   launched = f"launch ({process.scheduler}, process {process.process_id} of {process.num_processes})"
   gpus = run.fork.recipe_num_gpus
@@ -212,25 +214,50 @@ def dry_run_report(run: fork_config.RunConfig, process: launch.ProcessInfo, else
   lines = [f"dry run: config, presets, {launched}{mesh} and upstream's checks pass; nothing compiled or written"]
   if elsewhere or str(run.upstream.get("hardware")).startswith("gpu"):
     unchecked = f"the devices ({elsewhere}) and the memory" if elsewhere else "the memory"
-    again = " (with the same key=value overrides)" if "command line" in run.origins.values() else ""
-    target = f"its {gpus} GPUs" if gpus else "its GPUs"
-    lines.append(f"dry run: not checked here: {unchecked}; python -m MaxText.plan {_shown_path(run.config_path)}"
-                 f"{again} compiles the train step for {target} and checks {'both' if elsewhere else 'it'}")
+    command, target = plan_command(run, overrides)
+    lines.append(f"dry run: not checked here: {unchecked}; {command} compiles the train step for {target} and "
+                 f"checks {'both' if elsewhere else 'it'}")
   return lines
 
 
-def _shown_path(path: Path) -> str:
-  """The config as a user would type it here: relative to the working directory, else as shipped."""
-  for base, prefix in ((Path.cwd(), ""), (fork_config.REPO_CONFIGS.resolve(), "configs/")):
+# A GPU count and GPU the planner takes where a config names neither: one 8-GPU H100 node.
+PLAN_DEFAULTS = {"recipe_num_gpus": 8, "target_gpu": "h100"}
+
+
+def plan_command(run: fork_config.RunConfig, overrides: Sequence[str] = ()) -> tuple[str, str]:
+  """(the planner command for this run as a user types it here, what it plans for). scripts/plan.sh where this
+  checkout has it (it installs the GPU compiler the compile-only targets need), else python -m MaxText.plan; the
+  command line's key=value overrides come along; a config whose mesh leaves the GPU count open gets
+  PLAN_DEFAULTS, said as such."""
+  script = fork_config.REPO_CONFIGS.resolve().parent / "scripts" / "plan.sh"
+  words = [_shown_path(script, configs=False) if script.is_file() else "python -m MaxText.plan",
+           _shown_path(run.config_path), *map(shlex.quote, overrides)]
+  gpus, target = run.fork.recipe_num_gpus, f"its {run.fork.recipe_num_gpus} GPUs"
+  if not gpus and any(v == -1 for v in {**launch.mesh_axes(run.upstream, "ici_"),
+                                         **launch.mesh_axes(run.upstream, "dcn_")}.values()):
+    added = {k: v for k, v in PLAN_DEFAULTS.items() if not getattr(run.fork, k)}
+    words += [f"{k}={v}" for k, v in added.items()]
+    target = f"one node of {PLAN_DEFAULTS['recipe_num_gpus']} {str(run.fork.target_gpu or 'h100').upper()}s " \
+             "(set recipe_num_gpus and target_gpu to your cluster's)"
+  elif not gpus:
+    target = "its GPUs"
+  return " ".join(words), target
+
+
+def _shown_path(path: Path, configs: bool = True) -> str:
+  """A path as a user would type it here: relative to the working directory, else (a config) as shipped."""
+  bases = ((Path.cwd(), ""), (fork_config.REPO_CONFIGS.resolve(), "configs/")) if configs else ((Path.cwd(), ""),)
+  for base, prefix in bases:
     if path.is_relative_to(base):
       return prefix + str(path.relative_to(base))
   return str(path)
 
 
 def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
-                 dry_run: bool = False) -> dict[str, Any]:
+                 dry_run: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
-  `dry_run`, stops after every check, before writing or compiling."""
+  `dry_run`, stops after every check, before writing or compiling (`overrides`: the command line's key=value
+  arguments, for the plan command it prints)."""
   import patches  # pylint: disable=import-outside-toplevel
   from patches import checkpoint_guard, checkpoint_restore, metric_logger, moe_profile, step_metrics  # pylint: disable=import-outside-toplevel
 
@@ -262,7 +289,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   if dry_run:
     for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
       log(line)
-    for line in dry_run_report(run, process, elsewhere):
+    for line in dry_run_report(run, process, elsewhere, overrides):
       log(line)
     return {}
 
@@ -435,15 +462,14 @@ def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
 
 def main(argv: list[str] | None = None) -> int:
   """Runs; returns one of MaxText/lifecycle.py's exit codes (README "Exit codes")."""
-  args = sys.argv[1:] if argv is None else list(argv)
-  if any(a in ("-h", "--help") for a in args):
-    print(config_report.help_text())
-    return 0
-  flags = [a for a in args if a.startswith("--")]
-  args = [a for a in args if not a.startswith("--")]
-  if (flag_error := _flag_error(flags)) is not None:
-    print(f"maxtext-moe: config error: {flag_error}", file=sys.stderr)
+  try:
+    options, args = config_report.parse_command_line(sys.argv[1:] if argv is None else list(argv))
+  except config_report.CommandLineError as e:
+    print(f"maxtext-moe: config error: {e}", file=sys.stderr)
     return lifecycle.EXIT_CONFIG
+  if options.help:
+    print(config_report.help_text())
+    return lifecycle.EXIT_OK
   # Local-first: never reach for Google Cloud clients. Set before the config is
   # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
   # would otherwise bind the real storage client, and upload_dump would call it).
@@ -463,10 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     stop.install(multi_process=launch.discover(os.environ).multi_process)
     run = fork_config.load(args)
     _quiet_unless_verbose(run.fork.verbose)
-    if "--print-config" in flags:
+    if options.print_config:
       print("\n".join(print_config(run)))
       return lifecycle.EXIT_OK
-    summary = run_training(run, stop, dry_run="--dry-run" in flags)
+    summary = run_training(run, stop, dry_run=options.dry_run, overrides=[a for a in args if "=" in a])
   except fork_config.ConfigError as e:
     return fail(lifecycle.EXIT_CONFIG, f"config error: {e}")
   except UpstreamMismatch as e:  # a patch refusing an upstream it was not written for
@@ -493,21 +519,6 @@ def main(argv: list[str] | None = None) -> int:
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
     _exit_now(lifecycle.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
-
-
-FLAGS = ("--print-config", "--dry-run")
-
-
-def _flag_error(flags: list[str]) -> str | None:
-  """What is wrong with the command line's --options, naming the argument; None if nothing."""
-  for flag in flags:
-    if "=" in flag:  # --steps=3: an override written as an option
-      return f"argument '{flag}': overrides are key=value without dashes ({flag.lstrip('-')})"
-    if flag not in FLAGS:
-      return f"option '{flag}' is not one of {', '.join(FLAGS)} (or --help)"
-  if len(set(flags)) > 1:
-    return f"options {' and '.join(FLAGS)}: use one of them"
-  return None
 
 
 def _quiet_unless_verbose(verbose: bool) -> None:
@@ -588,7 +599,11 @@ def _abort_on_second_sigint() -> None:
 
 
 def cli() -> None:
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except BrokenPipeError:  # a reader that stopped early (`--help | head`): no traceback
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(lifecycle.EXIT_ERROR)
 
 
 if __name__ == "__main__":

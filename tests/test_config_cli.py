@@ -48,6 +48,11 @@ def test_help_lists_our_keys_and_the_exit_codes(tmp_path):
   for name, field in fork_config.ForkConfig.model_fields.items():
     assert f"  {name} (" in proc.stdout and field.description in proc.stdout
   assert "exit codes:" in proc.stdout and "  2  bad config" in proc.stdout
+  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+
+  for code, meaning in lifecycle.EXIT_CODES.items():  # every code the entry point returns, from its constants
+    assert f"\n  {code:>3}  {meaning}\n" in proc.stdout, code
+  assert set(lifecycle.EXIT_CODES) == {v for k, v in vars(lifecycle).items() if k.startswith("EXIT_") and isinstance(v, int)}
   assert "--print-config" in proc.stdout and "--dry-run" in proc.stdout
 
 
@@ -184,8 +189,8 @@ def test_every_recipe_prints_and_dry_runs_without_its_gpus(tmp_path, recipe):
       f"[maxtext-moe] dry run: config, presets, launch (single, process 0 of 1), the mesh against the recipe's "
       f"{gpus} GPUs and upstream's checks pass; nothing compiled or written",
       f"[maxtext-moe] dry run: not checked here: the devices (the recipe is for {gpus} GPUs, {nodes} nodes of 8; "
-      f"this machine has 1 CPU device) and the memory; python -m MaxText.plan {shipped} (with the same key=value "
-      f"overrides) compiles the train step for its {gpus} GPUs and checks both"]
+      f"this machine has 1 CPU device) and the memory; {REPO}/scripts/plan.sh {shipped} "
+      f"base_output_directory={tmp_path / 'outputs'} compiles the train step for its {gpus} GPUs and checks both"]
   assert not (tmp_path / "outputs").exists()
 
 

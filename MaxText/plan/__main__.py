@@ -24,46 +24,81 @@ for CPU ones (each swap is printed). Past 64 simulated devices the step is only
 lowered: every sharding is checked against its array (a mesh a parameter cannot
 be split over is an error naming the parameter), nothing is compiled.
 
-Options:
-  --json PATH       also write the report as JSON (to PATH.tmp, then renamed)
-  --timeout S       give up a compile after S seconds (default 1800)
-  --heartbeat S     while a compile runs, a line every S seconds naming its phase (default 30; 0: none)
-  --hlo PATH        keep the compiled HLO text
-  --mock            compile on this machine's GPU with a mocked topology, even where a
-                    compile-only target exists (a cross-check of the two)
-  --cpu             simulated CPU devices only (lowered only past 64): a quick check that every
-                    sharding fits its array, no GPU compiler
-  --search          try other layouts in the same GPU count and rank those that fit
-                    (MaxText/plan/search.py)
 Bad input (one line naming the key, exit 2): a mesh that does not multiply to
 the GPU count, experts that do not split over EP, a config upstream or the
-compiler rejects.
+compiler rejects. SIGINT (Ctrl-C) and SIGTERM end the compile child and remove
+the temporary folders (/tmp/maxtext-plan-*), with one line: exit 130 or 143.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
+from MaxText import lifecycle
 from MaxText.plan import planner, search
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
+EXIT_CODES = {
+    lifecycle.EXIT_OK: "planned (the report printed), or --help",
+    lifecycle.EXIT_ERROR: "anything unexpected (a traceback on stderr)",
+    lifecycle.EXIT_CONFIG: "bad config or option, or a compile that failed or ran past --timeout: one `plan error:` line",
+    lifecycle.EXIT_ABORTED: "Ctrl-C (SIGINT): the compile child stopped and the temporary folder removed, one line",
+    EXIT_TERMINATED: "SIGTERM: the same",
+}
 
-def _take(args: list[str], flag: str, has_value: bool = True) -> Any:
-  if flag not in args:
-    return None
-  i = args.index(flag)
-  if not has_value:
-    del args[i]
-    return True
-  if i + 1 >= len(args):
-    raise fork_config.ConfigError(f"{flag} needs a value")
-  value = args[i + 1]
-  del args[i : i + 2]
-  return value
+
+class PlanArgumentError(ValueError):
+  """A command line argparse refuses: one `plan error:` line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):  # argparse would print its usage and exit; main says one line
+    raise PlanArgumentError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+  """The planner's options; the config and its key=value overrides are the other arguments (parse_known_args)."""
+  intro, _, rest = __doc__.strip().partition("\n\n")
+  p = _Parser(prog="python -m MaxText.plan", usage="%(prog)s <config.yml> [key=value ...] [options]",
+              description=f"{intro}\n\n{rest}", add_help=False, allow_abbrev=False,
+              formatter_class=argparse.RawDescriptionHelpFormatter,
+              epilog="\n".join(["exit codes:", *lifecycle.exit_code_lines(EXIT_CODES)]))
+  p.add_argument("--json", metavar="PATH", help="also write the report as JSON (to PATH.tmp, then renamed)")
+  p.add_argument("--timeout", metavar="S", help=f"give up a compile after S seconds (default {planner.DEFAULT_TIMEOUT_S:.0f})")
+  p.add_argument("--heartbeat", metavar="S", help="while a compile runs, a line every S seconds naming its phase "
+                 f"(default {planner.HEARTBEAT_S:.0f}; 0: none)")
+  p.add_argument("--hlo", metavar="PATH", help="keep the compiled HLO text")
+  p.add_argument("--mock", action="store_true", help="compile on this machine's GPU with a mocked topology, even "
+                 "where a compile-only target exists (a cross-check of the two)")
+  p.add_argument("--cpu", action="store_true", help="simulated CPU devices only (lowered only past 64): a quick check "
+                 "that every sharding fits its array, no GPU compiler")
+  p.add_argument("--search", action="store_true", help="try other layouts in the same GPU count and rank those that "
+                 "fit (MaxText/plan/search.py)")
+  p.add_argument("-h", "--help", action="store_true", help="this text")
+  return p
+
+
+class Stopped(BaseException):
+  """SIGINT or SIGTERM, raised in the main thread wherever it is. Not an Exception, so no `except Exception` on
+  its way catches it: the `with` blocks and compile_in_child's handler clean up as it passes (the compile child,
+  in a session of its own, never sees the terminal's Ctrl-C)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+def _stop(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
+  for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt the clean-up
+    signal.signal(sig, signal.SIG_IGN)
+  raise Stopped(signum)
 
 
 def _seconds(flag: str, value: str) -> float:
@@ -99,34 +134,47 @@ def _can_create_in(directory: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = sys.argv[1:] if argv is None else list(argv)
-  if not args or args[0] in ("-h", "--help"):
-    print(__doc__.strip())
-    return 0
-  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  """Plans; returns one of EXIT_CODES. SIGINT and SIGTERM stop it cleanly (Stopped), while main runs."""
+  previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
-    json_path = _output("--json", _take(args, "--json"))
-    hlo_path = _output("--hlo", _take(args, "--hlo"))
-    timeout = _take(args, "--timeout")
-    heartbeat = _take(args, "--heartbeat")
-    do_search = _take(args, "--search", has_value=False)
-    mock, cpu = (bool(_take(args, flag, has_value=False)) for flag in ("--mock", "--cpu"))
-    if mock and cpu:
+    return _main(sys.argv[1:] if argv is None else list(argv))
+  except Stopped as e:
+    name = signal.Signals(e.signum).name
+    print(f"maxtext-moe: plan stopped by {name}: the compile was ended and its temporary files removed",
+          file=sys.stderr, flush=True)
+    return lifecycle.EXIT_ABORTED if e.signum == signal.SIGINT else EXIT_TERMINATED
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def _main(args: list[str]) -> int:
+  try:
+    options, args = parser().parse_known_args(args)
+    if options.help or not args:
+      print(parser().format_help())
+      return lifecycle.EXIT_OK
+    if unknown := [a for a in args if a.startswith("--")]:
+      raise PlanArgumentError(f"option '{unknown[0]}' is not one of the planner's (--help lists them); overrides "
+                              "are key=value without dashes")
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+    json_path, hlo_path = _output("--json", options.json), _output("--hlo", options.hlo)
+    if options.mock and options.cpu:
       raise fork_config.ConfigError("--mock and --cpu exclude each other")
-    timeout_s = planner.DEFAULT_TIMEOUT_S if timeout is None else _seconds("--timeout", timeout)
-    heartbeat_s = planner.HEARTBEAT_S if heartbeat is None else _seconds("--heartbeat", heartbeat)
-    if do_search:
+    timeout_s = planner.DEFAULT_TIMEOUT_S if options.timeout is None else _seconds("--timeout", options.timeout)
+    heartbeat_s = planner.HEARTBEAT_S if options.heartbeat is None else _seconds("--heartbeat", options.heartbeat)
+    if options.search:
       return search.main(args, timeout_s, json_path, heartbeat_s)
-    report = planner.plan(args, timeout_s, hlo_path, mode="mock" if mock else "cpu" if cpu else "auto",
+    report = planner.plan(args, timeout_s, hlo_path, mode="mock" if options.mock else "cpu" if options.cpu else "auto",
                           heartbeat_s=heartbeat_s)
-  except ValueError as e:  # ConfigError, PlanError, a bad --timeout
+  except ValueError as e:  # ConfigError, PlanError, a bad option
     print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return lifecycle.EXIT_CONFIG
   planner.print_report(report)
   if json_path:
     planner.write_json(report, json_path)
     planner.log(f"wrote {json_path}")
-  return 0
+  return lifecycle.EXIT_OK
 
 
 if __name__ == "__main__":

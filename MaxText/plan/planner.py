@@ -142,6 +142,10 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
         proc.wait()
         raise aot.PlanError(f"compile ran past --timeout {timeout_s:.0f} s: raise --timeout, or plan fewer "
                             "layers (base_num_decoder_layers) to see the trend") from None
+      except BaseException:  # Ctrl-C or SIGTERM (MaxText/plan/__main__.py Stopped): the child, in its own session,
+        os.killpg(proc.pid, signal.SIGKILL)  # never saw it; it goes before its folder does
+        proc.wait()
+        raise
     if rc == -signal.SIGKILL or rc == 137:
       raise aot.PlanError("compile was killed (host out of memory?): free host memory, or plan with scan_layers=true "
                           "and fewer devices per compile")
