@@ -4,6 +4,8 @@
 (ForkConfig's pydantic `Field(description=...)`); upstream's ~900 keys are
 listed by --print-config, not here.
 
+--dry-run: what it could not check here, and the planner command that does, as a user runs it.
+
 --print-config: the merged config a run would use, ours and upstream's (upstream's
 own resolution: base.yml, then the model file of `model_name`, then the run's
 keys), one `key = value  # source` line each. Nothing is compiled or written.
@@ -14,10 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import typing
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from MaxText import config as fork_config
+from MaxText import launch
 from MaxText import xla_presets
 
 USAGE = "python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=value ...]"
@@ -152,3 +157,70 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
       source = "upstream, derived"
     lines.append(f"{name} = {json.dumps(final[name], default=str)}  # {source}")
   return lines
+
+
+
+def print_config_checked(run: fork_config.RunConfig) -> list[str]:
+  """--print-config's lines; upstream's errors as one ConfigError line naming the key."""
+  from patches import config_errors  # pylint: disable=import-outside-toplevel
+
+  config_errors.apply()  # upstream's handler would exit (or raise past us) with its banner
+  try:
+    return print_config(run)
+  except fork_config.ConfigError:
+    raise
+  except (ValueError, TypeError, KeyError, AssertionError) as e:
+    from MaxText import config_checks  # pylint: disable=import-outside-toplevel
+
+    raise config_checks.upstream_error(run, e) from e
+
+
+# --- what a dry run says it could not check, and the command that does ---
+
+
+def dry_run_report(run: fork_config.RunConfig, process: Any, elsewhere: str | None,
+                   overrides: Sequence[str] = ()) -> list[str]:
+  """What a dry run checked, and (for GPU runs) what it could not and the command that does."""
+  launched = f"launch ({process.scheduler}, process {process.process_id} of {process.num_processes})"
+  gpus = run.fork.recipe_num_gpus
+  mesh = f", the mesh against the recipe's {gpus} GPUs" if elsewhere and gpus else ""
+  lines = [f"dry run: config, presets, {launched}{mesh} and upstream's checks pass; nothing compiled or written"]
+  if elsewhere or str(run.upstream.get("hardware")).startswith("gpu"):
+    unchecked = f"the devices ({elsewhere}) and the memory" if elsewhere else "the memory"
+    command, target = plan_command(run, overrides)
+    lines.append(f"dry run: not checked here: {unchecked}; {command} compiles the train step for {target} and "
+                 f"checks {'both' if elsewhere else 'it'}")
+  return lines
+
+
+# A GPU count and GPU the planner takes where a config names neither: one 8-GPU H100 node.
+PLAN_DEFAULTS = {"recipe_num_gpus": 8, "target_gpu": "h100"}
+
+
+def plan_command(run: fork_config.RunConfig, overrides: Sequence[str] = ()) -> tuple[str, str]:
+  """(the planner command for this run as a user types it here, what it plans for). scripts/plan.sh where this
+  checkout has it (it installs the GPU compiler the compile-only targets need), else python -m MaxText.plan; the
+  command line's key=value overrides come along; a config whose mesh leaves the GPU count open gets
+  PLAN_DEFAULTS, said as such."""
+  script = fork_config.REPO_CONFIGS.resolve().parent / "scripts" / "plan.sh"
+  words = [_shown_path(script, configs=False) if script.is_file() else "python -m MaxText.plan",
+           _shown_path(run.config_path), *map(shlex.quote, overrides)]
+  gpus, target = run.fork.recipe_num_gpus, f"its {run.fork.recipe_num_gpus} GPUs"
+  if not gpus and any(v == -1 for v in {**launch.mesh_axes(run.upstream, "ici_"),
+                                         **launch.mesh_axes(run.upstream, "dcn_")}.values()):
+    added = {k: v for k, v in PLAN_DEFAULTS.items() if not getattr(run.fork, k)}
+    words += [f"{k}={v}" for k, v in added.items()]
+    target = f"one node of {PLAN_DEFAULTS['recipe_num_gpus']} {str(run.fork.target_gpu or 'h100').upper()}s " \
+             "(set recipe_num_gpus and target_gpu to your cluster's)"
+  elif not gpus:
+    target = "its GPUs"
+  return " ".join(words), target
+
+
+def _shown_path(path: Path, configs: bool = True) -> str:
+  """A path as a user would type it here: relative to the working directory, else (a config) as shipped."""
+  bases = ((Path.cwd(), ""), (fork_config.REPO_CONFIGS.resolve(), "configs/")) if configs else ((Path.cwd(), ""),)
+  for base, prefix in bases:
+    if path.is_relative_to(base):
+      return prefix + str(path.relative_to(base))
+  return str(path)

@@ -14,9 +14,7 @@ import json
 import logging
 import math
 import os
-import shlex
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from MaxText import checkpoint_compat
@@ -205,54 +203,6 @@ def apply_patches_and_validate(run: fork_config.RunConfig, hooks=None):
   return applied, validate_with_upstream(run)
 
 
-def dry_run_report(run: fork_config.RunConfig, process: launch.ProcessInfo, elsewhere: str | None,
-                   overrides: Sequence[str] = ()) -> list[str]:
-  """What a dry run checked, and (for GPU runs) what it could not and the command that does."""
-  launched = f"launch ({process.scheduler}, process {process.process_id} of {process.num_processes})"
-  gpus = run.fork.recipe_num_gpus
-  mesh = f", the mesh against the recipe's {gpus} GPUs" if elsewhere and gpus else ""
-  lines = [f"dry run: config, presets, {launched}{mesh} and upstream's checks pass; nothing compiled or written"]
-  if elsewhere or str(run.upstream.get("hardware")).startswith("gpu"):
-    unchecked = f"the devices ({elsewhere}) and the memory" if elsewhere else "the memory"
-    command, target = plan_command(run, overrides)
-    lines.append(f"dry run: not checked here: {unchecked}; {command} compiles the train step for {target} and "
-                 f"checks {'both' if elsewhere else 'it'}")
-  return lines
-
-
-# A GPU count and GPU the planner takes where a config names neither: one 8-GPU H100 node.
-PLAN_DEFAULTS = {"recipe_num_gpus": 8, "target_gpu": "h100"}
-
-
-def plan_command(run: fork_config.RunConfig, overrides: Sequence[str] = ()) -> tuple[str, str]:
-  """(the planner command for this run as a user types it here, what it plans for). scripts/plan.sh where this
-  checkout has it (it installs the GPU compiler the compile-only targets need), else python -m MaxText.plan; the
-  command line's key=value overrides come along; a config whose mesh leaves the GPU count open gets
-  PLAN_DEFAULTS, said as such."""
-  script = fork_config.REPO_CONFIGS.resolve().parent / "scripts" / "plan.sh"
-  words = [_shown_path(script, configs=False) if script.is_file() else "python -m MaxText.plan",
-           _shown_path(run.config_path), *map(shlex.quote, overrides)]
-  gpus, target = run.fork.recipe_num_gpus, f"its {run.fork.recipe_num_gpus} GPUs"
-  if not gpus and any(v == -1 for v in {**launch.mesh_axes(run.upstream, "ici_"),
-                                         **launch.mesh_axes(run.upstream, "dcn_")}.values()):
-    added = {k: v for k, v in PLAN_DEFAULTS.items() if not getattr(run.fork, k)}
-    words += [f"{k}={v}" for k, v in added.items()]
-    target = f"one node of {PLAN_DEFAULTS['recipe_num_gpus']} {str(run.fork.target_gpu or 'h100').upper()}s " \
-             "(set recipe_num_gpus and target_gpu to your cluster's)"
-  elif not gpus:
-    target = "its GPUs"
-  return " ".join(words), target
-
-
-def _shown_path(path: Path, configs: bool = True) -> str:
-  """A path as a user would type it here: relative to the working directory, else (a config) as shipped."""
-  bases = ((Path.cwd(), ""), (fork_config.REPO_CONFIGS.resolve(), "configs/")) if configs else ((Path.cwd(), ""),)
-  for base, prefix in bases:
-    if path.is_relative_to(base):
-      return prefix + str(path.relative_to(base))
-  return str(path)
-
-
 def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
                  dry_run: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
@@ -289,7 +239,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   if dry_run:
     for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
       log(line)
-    for line in dry_run_report(run, process, elsewhere, overrides):
+    for line in config_report.dry_run_report(run, process, elsewhere, overrides):
       log(line)
     return {}
 
@@ -490,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     run = fork_config.load(args)
     _quiet_unless_verbose(run.fork.verbose)
     if options.print_config:
-      print("\n".join(print_config(run)))
+      print("\n".join(config_report.print_config_checked(run)))
       return lifecycle.EXIT_OK
     summary = run_training(run, stop, dry_run=options.dry_run, overrides=[a for a in args if "=" in a])
   except fork_config.ConfigError as e:
@@ -530,19 +480,6 @@ def _quiet_unless_verbose(verbose: bool) -> None:
   quiet_notices.release(show=verbose)
   if not verbose:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
-def print_config(run: fork_config.RunConfig) -> list[str]:
-  """--print-config's lines; upstream's errors as one ConfigError line naming the key."""
-  from patches import config_errors  # pylint: disable=import-outside-toplevel
-
-  config_errors.apply()  # upstream's handler would exit (or raise past us) with its banner
-  try:
-    return config_report.print_config(run)
-  except fork_config.ConfigError:
-    raise
-  except (ValueError, TypeError, KeyError, AssertionError) as e:
-    raise config_checks.upstream_error(run, e) from e
 
 
 def check_data_on_process_0(run: fork_config.RunConfig, config: Any, process_id: int) -> None:

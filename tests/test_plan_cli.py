@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 from MaxText import config as fork_config
 from MaxText import launch
-from MaxText import train
+from MaxText import config_report
 from MaxText.plan import __main__ as plan_cli
 from MaxText.plan import planner
 
@@ -123,7 +123,7 @@ class _Compiling(Exception):
 
 
 def test_every_dry_run_plan_hint_of_the_shipped_gpu_configs_passes_the_planners_checks(monkeypatch):
-  """For each shipped GPU config, the plan command its dry run prints (MaxText/train.py plan_command), run as
+  """For each shipped GPU config, the plan command its dry run prints (MaxText/config_report.py plan_command), run as
   printed through the planner's own main up to the compile (every check before it: the command line, the config,
   the GPU count, the mesh, the target). The compile itself is the slow test below, for the config whose hint
   needed more than its name (upstream-model.yml: no GPU count)."""
@@ -137,7 +137,7 @@ def test_every_dry_run_plan_hint_of_the_shipped_gpu_configs_passes_the_planners_
 
   monkeypatch.setattr(planner, "compile_in_child", compile_in_child)
   for path in GPU_CONFIGS:
-    command, _ = train.plan_command(fork_config.load([str(path)]))
+    command, _ = config_report.plan_command(fork_config.load([str(path)]))
     words = shlex.split(command)
     assert words[0] == "scripts/plan.sh", command  # the script that installs the GPU compiler
     with pytest.raises(_Compiling):
@@ -149,7 +149,7 @@ def test_the_dry_run_prints_the_plan_command_with_the_command_lines_overrides(mo
   monkeypatch.chdir(REPO)
   run = fork_config.load(["configs/upstream-model.yml", "model_name=mixtral-8x7b"])
   process = launch.ProcessInfo(scheduler="single", coordinator_address=None, num_processes=1, process_id=0)
-  lines = train.dry_run_report(run, process, "hardware=gpu, this machine has 1 CPU device", ["model_name=mixtral-8x7b"])
+  lines = config_report.dry_run_report(run, process, "hardware=gpu, this machine has 1 CPU device", ["model_name=mixtral-8x7b"])
   assert lines[1].endswith("; scripts/plan.sh configs/upstream-model.yml model_name=mixtral-8x7b recipe_num_gpus=8 "
                            "target_gpu=h100 compiles the train step for one node of 8 H100s (set recipe_num_gpus and "
                            "target_gpu to your cluster's) and checks both")
