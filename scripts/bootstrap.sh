@@ -28,7 +28,7 @@ install_gpu_plan() {  # idempotent: the plugin in <venv>/gpu-plan, outside site-
   local site="$venv/gpu-plan" want
   want="$(sha256sum < "$repo/requirements/gpu-plan.txt" | cut -d' ' -f1)"
   [ "$(cat "$site/.stamp" 2>/dev/null)" = "$want" ] && return 0
-  say "installing requirements/gpu-plan.txt into $site (jax's CUDA compiler plugin, ~140 MB)"
+  say "installing requirements/gpu-plan.txt into $site (jax's CUDA compiler plugin, ~410 MB)"
   rm -rf "$site"
   pipq install -q --no-deps --require-hashes --target "$site" -r "$repo/requirements/gpu-plan.txt"
   echo "$want" > "$site/.stamp"
@@ -86,7 +86,7 @@ fi
 say "creating $venv with $py"
 "$py" -m venv --clear "$venv"
 pipq install -q --upgrade pip
-say "installing requirements/lock.txt (about 130 packages, a minute or two the first time)"
+say "installing requirements/lock.txt (about 130 packages, 1.6 GB: a few minutes the first time)"
 pipq install -q --no-deps -r "$lock"
 pipq install -q --no-deps --no-build-isolation -e "$repo"
 pipq check || say "warning: pip check reported the conflicts above"

@@ -44,10 +44,10 @@
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
 # Each item has a time limit (GPU_CHECK_LIMIT_S, default 240 s); logs go to
-# $GPU_CHECK_OUT (default /tmp/gpu_checks), and a table of results is printed last.
+# $GPU_CHECK_OUT (default outputs/gpu_checks under the repository), and a table of results is printed last.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${GPU_CHECK_OUT:-/tmp/gpu_checks}"
+out="${GPU_CHECK_OUT:-$repo/outputs/gpu_checks}"
 limit="${GPU_CHECK_LIMIT_S:-240}"
 steps="${GPU_CHECK_STEPS:-8}"
 mkdir -p "$out"

@@ -31,7 +31,7 @@ from pathlib import Path
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "data" / "gpu_targets"
 # Where scripts/bootstrap.sh --gpu-plan installs the plugin (requirements/gpu-plan.txt).
 GPU_PLAN_SITE = Path(os.environ.get("MAXTEXT_MOE_GPU_PLAN_SITE", Path(sys.prefix) / "gpu-plan"))
-INSTALL_HINT = "scripts/bootstrap.sh --gpu-plan (installs jax's CUDA compiler plugin, ~140 MB, no GPU needed)"
+INSTALL_HINT = "scripts/bootstrap.sh --gpu-plan (installs jax's CUDA compiler plugin, ~410 MB, no GPU needed)"
 
 
 def config_path(gpu: str) -> Path | None:
