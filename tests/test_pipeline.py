@@ -260,14 +260,14 @@ def test_resume_matches_and_another_pipeline_split_is_refused(tmp_path, weights,
 
 @pytest.mark.slow
 def test_without_pipeline_the_seam_changes_nothing(tmp_path):
-  """At ici/dcn_pipeline_parallelism = 1 the train step lowers to the same program with patches/pipeline_v3.py
-  applied as without it (none of its targets runs)."""
+  """At ici/dcn_pipeline_parallelism = 1 the train step lowers to the same program with patches/pipeline_v3.py and
+  patches/pipeline_mtp.py applied as without them (none of their targets acts)."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
 
   code = ("import sys, patches\n"
           "if sys.argv[1] == 'without':\n"
-          "  patches.SEAM_MODULES = tuple(m for m in patches.SEAM_MODULES if m != 'patches.pipeline_v3')\n"
+          "  patches.SEAM_MODULES = tuple(m for m in patches.SEAM_MODULES if not m.startswith('patches.pipeline_'))\n"
           "sys.path.insert(0, 'tests')\n"
           "from lower_train_step import lowered_train_step\n"
           "sys.stdout.write(lowered_train_step(sys.argv[2:]))\n")
@@ -291,6 +291,21 @@ PLAN_LAYOUTS = {
 }
 
 
+def _plan(tmp_path, *args):
+  """`python -m MaxText.plan` on simulated CPU devices: (the JSON report, the compiled HLO text)."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", *args, "moe_block=ours",
+                         "--cpu", "--json", str(tmp_path / "plan.json"), "--hlo", str(tmp_path / "plan.hlo")],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "plan.hlo").read_text(), proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(PLAN_LAYOUTS))
 def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path, layout):
@@ -298,28 +313,42 @@ def test_plan_reports_the_bubble_and_the_stage_permutes(tmp_path, layout):
   across nodes too; the compiled pipeline loop runs upstream's iteration count, its point-to-point transfers are
   collective-permutes over the stage axis, crossing nodes, and with EP across nodes the experts' all-to-all crosses
   nodes as well."""
-  import os  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-
-  path = tmp_path / "plan.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", *MODEL[:2],
-                         *PLAN_LAYOUTS[layout], "num_pipeline_microbatches=2", "per_device_batch_size=1",
-                         "max_target_length=32", "moe_block=ours", "--cpu", "--json", str(path)],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  report = json.loads(path.read_text())
+  report, _, stdout = _plan(tmp_path, *MODEL[:2], *PLAN_LAYOUTS[layout], "num_pipeline_microbatches=2",
+                            "per_device_batch_size=1", "max_target_length=32")
   p = report["pipeline"]
   assert (p["stages"], p["repeats"], p["microbatches"], p["iterations"]) == (2, 2, 2, 5)
   assert p["bubble_fraction"] == pytest.approx(1 / 5) and p["agrees"] and p["compiled_trip_counts"] == [5]
   assert 0.5 < p["pipelined_share"] < 1 and p["bubble_s"] > 0
   permutes = [r for r in report["collectives"] if r["kind"] == "collective-permute"]
   assert permutes and all(r["axes"] == ["stage"] and r["crosses_nodes"] for r in permutes), permutes
-  assert "pipeline: 2 stages x 2 repeats, 2 microbatches: 5 iterations, bubble 20.0%" in proc.stdout
+  assert "pipeline: 2 stages x 2 repeats, 2 microbatches: 5 iterations, bubble 20.0%" in stdout
   exchanges = [r for r in report["collectives"] if r["kind"] == "all-to-all" and "expert" in r["axes"]]
   assert exchanges and all(r["crosses_nodes"] == (layout == "ep_across_nodes") for r in exchanges), exchanges
+
+
+@pytest.mark.slow
+def test_a_device_gathers_across_stages_only_its_stages_share(tmp_path):
+  """The 1,024 x H100 PP8 x EP8 x FSDP16 layout in small (docs/pipeline.md): stages and FSDP over the nodes, EP inside,
+  MTP after the pipeline. No all-gather over a group spanning the stage axis returns more than a stage's share of
+  the batch's logits. Without patches/pipeline_mtp.py the MTP's logits gradient of the whole batch, f32[8, 64, 1024],
+  is all-gathered over all 8 devices (stage x fsdp x expert): at 1,024 GPUs that is bf16[1024, 4096, 129280], 1,010
+  GiB a GPU. The pipelined layers' weights are gathered over fsdp and expert only, one stage's at a time."""
+  from MaxText.plan import hlo_inventory  # pylint: disable=import-outside-toplevel
+
+  stages, batch, length, vocab = 2, 8, 64, 1024  # 8 devices x 1 sequence; MODEL's length; the tiny vocabulary
+  report, hlo, _ = _plan(tmp_path, *MODEL, "recipe_num_gpus=8", "gpus_per_node=2", "dcn_pipeline_parallelism=2",
+                         "dcn_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_pipeline_microbatches=2",
+                         "per_device_batch_size=1")
+  comps, _ = hlo_inventory.parse_module(hlo)
+  across = []  # (bytes a device receives, result type, axes) of every all-gather whose group spans stages
+  for instr in (i for comp in comps.values() for i in comp.instrs if hlo_inventory._kind(i.opcode) == "all-gather"):  # pylint: disable=protected-access
+    described = hlo_inventory.collective(instr, report["mesh"], report["nodes"], set())
+    if described and "stage" in described[0][1]:
+      across.append((described[2], instr.type_text, described[0][1]))
+  assert across, "the pipeline's own gathers over stage (its microbatch inputs) are missing: nothing was read"
+  share = batch * length * vocab * 4 / stages  # float32 logits of one stage's share of the batch
+  largest = max(across)
+  assert largest[0] <= share, (largest, share)
 
 
 # --- fast: the planner's reading of a pipeline ---------------------------------------------------
