@@ -134,6 +134,11 @@ def test_each_row_off_by_more_than_1_5x_carries_its_cause():
   assert causes[("all-reduce", ("data",))].startswith("microbatches: reduced in each of the 3 microbatches")
   assert causes[("all-to-all", ("expert",))] == "padding: the capacity-padded buffer, 2x the dropless minimum"
   assert causes[("collective-permute", ("fsdp",))] == "unexplained"
+  # An all-reduce over fsdp beside a reduce-scatter the program does run is no gradient reduced whole.
+  scattered = [dict(c, wire_bytes=SCATTER_FSDP) if c["kind"] == "reduce-scatter" and c["axes"] == ["fsdp"] else c
+               for c in collectives]
+  table = analytic_comms.compare(analytic_comms.expected(layout, MESH), scattered, layout)
+  assert {(r["kind"], tuple(r["axes"])): r["cause"] for r in table}[("all-reduce", ("data", "fsdp"))] == "unexplained"
   assert ("all-to-all", ("data", "fsdp")) not in causes
   assert analytic_comms.padding_lines(table, layout) == [
       "dispatch (a2a_padded): the compiler moves 3.938 MiB, the capacity-padded buffer 3.938 MiB, the dropless minimum "

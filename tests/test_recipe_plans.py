@@ -31,6 +31,9 @@ def test_the_header_block_and_the_row_say_every_axis_the_precision_and_the_plan(
   assert ("# Batch: 1 x 4096 tokens a GPU a microbatch, 15 microbatches; dispatch: hierarchical, capacity 1.5, "
           "node-limited routing") in lines
   assert "# Memory: 57.85 GiB a GPU of 72.00 usable: fits" in lines
+  marginal = {**_summary(), "memory": {**_summary()["memory"], "device_gib": 67.47, "marginal": True}}
+  assert ("# Memory: 67.47 GiB a GPU of 72.00 usable: fits, marginal (compile-only has read up to 9% low: confirm "
+          "with --mock)") in summary.header_lines(marginal, "p.json")
   assert "# Estimate: step 134.2 s, 116.5 TFLOP/s/GPU (collectives 119 s, 96.7 s of them exposed)" in lines
   assert summary.table_row(_summary(), "x").endswith("| 57.85 of 72.00 | 134.2 s | 116.5 | abc1234 · 2026-12-05 |")
   # tools/replan_recipes.py puts the block under a recipe's first line, and replaces it the next time.

@@ -20,7 +20,8 @@
 #   plan-fp8        the planner with moe_fp8=blockwise on the proxy's EP=2 and EP=8 layouts, on this GPU with a mocked
 #                   topology (its own autotuning and memory; EP=8 compiles for over 190 s, so its limit is
 #                   GPU_CHECK_PLAN_FP8_S, default 420 s)
-#   plan-recipes    the planner on every configs/recipes/*.yml: verdict, TFLOP/s/GPU, compile time
+#   plan-recipes    every shipped recipe re-planned compile-only, GPU_CHECK_PLAN_JOBS (default 12) at a time
+#                   (tools/replan_recipes.py): the summaries to $GPU_CHECK_OUT/summaries, for configs/recipes/plans/
 #   te        Transformer Engine (source tools/te_offline/install.sh first): te_ncclep up to ep_bootstrap
 #             (tools/te_ep_probe.py), the self-test for te and mgpu, and bench_gmm's DeepSeek-V3 set for
 #             both in one process (its own limit, GPU_CHECK_TE_BENCH_S, default 540 s)
@@ -147,13 +148,10 @@ PY
       done
       ;;
     plan-recipes)
-      for recipe in "$repo"/configs/recipes/deepseek3-671b-*x*.yml; do
-        name=$(basename "$recipe" .yml)
-        (cd "$repo" && timeout "$limit" python3 -m MaxText.plan "$recipe" --timeout $((limit - 20)) \
-            --json "$out/plan-$name.json") >"$out/plan-$name.log" 2>&1
-        rc=$?
-        rows+=("$name exit $rc  $(grep -E "verdict|TFLOP/s/GPU|compiled on|plan error" "$out/plan-$name.log" | tr '\n' ' ' | cut -c1-300)")
-      done
+      # All twelve at once, compile-only (no GPU used): one core and ~2.5 GB of host memory a plan.
+      (cd "$repo" && python3 tools/replan_recipes.py --jobs "${GPU_CHECK_PLAN_JOBS:-12}" --timeout $((limit - 60)) \
+          --plans "$out/plans" --out "$out/summaries") 2>&1 | tee "$out/plan-recipes.log"
+      rows+=("plan-recipes exit ${PIPESTATUS[0]}  $(grep -c "account holds" "$out/plan-recipes.log") of 12 planned, account holds")
       ;;
     te)
       (cd "$repo" && timeout "$limit" python3 tools/te_ep_probe.py) 2>&1 | tee "$out/te_ep_probe.log" | grep -E "^(PASS|FAIL)|bootstrap"

@@ -220,8 +220,9 @@ def _fsdp_axes(row: dict[str, Any]) -> tuple[str, ...]:
 
 def _reduced_whole(rows: list[dict[str, Any]]) -> dict[tuple[str, ...], dict[str, Any]]:
   """Compiled all-reduces that no arithmetic names over FSDP axes A (and data axes, or none) where the arithmetic
-  reduce-scatters a gradient over A, by A: that gradient reduced whole."""
-  scattered = {tuple(r["axes"]) for r in rows if r["kind"] == "reduce-scatter" and r["wire_bytes"]}
+  reduce-scatters a gradient over A and the program does not, by A: that gradient reduced whole."""
+  scattered = {tuple(r["axes"]) for r in rows if r["kind"] == "reduce-scatter" and r["wire_bytes"]
+               and r.get("compiled_wire_bytes", 0.0) < r["wire_bytes"] / OFF_BY}
   return {_fsdp_axes(r): r for r in rows
           if r["kind"] == "all-reduce" and not r["wire_bytes"] and _fsdp_axes(r) in scattered}
 
