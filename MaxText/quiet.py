@@ -6,8 +6,9 @@ fail on CPU ("Memstats unavailable, error: 'NoneType' object is not subscriptabl
 save. Measured on the quick start before this module: 62 of its 119 lines. At the default verbosity these go
 through the logging levels, not prints:
 
-  absl's logger at WARNING      upstream's and orbax's INFO lines (set once upstream's absl flags are parsed);
-                                its warnings and errors still show
+  absl's verbosity at WARNING   upstream's and orbax's INFO lines (set once upstream's absl flags are parsed);
+                                its warnings and errors still show, and the INFO lines of ALWAYS_SHOWN (a
+                                replayed step)
   XLA's C++ log at WARNING      TF_CPP_MIN_LOG_LEVEL=1 unless the environment sets it (upstream's package sets
                                 0, which prints each PjRt client's device count); read when jax is imported
   UpstreamNoise                 orbax's per-file INFO lines and a full disk's tracebacks from orbax's writer
@@ -29,6 +30,11 @@ CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 # factory (maxtext/common/checkpointing.py ~551), which then warns that the argument is deprecated.
 UNACTIONABLE = ("Specifying dataset_type upon checkpointer creation is deprecated",)
 
+# Upstream INFO lines a user must see at any verbosity: a step that overflowed its ragged buffer and was run again
+# by the dropless program (maxtext/trainers/pre_train/train.py, moe_dropless_fallback=step). The step's own
+# metrics come from the replay, which did not overflow, so nothing else of ours says it happened.
+ALWAYS_SHOWN = ("Replaying step with dropless buffer",)
+
 
 def before_jax(environ: dict[str, str] | None = None) -> None:
   """XLA's C++ INFO lines off unless the user's environment says otherwise; before jax is first imported."""
@@ -37,10 +43,16 @@ def before_jax(environ: dict[str, str] | None = None) -> None:
 
 def upstream_logging(verbose: bool) -> None:
   """absl's level for the run: INFO with verbose, else WARNING. Called inside absl's app.run, whose flag
-  parsing sets absl's verbosity from its own `--verbosity` default."""
+  parsing sets absl's verbosity from its own `--verbosity` default.
+
+  absl's verbosity is the root logger's level (absl's handler sits on root): WARNING there keeps jax's and
+  orbax's INFO lines off. absl's own logger, which upstream's max_logging writes through, stays at INFO so that
+  UpstreamNoise can let ALWAYS_SHOWN through and drop the rest."""
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
 
   absl_logging.set_verbosity(absl_logging.INFO if verbose else absl_logging.WARNING)
+  if not verbose:
+    logging.getLogger("absl").setLevel(logging.INFO)
 
 
 class UpstreamNoise(logging.Filter):
@@ -53,6 +65,8 @@ class UpstreamNoise(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
+    if not self.verbose and record.levelno < logging.WARNING:
+      return any(words in message for words in ALWAYS_SHOWN)
     if not self.verbose and any(words in message for words in UNACTIONABLE):
       return False
     if "/orbax/" not in record.pathname:

@@ -360,7 +360,7 @@ def training_cases(tmp: Path) -> list[Case]:
               ("9.unusable",)),
       resumed(flip_bytes(9, 400), "checkpoint 9: 400 bytes flipped", damaged.format(any_damage), 9,
               ("9.unusable",)),
-      resumed(flip_bytes(9, 1, bits=True), "checkpoint 9: one bit flipped", damaged.format("the content of 1 arrays"),
+      resumed(flip_bytes(9, 1, bits=True), "checkpoint 9: one bit flipped", damaged.format(any_damage),
               9, ("9.unusable",)),
       resumed(remove("checkpoints/9/items/_METADATA"), "checkpoint 9: _METADATA deleted",
               stray.format("its items/_METADATA is missing"), 9, ("9.unusable",)),

@@ -145,7 +145,7 @@ def test_tiny_model_trains_through_our_xla_backend_like_upstreams_ragged_path(tm
   # w0, w1, wo of the MoE layers (scanned: traced once); jit may trace the step again.
   assert calls.get("xla", 0) >= 3 and calls["xla"] % 3 == 0, calls
   assert upstream_calls == {}
-  assert "grouped-GEMM backend xla" in log and "megablox_gmm" in log
+  assert "grouped-GEMM backend xla" in log  # the call counts above show the seam ran (its name prints with verbose)
   assert np.all(np.isfinite(ours_loss)) and ours_loss[4] < ours_loss[0] - 0.1
   # Same model, same data; bf16 activations round differently in the two paths.
   np.testing.assert_allclose(ours_loss, upstream_loss, rtol=2e-3)

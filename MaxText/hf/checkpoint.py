@@ -179,6 +179,10 @@ class Checkpoint:
                     f"lists no {unlisted[0]}")
     finite = [s[2] == 0 for s in self._sums.values()]
     digests = [f"{s[0]:08x}{s[1]:08x}" for s in self._sums.values()]
-    why = checkpoint_records.mismatch(self.record, named, finite, digests)
+    # The model's weights are what an export reads: the record's other arrays (optimizer state, step, RNG keys)
+    # are not asked for, while a recorded weight that was not read is missing, as on a resume.
+    weights = {name: a for name, a in self.record["arrays"].items()
+               if name.startswith("model/") and "/rngs/" not in name}
+    why = checkpoint_records.mismatch({**self.record, "arrays": weights}, named, finite, digests)
     if why:
       raise Damaged(f"checkpoint step {self.step} of {self.run_dir} is damaged: {why}")

@@ -1,0 +1,40 @@
+"""What upstream's logging shows at the default verbosity (MaxText/quiet.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from MaxText import quiet
+
+
+def _record(level: int, message: str, path: str = "/site-packages/maxtext/trainers/pre_train/train.py"):
+  return logging.LogRecord("absl", level, path, 882, message, None, None)
+
+
+def test_a_replayed_step_shows_at_the_default_verbosity_and_other_info_lines_do_not():
+  """Upstream says a step overflowed and was replayed only in an INFO line; its metrics come from the replay.
+  Before, absl at WARNING hid it, and nothing of ours said the step ran twice."""
+  quiet_filter, verbose_filter = quiet.UpstreamNoise(False), quiet.UpstreamNoise(True)
+  replay = _record(logging.INFO, "Step 3: MoE ragged buffer overflow detected! Replaying step with dropless buffer...")
+  chatter = _record(logging.INFO, "completed step: 3, seconds: 0.1")
+  warning = _record(logging.WARNING, "something upstream warns about")
+  assert quiet_filter.filter(replay) and not quiet_filter.filter(chatter) and quiet_filter.filter(warning)
+  assert verbose_filter.filter(replay) and verbose_filter.filter(chatter)
+  orbax = _record(logging.INFO, "Saving item to /x", path="/site-packages/orbax/checkpoint/x.py")
+  assert not quiet_filter.filter(orbax) and not verbose_filter.filter(orbax)
+
+
+def test_absl_keeps_info_for_its_own_logger_and_warning_for_everyone_else():
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  root, absl = logging.getLogger(), logging.getLogger("absl")
+  saved = root.level, absl.level, absl_logging.get_verbosity()
+  try:
+    quiet.upstream_logging(False)
+    assert absl.getEffectiveLevel() == logging.INFO
+    if absl_logging.get_absl_handler() in root.handlers:
+      assert root.level == logging.WARNING  # jax's and orbax's own loggers stay quiet
+  finally:
+    root.setLevel(saved[0])
+    absl.setLevel(saved[1])
+    absl_logging.set_verbosity(saved[2])
