@@ -94,8 +94,9 @@ def test_the_families_page_names_each_familys_three_configs():
 def test_troubleshooting_explains_every_exit_code():
   from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
 
-  text = (REPO / "docs/troubleshooting.md").read_text()
   codes = sorted({v for k, v in vars(lifecycle).items() if k.startswith("EXIT_") and isinstance(v, int)})
   assert codes == [0, 1, 2, 3, 4, 5, 6, 7, 8, 75, 130]
-  for code in codes:
-    assert re.search(rf"^\| {code} \| \S", text, re.M), code
+  for doc in ("README.md", "docs/troubleshooting.md", "docs/cluster.md"):
+    text = (REPO / doc).read_text()
+    for code in codes:
+      assert re.search(rf"^\| {code} \| \S", text, re.M), (doc, code)
