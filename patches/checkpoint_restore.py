@@ -144,13 +144,17 @@ def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
   return name
 
 
+# asyncio's words for a task's or a bare future's error that nothing awaited (base_events.call_exception_handler).
+UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
 class _DropUnretrievedTasks(logging.Filter):
   """orbax reads a checkpoint's arrays in parallel asyncio tasks; when one fails for the checkpoint's damage, the
   others' errors are never retrieved, and asyncio logs each with a traceback when the task is collected, at any
   time later. The damage is already said in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Task exception was never retrieved")
+    return not record.getMessage().startswith(UNRETRIEVED)
 
 
 def _of_the_failed_read(exc: BaseException | None) -> bool:

@@ -21,12 +21,14 @@ def _harness(*options: str) -> tuple[int, int, str]:
   """(cases, clean, the FAIL lines) of one run of the harness."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["PYTHONPATH"] = str(REPO)
-  proc = subprocess.run([sys.executable, "tests/reliability_bad_inputs.py", *options], cwd=REPO, env=env,
+  proc = subprocess.run([sys.executable, "tests/reliability_bad_inputs.py", "--show", *options], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=3600, check=False)
   found = re.search(r"^(\d+) cases: (\d+) clean", proc.stdout, re.M)
   assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
   fails = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("FAIL"))
-  return int(found.group(1)), int(found.group(2)), fails
+  # --show printed each unclean case's output (its traceback first): CI's log keeps only the assertion's message.
+  shown = proc.stdout.find("--- stdout ---")
+  return int(found.group(1)), int(found.group(2)), fails + ("\n" + proc.stdout[shown:shown + 6000] if shown >= 0 else "")
 
 
 DAMAGE_NAMED = ("it does not load: ValueError: DATA_LOSS: Error reading shard entry {0, 0}",
