@@ -143,8 +143,8 @@ def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
   hbm = 80e9 if "h100" in path.name else 141e9
   assert est.device_total < hbm  # the analytic cross-check
   # The header records the compiled plan (python -m MaxText.plan), which fits the GPU's usable HBM.
-  planned = re.search(r"^# FITS: ([\d.]+) GiB per GPU of ([\d.]+) usable", path.read_text(), re.M)
-  assert planned and float(planned[1]) <= float(planned[2]), path.name
+  planned = re.search(r"^# Memory: ([\d.]+) GiB a GPU of ([\d.]+) usable: fits", path.read_text(), re.M)
+  assert planned and float(planned[1]) <= float(planned[2]), path.name  # the same as its summary: test_recipe_plans
 
 
 def test_nvidia_reference_layout_is_the_128_gpu_recipe():

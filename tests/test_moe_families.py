@@ -554,8 +554,8 @@ def test_one_node_recipe_fits_its_8_gpus_and_its_plan(path):
   run = fork_config.load([str(path)])
   assert run.fork.recipe_num_gpus == 8 and run.fork.target_gpu == "h100" and run.fork.moe_block == "ours"
   launch.check_topology(run.upstream, 8, 8, 1)
-  planned = re.search(r"^# FITS: ([\d.]+) GiB per GPU of ([\d.]+) usable", path.read_text(), re.M)
-  assert planned and float(planned[1]) <= float(planned[2]), path.name
+  planned = re.search(r"^# Memory: ([\d.]+) GiB a GPU of ([\d.]+) usable: fits", path.read_text(), re.M)
+  assert planned and float(planned[1]) <= float(planned[2]), path.name  # its summary's: tests/test_recipe_plans.py
 
 
 @pytest.mark.slow

@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from conftest import REPO, load_script
 from MaxText.plan import summary
+
+RECIPES = sorted(p for p in (REPO / "configs" / "recipes").glob("*x*.yml") if not p.stem.endswith("-common"))
 
 
 def _summary() -> dict:
@@ -46,3 +52,19 @@ def test_the_header_block_and_the_row_say_every_axis_the_precision_and_the_plan(
   text = recipe.read_text().splitlines()
   assert text[0] == "# Title line" and text[-2:] == ["# prose", "base_config: a.yml"]
   assert sum(l.startswith(summary.HEADER_BEGIN) for l in text) == 1 and any("step 99 s" in l for l in text)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_each_recipe_header_states_its_committed_plan(recipe):
+  """A header cannot drift from its plan: its block is the summary's lines, the summary a real plan's whose one
+  account held, and BENCHMARKS.md's "Planned recipes" row is the same summary's."""
+  path = REPO / "configs" / "recipes" / "plans" / f"{recipe.stem}.json"
+  assert path.exists(), f"no plan summary for {recipe.name}: python3 tools/replan_recipes.py --only {recipe.stem}"
+  s = json.loads(path.read_text())
+  assert s["recipe"] == str(recipe.relative_to(REPO)) and s["account"]["ok"], s["account"]
+  assert s["config_digest"] == summary.config_digest(recipe), f"{recipe.name} changed since its plan: re-plan it"
+  block = summary.header_lines(s, str(path.relative_to(REPO)))
+  text = recipe.read_text().splitlines()
+  begin = text.index(block[0])
+  assert text[begin:begin + len(block)] == block
+  assert summary.table_row(s, recipe.stem) in (REPO / "BENCHMARKS.md").read_text()
