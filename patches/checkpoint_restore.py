@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -175,14 +176,15 @@ def _quiet_failed_reads() -> None:
   """After a read that failed for the checkpoint's damage: orbax closes its event loop while tensorstore still
   completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
   printed with a traceback (PyErr_Print, through sys.excepthook), and the abandoned reads' coroutines are
-  collected with the damage still in them (an unraisable exception). Those, and asyncio's unretrieved tasks,
-  are dropped; every other error prints as before."""
+  collected with the damage still in them (an unraisable exception). Those, the same errors ending a Python
+  thread (threading.excepthook, which sys.excepthook does not see), and asyncio's unretrieved tasks are dropped;
+  every other error prints as before."""
   if _quieted:
     return
   _quieted.append(_DropUnretrievedTasks())
   logging.getLogger("asyncio").addFilter(_quieted[0])
-  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
-  _quieted.append((excepthook, unraisablehook))
+  excepthook, unraisablehook, thread_excepthook = sys.excepthook, sys.unraisablehook, threading.excepthook
+  _quieted.append((excepthook, unraisablehook, thread_excepthook))
 
   def quiet_excepthook(kind, value, tb):
     if not _of_the_failed_read(value):
@@ -192,7 +194,12 @@ def _quiet_failed_reads() -> None:
     if not (_of_the_failed_read(unraisable.exc_value) or _an_abandoned_orbax_read(unraisable.object)):
       unraisablehook(unraisable)
 
+  def quiet_thread_excepthook(args):
+    if not _of_the_failed_read(args.exc_value):
+      thread_excepthook(args)
+
   sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+  threading.excepthook = quiet_thread_excepthook
 
 
 _quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a damaged read was quieted
@@ -201,7 +208,7 @@ _quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a
 def _unquiet() -> None:
   if _quieted:
     logging.getLogger("asyncio").removeFilter(_quieted[0])
-    sys.excepthook, sys.unraisablehook = _quieted[1]
+    sys.excepthook, sys.unraisablehook, threading.excepthook = _quieted[1]
     _quieted.clear()
 
 

@@ -49,3 +49,28 @@ def test_after_a_damaged_read_asyncio_unretrieved_errors_of_tasks_and_futures_ar
   for words in ("Task exception was never retrieved", "Future exception was never retrieved"):
     assert not drop.filter(logging.LogRecord("asyncio", logging.ERROR, "x", 1, words, None, None))
   assert drop.filter(logging.LogRecord("asyncio", logging.ERROR, "x", 1, "Unclosed client session", None, None))
+
+
+def test_after_a_damaged_read_its_errors_ending_a_thread_are_dropped_and_others_still_print():
+  """The damage, raised again on a thread of an abandoned read, would print a traceback after our one line; an
+  unrelated error on a thread still reaches the hook it had. The hooks are restored once the restore is done."""
+  import threading  # pylint: disable=import-outside-toplevel
+
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  before, seen = threading.excepthook, []
+  threading.excepthook = lambda args: seen.append(args.exc_value)
+  checkpoint_restore._quiet_failed_reads()  # pylint: disable=protected-access
+  try:
+    def raise_(error):
+      raise error
+
+    for error in (ValueError("DATA_LOSS: Error reading shard entry {0, 0}"), KeyError("unrelated")):
+      thread = threading.Thread(target=raise_, args=(error,))
+      thread.start()
+      thread.join()
+  finally:
+    checkpoint_restore._unquiet()  # pylint: disable=protected-access
+    restored, threading.excepthook = threading.excepthook, before
+  assert [type(e) for e in seen] == [KeyError]
+  assert restored is not before and restored.__name__ == "<lambda>"  # _unquiet put back the hook it replaced
