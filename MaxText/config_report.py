@@ -35,25 +35,14 @@ Trains a config: ours and upstream MaxText's keys, checked before anything is co
 FLAGS = ("--print-config", "--dry-run")
 
 
-class CommandLineError(ValueError):
-  """A command line argparse refuses, or an option it does not know: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):  # argparse would print its usage and exit; the entry point says one line
-    raise CommandLineError(message)
-
-
 def train_parser() -> argparse.ArgumentParser:
   """`python -m MaxText.train`'s options; the config and its key=value overrides are the other arguments
   (parse_known_args), read by MaxText/config.py."""
   from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
 
-  parser = _Parser(prog="python -m MaxText.train", usage=USAGE, add_help=False, allow_abbrev=False,
-                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                   description=DESCRIPTION.format(default=fork_config.DEFAULT_CONFIG.relative_to(
-                       fork_config.REPO_CONFIGS.parent)),
-                   epilog="\n".join(["exit codes:", *lifecycle.exit_code_lines()]))
+  parser = lifecycle.command_line_parser(
+      "python -m MaxText.train", USAGE,
+      DESCRIPTION.format(default=fork_config.DEFAULT_CONFIG.relative_to(fork_config.REPO_CONFIGS.parent)))
   parser.add_argument("--print-config", action="store_true",
                       help="print the merged config, each value with where it came from; exit")
   parser.add_argument("--dry-run", action="store_true",
@@ -65,7 +54,9 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_command_line(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  """(our options, the config and key=value overrides); CommandLineError naming the argument."""
+  """(our options, the config and key=value overrides); lifecycle.CommandLineError naming the argument."""
+  from MaxText.lifecycle import CommandLineError  # pylint: disable=import-outside-toplevel
+
   options, rest = train_parser().parse_known_args(args)
   for arg in rest:
     if arg.startswith("--") and "=" in arg:  # --steps=3: an override written as an option

@@ -6,6 +6,7 @@ Exit codes of `python -m MaxText.train` (README "Exit codes"):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -54,6 +55,27 @@ __doc__ += "\n".join(f"  {value:>3}  {name}" for name, value in sorted(
 def exit_code_lines(codes: dict[int, str] | None = None) -> list[str]:
   """`  code  meaning` lines, in code order (default: every code of `python -m MaxText.train`)."""
   return [f"  {code:>3}  {text}" for code, text in sorted((EXIT_CODES if codes is None else codes).items())]
+
+
+class CommandLineError(ValueError):
+  """A command line an entry point refuses (argparse's verdict, or an option it does not know): one line naming
+  the argument, exit EXIT_CONFIG."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+  def error(self, message: str):  # argparse would print its usage and exit; the entry point says one line
+    raise CommandLineError(message)
+
+
+def command_line_parser(prog: str, usage: str, description: str,
+                        codes: dict[int, str] | None = None) -> argparse.ArgumentParser:
+  """An entry point's argparse (python -m MaxText.train, python -m MaxText.plan): its exit codes as the epilog,
+  no abbreviated options, no help of argparse's own (each adds its -h/--help as a flag), and CommandLineError
+  where argparse would print its usage and exit."""
+  return _OneLineParser(prog=prog, usage=usage, description=description, add_help=False, allow_abbrev=False,
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n".join(["exit codes:", *exit_code_lines(codes)]))
+
 
 RUN_FILES = "maxtext-moe"  # our files inside the run directory
 

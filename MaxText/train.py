@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
   """Runs; returns one of MaxText/lifecycle.py's exit codes (README "Exit codes")."""
   try:
     options, args = config_report.parse_command_line(sys.argv[1:] if argv is None else list(argv))
-  except config_report.CommandLineError as e:
+  except lifecycle.CommandLineError as e:
     print(f"maxtext-moe: config error: {e}", file=sys.stderr)
     return lifecycle.EXIT_CONFIG
   if options.help:

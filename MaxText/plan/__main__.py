@@ -54,22 +54,11 @@ EXIT_CODES = {
 }
 
 
-class PlanArgumentError(ValueError):
-  """A command line argparse refuses: one `plan error:` line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):  # argparse would print its usage and exit; main says one line
-    raise PlanArgumentError(message)
-
-
 def parser() -> argparse.ArgumentParser:
   """The planner's options; the config and its key=value overrides are the other arguments (parse_known_args)."""
   intro, _, rest = __doc__.strip().partition("\n\n")
-  p = _Parser(prog="python -m MaxText.plan", usage="%(prog)s <config.yml> [key=value ...] [options]",
-              description=f"{intro}\n\n{rest}", add_help=False, allow_abbrev=False,
-              formatter_class=argparse.RawDescriptionHelpFormatter,
-              epilog="\n".join(["exit codes:", *lifecycle.exit_code_lines(EXIT_CODES)]))
+  p = lifecycle.command_line_parser("python -m MaxText.plan", "%(prog)s <config.yml> [key=value ...] [options]",
+                                    f"{intro}\n\n{rest}", EXIT_CODES)
   p.add_argument("--json", metavar="PATH", help="also write the report as JSON (to PATH.tmp, then renamed)")
   p.add_argument("--timeout", metavar="S", help=f"give up a compile after S seconds (default {planner.DEFAULT_TIMEOUT_S:.0f})")
   p.add_argument("--heartbeat", metavar="S", help="while a compile runs, a line every S seconds naming its phase "
@@ -155,8 +144,8 @@ def _main(args: list[str]) -> int:
       print(parser().format_help())
       return lifecycle.EXIT_OK
     if unknown := [a for a in args if a.startswith("--")]:
-      raise PlanArgumentError(f"option '{unknown[0]}' is not one of the planner's (--help lists them); overrides "
-                              "are key=value without dashes")
+      raise lifecycle.CommandLineError(f"option '{unknown[0]}' is not one of the planner's (--help lists them); "
+                                       "overrides are key=value without dashes")
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
     json_path, hlo_path = _output("--json", options.json), _output("--hlo", options.hlo)
     if options.mock and options.cpu:
