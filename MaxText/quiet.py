@@ -16,7 +16,7 @@ through the logging levels, not prints:
                                 warnings a user cannot act on (upstream's own deprecated call into orbax)
 
 `verbose=true` keeps absl at INFO, as upstream runs. Upstream's bare prints are the patches' business
-(patches/quiet_notices.py, patches/quiet_tflops.py).
+(patches/quiet_notices.py, released here by import_notices; patches/quiet_tflops.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,17 @@ ALWAYS_SHOWN = ("Replaying step with dropless buffer",)
 def before_jax(environ: dict[str, str] | None = None) -> None:
   """XLA's C++ INFO lines off unless the user's environment says otherwise; before jax is first imported."""
   (os.environ if environ is None else environ).setdefault(CPP_LOG_LEVEL, "1")
+
+
+def import_notices(verbose: bool) -> None:
+  """Upstream's import-time notices: gcloud_stub's (held since the entry point began) and transformers' warnings
+  (PyTorch not found, its DeepSeek configs' rope_scaling), whose level transformers reads from the environment
+  when it is first imported, which is after this."""
+  from patches import quiet_notices  # pylint: disable=import-outside-toplevel
+
+  quiet_notices.release(show=verbose)
+  if not verbose:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def upstream_logging(verbose: bool) -> None:

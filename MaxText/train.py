@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_notices.hold()  # loading the config imports upstream modules that print; held until `verbose` is known
     stop.install(multi_process=launch.discover(os.environ).multi_process)
     run = fork_config.load(args)
-    _quiet_unless_verbose(run.fork.verbose)
+    quiet.import_notices(run.fork.verbose)
     if options.print_config:
       print("\n".join(config_report.print_config_checked(run)))
       return lifecycle.EXIT_OK
@@ -469,17 +469,6 @@ def main(argv: list[str] | None = None) -> int:
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
     _exit_now(lifecycle.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
   return lifecycle.EXIT_PREEMPTED if summary.get("stopped") else lifecycle.EXIT_OK
-
-
-def _quiet_unless_verbose(verbose: bool) -> None:
-  """Upstream's import-time notices: gcloud_stub's (held since main began) and transformers' warnings
-  (PyTorch not found, its DeepSeek configs' rope_scaling), whose level transformers reads from the
-  environment when it is first imported, which is after this."""
-  from patches import quiet_notices  # pylint: disable=import-outside-toplevel
-
-  quiet_notices.release(show=verbose)
-  if not verbose:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def check_data_on_process_0(run: fork_config.RunConfig, config: Any, process_id: int) -> None:
