@@ -59,8 +59,7 @@ def wanted(fork) -> bool:
 
 
 def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.check()
-  SEAM.apply(_wrap)
+  SEAM.apply(_wrap)  # checks the target first
 
 
 def undo() -> None:
