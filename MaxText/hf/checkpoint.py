@@ -29,6 +29,11 @@ PARAMS = ("params", "params")  # the trained weights' subtree in a training chec
 AUX = ("nnx_aux", "model")  # persistent non-Param variables (DeepSeek-V3's routing bias) of the NNX state
 
 
+def _a_weight(path: tuple[str, ...]) -> bool:
+  """A model variable an export reads: any but an RNG stream's state (its key and count)."""
+  return "rngs" not in path
+
+
 @dataclasses.dataclass(frozen=True)
 class Stored:
   """One stored array: its checkpoint key, shape, dtype and the chunk tensorstore decodes as a unit."""
@@ -118,7 +123,7 @@ class Checkpoint:
       self.arrays: dict[tuple[str, ...], Stored] = {}
       for text in tree:
         key = tuple(k["key"] for k in tree[text]["key_metadata"])
-        if key[:2] in (PARAMS, AUX) and "rngs" not in key:
+        if key[:2] in (PARAMS, AUX) and _a_weight(key):
           self.arrays[key] = self._stored(ts, key)
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise _damaged(run_dir, self.step, e) from e
@@ -182,7 +187,7 @@ class Checkpoint:
     # The model's weights are what an export reads: the record's other arrays (optimizer state, step, RNG keys)
     # are not asked for, while a recorded weight that was not read is missing, as on a resume.
     weights = {name: a for name, a in self.record["arrays"].items()
-               if name.startswith("model/") and "/rngs/" not in name}
+               if (path := tuple(name.split("/")))[0] == "model" and _a_weight(path)}
     why = checkpoint_records.mismatch({**self.record, "arrays": weights}, named, finite, digests)
     if why:
       raise Damaged(f"checkpoint step {self.step} of {self.run_dir} is damaged: {why}")
