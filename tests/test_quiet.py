@@ -25,16 +25,19 @@ def test_a_replayed_step_shows_at_the_default_verbosity_and_other_info_lines_do_
 
 
 def test_absl_keeps_info_for_its_own_logger_and_warning_for_everyone_else():
+  """As in a run, where absl's app.run puts absl's handler on the root logger, so that its verbosity is the root's
+  level: jax's and orbax's loggers stay at WARNING while upstream's absl lines reach UpstreamNoise at INFO."""
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
 
   root, absl = logging.getLogger(), logging.getLogger("absl")
-  saved = root.level, absl.level, absl_logging.get_verbosity()
+  saved = root.level, absl.level, absl_logging.get_verbosity(), list(root.handlers)
   try:
+    absl_logging.use_absl_handler()  # what app.run does before calling main
     quiet.upstream_logging(False)
     assert absl.getEffectiveLevel() == logging.INFO
-    if absl_logging.get_absl_handler() in root.handlers:
-      assert root.level == logging.WARNING  # jax's and orbax's own loggers stay quiet
+    assert root.level == logging.WARNING and logging.getLogger("jax._src.dispatch").getEffectiveLevel() == logging.WARNING
   finally:
+    root.handlers[:] = saved[3]
     root.setLevel(saved[0])
     absl.setLevel(saved[1])
     absl_logging.set_verbosity(saved[2])
