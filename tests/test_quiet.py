@@ -35,7 +35,8 @@ def test_absl_keeps_info_for_its_own_logger_and_warning_for_everyone_else():
     absl_logging.use_absl_handler()  # what app.run does before calling main
     quiet.upstream_logging(False)
     assert absl.getEffectiveLevel() == logging.INFO
-    assert root.level == logging.WARNING and logging.getLogger("jax._src.dispatch").getEffectiveLevel() == logging.WARNING
+    assert root.level == logging.WARNING
+    assert logging.getLogger("jax._src.dispatch").getEffectiveLevel() == logging.WARNING
   finally:
     root.handlers[:] = saved[3]
     root.setLevel(saved[0])
