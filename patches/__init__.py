@@ -6,8 +6,11 @@ target's source hash before it patches, refuses on a mismatch, is idempotent,
 and can be undone. Each module also exposes:
 
   wanted(fork) -> bool      whether this run needs the seam (fork: ForkConfig)
-  apply(fork, hooks)        patch (hooks: Hooks, callbacks into our code)
-  undo()                    restore upstream
+  wrap(original)            the replacement of SEAM's target, for the default apply
+  apply(fork, hooks)        only where patching does more than SEAM.apply(wrap) (hooks: callbacks into our code)
+  undo()                    only where restoring upstream does more than SEAM.undo()
+
+`apply_module` / `undo_module` (patches/_seam.py) run a module's own or the default.
 
 `apply_all` is what `python -m MaxText.train` calls; tests use `undo_all`.
 """
@@ -18,7 +21,8 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-from patches._seam import UPSTREAM_VERSION, Seam, UpstreamMismatch, installed_maxtext_version
+from patches._seam import (UPSTREAM_VERSION, Seam, UpstreamMismatch, apply_module, installed_maxtext_version,
+                           undo_module)
 
 # Seam modules, in the order they are applied. One line each.
 SEAM_MODULES = (
@@ -85,14 +89,14 @@ def apply_all(fork: Any, hooks: Hooks | None = None) -> list[str]:
   applied = []
   for module in _modules():
     if module.wanted(fork):
-      module.apply(fork, hooks)
+      apply_module(module, fork, hooks)
       applied.append(module.SEAM.name)
   return applied
 
 
 def undo_all() -> None:
   for module in reversed(_modules()):
-    module.undo()
+    undo_module(module)
 
 
 __all__ = [
@@ -101,8 +105,10 @@ __all__ = [
     "Seam",
     "UpstreamMismatch",
     "apply_all",
+    "apply_module",
     "check_all",
     "installed_maxtext_version",
     "seams",
     "undo_all",
+    "undo_module",
 ]

@@ -111,3 +111,20 @@ class Seam:
     owner, attr = _resolve(importlib.import_module(self.module), self.attr)
     setattr(owner, attr, self._original)
     self._original = self._replacement = None
+
+
+def apply_module(module: Any, fork: Any = None, hooks: Any = None) -> None:
+  """Applies one seam module: its own `apply(fork, hooks)` where it has one, else the default, which replaces its
+  SEAM's target by `module.wrap(original)`. A module writes only what differs from the default."""
+  if hasattr(module, "apply"):
+    module.apply(fork, hooks)
+  else:
+    module.SEAM.apply(module.wrap)
+
+
+def undo_module(module: Any) -> None:
+  """Restores upstream: the module's own `undo()` where it has one (it resets state of its own), else SEAM.undo()."""
+  if hasattr(module, "undo"):
+    module.undo()
+  else:
+    module.SEAM.undo()

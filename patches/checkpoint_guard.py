@@ -12,7 +12,7 @@ that would save:
      never saved (NonFiniteState names the step, which arrays, and the step's
      loss and gradient norm), so the last checkpoint is always finite and a
      resume picks it by itself;
-  2. a stop request (SIGTERM, SIGUSR1, SIGINT: MaxText/lifecycle.py; or JAX's
+  2. a stop request (SIGTERM, SIGUSR1, SIGINT: MaxText/run/lifecycle.py; or JAX's
      multi-process preemption sync point, which upstream already consults)
      saves this step, waits for it, and ends the loop through upstream's own
      StopTraining (its loop flushes metrics and returns normally);
@@ -23,15 +23,15 @@ that would save:
 
 Each save it starts is timed from its start (after the finite check, which waits
 for the step) until orbax renames its step directory to the step number, on process 0
-only (MaxText/progress.watch_save); then one line gives the step directory's size and the
+only (MaxText/console/progress.py's watch_save); then one line gives the step directory's size and the
 time (`checkpoint 40 saved: 1.23 GiB in 3.4 s`), and `saves` keeps it for the summary.
 
 Before each save starts, our record of the step goes to <run>/maxtext-moe/checkpoints/<step>.json: each
 array's shape, dtype and content digest (floats, integer step counts and RNG keys alike), from the same pass as
-the finite check (MaxText/checkpoint_records.py). A step directory without it is never resumed from;
+the finite check (MaxText/checkpoints/records.py). A step directory without it is never resumed from;
 patches/checkpoint_restore.py compares the restored arrays with it. After each save the records of steps orbax
 has deleted go; a save still in flight (async_checkpointing: orbax commits it in the background) keeps its
-record (MaxText/checkpoint_records.drop_stale_records).
+record (MaxText/checkpoints/records.py's drop_stale_records).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from MaxText import progress
+from MaxText.console import progress
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -62,7 +62,7 @@ class NonFiniteState(RuntimeError):
 
   def __init__(self, message: str, step: int | None = None):
     super().__init__(message)
-    self.step = step  # the step that went non-finite (MaxText/lifecycle.record_nonfinite)
+    self.step = step  # the step that went non-finite (MaxText/checkpoints/resume.py's record_nonfinite)
 
 
 class SaveFailed(RuntimeError):
@@ -99,7 +99,7 @@ def _scalar(scalars: dict[str, Any], name: str) -> str:
 def check_finite(state, step: int, last_saved: int | None) -> tuple[list[tuple[str, Any]], list[str]]:
   """Raises NonFiniteState naming the step, the arrays and the step's loss and gradient norms; else returns
   the state's arrays (name, array) and their content digests (the same pass: MaxText/checkpoint_records)."""
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   leaves = _leaves_with_paths(state)
   flags, digests = checkpoint_records.scan([x for _, x in leaves])
@@ -166,7 +166,7 @@ def check_space(state, root: Path, step: int, last: int | None) -> None:
 
 def _save_failed(e: BaseException, root: Path, step: int, state, last: int | None) -> SaveFailed:
   """The message: which path, how much the save needed, how much was free."""
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   for partial in root.glob(f"{step}{checkpoint_records.IN_FLIGHT}*"):  # orbax's in-progress name for this step
     shutil.rmtree(partial, ignore_errors=True)
@@ -206,11 +206,11 @@ def finish_save_reports(timeout_s: float = 10.0) -> list[dict[str, Any]]:
 
 
 def _record(run_dir: Path, step: int, leaves, digests) -> None:
-  """Our record of the step (MaxText/checkpoint_records.py), before orbax starts: a step directory counts as
+  """Our record of the step (MaxText/checkpoints/records.py), before orbax starts: a step directory counts as
   a checkpoint only with it, so one whose save dies has none that could vouch for it."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   if jax.process_index() == 0:
     checkpoint_records.write_record(run_dir, step, leaves, digests)
@@ -219,7 +219,7 @@ def _record(run_dir: Path, step: int, leaves, digests) -> None:
 def _drop_stale_records(run_dir: Path) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   if jax.process_index() == 0:
     checkpoint_records.drop_stale_records(run_dir)

@@ -5,7 +5,7 @@ On resume upstream restores the latest step orbax lists, trusting it: an empty `
 tried, and flipped bytes that still decompress restore silently (measured: a few flipped bits in the
 tiny model's largest data file load as other numbers). Here:
 
-  1. the candidates are the run's checkpoints (MaxText/checkpoint_records.py: orbax's commit marker
+  1. the candidates are the run's checkpoints (MaxText/checkpoints/records.py: orbax's commit marker
      and our record), newest first; the trainer has set every other step directory aside before
      upstream started, and orbax's step list is reloaded so that every process sees the same;
   2. a candidate whose record's shapes differ from the state this config builds is a config change,
@@ -21,7 +21,7 @@ tiny model's largest data file load as other numbers). Here:
 
 After the restore, a run that last stopped at a non-finite step (exit 4) and sets
 nonfinite_skip_batches=K > 0 advances the restored data iterator past the batches that led there
-(MaxText/lifecycle.py's record says how many), as Megatron users skip a loss spike's batches:
+(MaxText/checkpoints/resume.py's record says how many), as Megatron users skip a loss spike's batches:
 next() on upstream's iterator, exactly as the training loop would read them, and one log line saying
 which. Only grain's iterator position is in a checkpoint (upstream restores it in place right here);
 synthetic data is one fixed batch, so skipping would change nothing, and tfds/hf iterators restart
@@ -51,7 +51,7 @@ SEAM = Seam(
 
 
 def _shape_mismatch_error():
-  from MaxText.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from MaxText.config.keys import ConfigError  # pylint: disable=import-outside-toplevel
 
   class ShapeMismatch(ConfigError):
     """The config builds a state whose shapes differ from the checkpoint's."""
@@ -71,9 +71,9 @@ def _log(msg: str) -> None:
 
 def skip_nonfinite_batches(run_dir: Path, restored: int, data_iterator, dataset_type: str | None) -> None:
   """Advances the iterator restored at checkpoint `restored` past a non-finite stop's batches."""
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import resume  # pylint: disable=import-outside-toplevel
 
-  found = lifecycle.batches_to_skip(run_dir, restored, _skip_at_least)
+  found = resume.batches_to_skip(run_dir, restored, _skip_at_least)
   if found is None:
     return
   batches, record = found
@@ -135,7 +135,7 @@ def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
   """Process 0 renames the step directory; every process then reloads orbax's step list."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   name = f"{step}{checkpoint_records.SET_ASIDE}"
   if jax.process_index() == 0:
@@ -160,7 +160,7 @@ class _DropUnretrievedTasks(logging.Filter):
 
 def _of_the_failed_read(exc: BaseException | None) -> bool:
   """A closed event loop's error, or the damage itself, raised again by a read orbax abandoned."""
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
   return exc is not None and (closed or checkpoint_records.damage(exc) is not None)
@@ -230,7 +230,7 @@ def _restore_iterators(data_iterator, states: list[Any] | None) -> None:
 
 def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
   """Tries the run's checkpoints newest first; (restored, step) of the first that loads and checks out."""
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 

@@ -4,7 +4,7 @@ Upstream reacts to a config error by logging a banner, writing
 /dev/termination-log (outside the run directory; as root it creates that
 file) and calling sys.exit(2) outside pytest. Every caller re-raises right
 after it returns, so a handler that does nothing lets the exception reach
-MaxText/train.py, which prints one line naming the key and exits 2.
+MaxText/run/main.py, which prints one line naming the key and exits 2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SEAM = Seam(
 )
 
 
-def _wrap(original):
+def wrap(original):
   def _handle_config_exception(e):  # pylint: disable=unused-argument
     return None  # the caller's `raise e` carries the error to our entry point
 
@@ -29,11 +29,3 @@ def _wrap(original):
 
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
   return True
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_wrap)
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -49,7 +49,7 @@ def hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices, allow_split_physical
   return np.block(np.vectorize(lambda i: meshes[i], otypes=[object])(granule_mesh).tolist())
 
 
-def _replacement(original):
+def wrap(original):
   def create_hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices=None, **kwargs):
     slices = {getattr(d, "slice_index", None) for d in devices or ()}
     if len(slices) == 1 and int(np.prod(dcn_mesh_shape)) > 1 and not kwargs.get("process_is_granule"):
@@ -61,11 +61,3 @@ def _replacement(original):
 
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
   return True  # devices with a slice_index pass through: nothing changes off CPU
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_replacement)
-
-
-def undo() -> None:
-  SEAM.undo()

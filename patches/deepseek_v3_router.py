@@ -20,7 +20,7 @@ patches/routed_moe.py, which reads the same view) then has V3's semantics on eit
 
 Parameter paths and shapes are upstream's deepseek3 ones, so a checkpoint of upstream's
 deepseek3 path and ours are interchangeable; one written with the bias as a trained parameter
-is not (MaxText/checkpoint_compat.py refuses it).
+is not (MaxText/checkpoints/compat.py refuses it).
 """
 
 from __future__ import annotations
@@ -63,7 +63,3 @@ def wanted(fork) -> bool:
 def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
   _config_view.SEAM.check()
   SEAM.apply(_subclass)
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -27,7 +27,7 @@ SEAM = Seam(
 )
 
 
-def _wrap(original):
+def wrap(original):
   def _terminate_iterator_workers(obj):
     try:
       original(obj)
@@ -40,11 +40,3 @@ def _wrap(original):
 
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
   return True  # dataset_type is upstream's key; the patch is inert for the synthetic data
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_wrap)
-
-
-def undo() -> None:
-  SEAM.undo()

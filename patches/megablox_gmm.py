@@ -5,7 +5,7 @@ closure (layers/moe.py ~2236), which calls `mblx.gmm(...)` (~2319) when
 megablox=true and use_tokamax_gmm=false, looking the attribute up on the
 `maxtext.kernels.megablox` package at each call. Rebinding it sends the up,
 gate and down projections, and their backward, to the backend moe_gmm_backend
-names. MaxText/config.py (moe_gmm_upstream_keys) makes sure the config reaches
+names. MaxText/config/moe_keys.py (moe_gmm_upstream_keys) makes sure the config reaches
 that call, turning a config file's megablox=false into true.
 
 Off TPU, upstream passes interpret=True (~2291) so that its Pallas TPU kernel
@@ -110,7 +110,7 @@ def wanted(fork) -> bool:
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   """Resolves the backend now (logs the pick; fails before any compile if it cannot run).
 
-  MaxText/train.py applies patches after launch.start, so jax.distributed is
+  MaxText/run/loop.py applies patches after launch.start, so jax.distributed is
   initialized before this first touches a JAX backend.
   """
   from MaxText.moe import gmm as moe_gmm  # pylint: disable=import-outside-toplevel
@@ -123,7 +123,3 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
     return replacement
 
   SEAM.apply(replace)
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -3,13 +3,13 @@
 Every train step's scalars pass through `write_metrics(metrics, step, "train")`
 once they are materialized (upstream defers them one step so the host never
 blocks the device). We observe them there, after upstream has logged them, to
-drive our progress line and run summary (MaxText/metrics.py).
+drive our progress line and run summary (MaxText/run/metrics.py).
 
 Our `moe/` statistics (patches/moe_metrics.py) are computed every step in the
 jitted function; here the host keeps them only every moe_metrics_every_n_steps
 steps (dropped from what upstream logs otherwise), and on those steps writes
 the tokens-per-expert histograms and, every moe_metrics_heatmap_every_n_steps,
-the layers x experts heatmap (MaxText/moe_tensorboard.py) into upstream's own
+the layers x experts heatmap (MaxText/heatmap.py) into upstream's own
 TensorBoard writer, and the heatmap's numbers on process 0's stdout. Scalars
 computed on the host for a step (add_scalars: the moe_time/ split of
 patches/moe_profile.py) join that step's metrics. Upstream's behaviour is
@@ -32,7 +32,7 @@ SEAM = Seam(
 # Called with (step, scalars) for each train step; set by apply().
 _observer: Callable[[int, dict[str, Any]], None] | None = None
 _moe = {"every": 0, "heatmap_every": 0}
-_mfu_peak_flops: list[float | None] = [None]  # per device; set by MaxText/train.py once devices are known
+_mfu_peak_flops: list[float | None] = [None]  # per device; set by MaxText/run/loop.py once devices are known
 _extra: dict[int, dict[str, float]] = {}  # step -> scalars computed on the host (patches/moe_profile.py)
 
 
@@ -72,12 +72,12 @@ def _wrap(original):
       metrics = {**metrics, "scalar": {**metrics["scalar"], "perf/mfu": float(tflops) * 1e12 / _mfu_peak_flops[0]}}
     original(self, metrics, step, metric_type)
     if counts_LE is not None and getattr(self, "writer", None) is not None and hasattr(self.writer, "add_histogram"):
-      from MaxText import moe_tensorboard  # pylint: disable=import-outside-toplevel
+      from MaxText.moe import heatmap  # pylint: disable=import-outside-toplevel
 
-      heatmap = _moe["heatmap_every"] > 0 and (int(step) + 1) % _moe["heatmap_every"] == 0
-      moe_tensorboard.write(self.writer, counts_LE, int(step), heatmap=heatmap)
-      if heatmap and _lead_process():
-        print("\n".join(f"[maxtext-moe] {line}" for line in moe_tensorboard.heatmap_lines(counts_LE, int(step))),
+      draw = _moe["heatmap_every"] > 0 and (int(step) + 1) % _moe["heatmap_every"] == 0
+      heatmap.write(self.writer, counts_LE, int(step), heatmap=draw)
+      if draw and _lead_process():
+        print("\n".join(f"[maxtext-moe] {line}" for line in heatmap.heatmap_lines(counts_LE, int(step))),
               flush=True)
     if metric_type == "train" and metrics and _observer is not None:
       _observer(int(step), metrics.get("scalar", {}))

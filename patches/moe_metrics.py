@@ -17,7 +17,7 @@ intermediate_outputs, config)` (train.py ~738), called when
     user's config asked for it;
   - with moe_a2a_padded_on_overflow=error, it also reduces every MoE layer's
     `moe_has_overflow` flags (our block sows them per shard, unreduced, only
-    for a bounded dispatch) into one scalar, MaxText/overflow.SCALAR, once per
+    for a bounded dispatch) into one scalar, MaxText/moe/overflow.py's SCALAR, once per
     step; patches/step_metrics.py reads it right after the step.
 
 Everything is computed inside the jitted step; nothing syncs. Which steps are
@@ -86,7 +86,7 @@ def _wrap_record(original):
     flat = object.__getattribute__(config, "_flat_config")
     if _MARKER not in flat:
       return original(output_metrics, intermediate_outputs, config)
-    from MaxText import overflow  # pylint: disable=import-outside-toplevel
+    from MaxText.moe import overflow  # pylint: disable=import-outside-toplevel
     from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
 
     if flat[_OVERFLOW]:
@@ -124,13 +124,13 @@ def _stats(fork) -> bool:
 
 
 def wanted(fork) -> bool:
-  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import overflow  # pylint: disable=import-outside-toplevel
 
   return _stats(fork) or overflow.checked(fork)
 
 
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
-  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import overflow  # pylint: disable=import-outside-toplevel
 
   _wanted.update(stats=_stats(fork), overflow=overflow.checked(fork))
   _config_view.SEAM.check()

@@ -64,7 +64,7 @@ def _log(msg: str) -> None:
 
 
 def set_run_dir(run_dir: Path) -> None:
-  """Where profiles go (<run_dir>/moe_profile); MaxText/train.py sets it before training."""
+  """Where profiles go (<run_dir>/moe_profile); MaxText/run/loop.py sets it before training."""
   _state["run_dir"] = Path(run_dir)
 
 

@@ -39,7 +39,7 @@ SEAM = Seam(
 )
 
 
-def _wrap(call):
+def wrap(call):
   @functools.wraps(call)
   def __call__(self, *args, **kwargs):
     if not getattr(self.config, "using_pipeline_parallelism", False):
@@ -56,11 +56,3 @@ def _wrap(call):
 def wanted(fork) -> bool:
   """With our block; acts only when upstream builds a pipeline (ici/dcn_pipeline_parallelism > 1)."""
   return fork.moe_block == "ours"
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_wrap)  # checks the target first
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -56,12 +56,12 @@ What is not inside the pipeline, and why:
     stages only so: upstream needs stages x repeats x layers per stage = pipelined layers);
   - MTP: after the last stage, on the decoder's output, outside the pipeline (models.py), as a
     scanned decoder has it; its MoE layer's bias moves by upstream's own MTP update.
-Refused (MaxText/config_checks.py check_pipeline): pipeline_fsdp_ag_per_repeat with MoE layers
+Refused (MaxText/config/checks.py check_pipeline): pipeline_fsdp_ag_per_repeat with MoE layers
 (upstream's prefetching circular pipeline, NNXCircularPipeline, drops every sown intermediate), and
 upstream's block in MoE layers before the pipeline with a moving bias (there the stage axis acts as data
 parallelism, and upstream's block sums its expert counts over the batch axes it knows, which leave out
 `stage`, moe.py ~491: each stage's counts are half the batch's; our block counts in the global view).
-A resume onto another pipeline layout is refused too (MaxText/checkpoint_compat.py).
+A resume onto another pipeline layout is refused too (MaxText/checkpoints/compat.py).
 """
 
 from __future__ import annotations

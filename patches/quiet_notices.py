@@ -1,6 +1,6 @@
 """Seam: the notices of maxtext.common.gcloud_stub (maxtext 0.2.5), held back unless `verbose=true`.
 
-With DECOUPLE_GCLOUD=TRUE (our default, MaxText/train.py) every upstream module that reaches for a
+With DECOUPLE_GCLOUD=TRUE (our default, MaxText/run/main.py) every upstream module that reaches for a
 Google Cloud client gets a stub, and gcloud_stub says so with a bare print() on stdout, at import time:
 eight `[DECOUPLED NO-OP] ...: using stub(s).` lines before a run's first line of ours, one of them on
 `--print-config`'s stdout. A module global named `print` shadows the builtin for every function of

@@ -20,7 +20,7 @@ SEAM = Seam(
 )
 
 
-def _wrap(original):
+def wrap(original):
   def calculate_tflops_training_per_device(config, log=True):  # pylint: disable=unused-argument
     return original(config, log=False)
 
@@ -30,11 +30,3 @@ def _wrap(original):
 
 def wanted(fork) -> bool:
   return not getattr(fork, "verbose", False)
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_wrap)
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -17,7 +17,7 @@ changes, by `moe_block`:
             moe_dispatch_backend and moe_gmm_backend (unset: auto; the pick is logged).
             Returns what upstream's returns: (output, load-balance loss or
             None, routing-bias update or None), and sows `moe_has_overflow`
-            (a bounded dispatch's per-shard flags, MaxText/overflow.py). In
+            (a bounded dispatch's per-shard flags, MaxText/moe/overflow.py). In
             upstream's dropless replay (`force_dropless`) its buffers hold
             the EP size.
   te        upstream's own `_te_moe_block` (TE's fused MoEBlock); needs TE and
@@ -31,7 +31,7 @@ biases and clamped GLU, Llama 4, DeepSeek-V2/V3, Kimi-K2) come from
 MaxText/moe/families.py. What our block does not implement (quantization, hash
 or random routing, Gemma 4's router, FP8-stored or prefused weights, forced
 experts, weight sparsity) is refused with a message naming it, never silently
-sent to upstream; MaxText/config_checks.py refuses the config-level ones before
+sent to upstream; MaxText/config/checks.py refuses the config-level ones before
 anything compiles.
 """
 
@@ -94,7 +94,7 @@ def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:
 
 def _router_config(layer, settings: dict | None = None):
   """The layer's routing as our RouterConfig (MaxText/moe/families.py reads upstream's keys); with
-  moe_node_limited_routing its groups are the EP nodes (MaxText/config.py checks it), each scored by its top K/M."""
+  moe_node_limited_routing its groups are the EP nodes (MaxText/config/moe_keys.py checks it), each scored by its top K/M."""
   from MaxText.moe import families, routing  # pylint: disable=import-outside-toplevel
 
   cfg = families.router_config(layer.config, layer.num_experts, layer.num_experts_per_tok)
@@ -186,7 +186,7 @@ def _ours(layer, inputs, settings: dict):
   _log(f"routed MoE layer -> our block (dispatch {backend}{' in fp8' if block_cfg.fp8_dispatch else ''}, "
        f"gmm {block_cfg.gmm_backend}, EP {ep_size}{nodes}{chunks}{replay})")
   y_TD, r, overflow_S, buffer_2 = block.moe_block_with_buffer(x_TD, router, experts, block_cfg, disp, sharding)
-  if backend in BOUNDED:  # each shard's flag, unreduced: the train step reduces every layer's once (MaxText/overflow.py)
+  if backend in BOUNDED:  # each shard's flag, unreduced: the train step reduces every layer's once (MaxText/moe/overflow.py)
     layer.sow(nnx.Intermediate, "moe_has_overflow", overflow_S)
   if settings.get("moe_metrics"):  # moe_metrics_every_n_steps > 0: small arrays, read in the step (moe_metrics.py)
     from MaxText.moe import stats  # pylint: disable=import-outside-toplevel
@@ -335,7 +335,7 @@ def wanted(fork) -> bool:
 
 def _check_te_ncclep_runs_here() -> None:
   """Before anything is written or compiled: a config error naming what to install or change."""
-  from MaxText.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from MaxText.config.keys import ConfigError  # pylint: disable=import-outside-toplevel
   from MaxText.moe import dispatch  # pylint: disable=import-outside-toplevel
 
   reason = dispatch.unavailable_reason("te_ncclep")

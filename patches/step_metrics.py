@@ -10,7 +10,7 @@ metric logger sees them a step later. Everything else (`.lower`, attributes)
 passes through to upstream's jitted function.
 
 With moe_a2a_padded_on_overflow=error, a step whose scalars carry the MoE
-overflow scalar (MaxText/overflow.py: only when a layer traced a bounded
+overflow scalar (MaxText/moe/overflow.py: only when a layer traced a bounded
 dispatch) is waited for here and, if any buffer overflowed, stops the run
 (DispatchOverflow) before upstream's loop saves or logs that step.
 """
@@ -57,7 +57,7 @@ class _KeepsMetrics:
 
 
 def _stop_on_overflow(state) -> None:
-  from MaxText import overflow  # pylint: disable=import-outside-toplevel
+  from MaxText.moe import overflow  # pylint: disable=import-outside-toplevel
 
   fork = _fork[0]
   if fork is None or not overflow.checked(fork) or overflow.SCALAR not in _latest:

@@ -158,7 +158,3 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
     return maybe_bootstrap_te_moe
 
   SEAM.apply(replace)
-
-
-def undo() -> None:
-  SEAM.undo()

@@ -93,7 +93,7 @@ def summary_writer(logdir: str):
   return _SummaryWriter(logdir)
 
 
-def _wrap(original):
+def wrap(original):
   def initialize_summary_writer(tensorboard_dir, run_name, enable_tensorboard=True):
     import jax  # pylint: disable=import-outside-toplevel
 
@@ -110,11 +110,3 @@ def _wrap(original):
 
 def wanted(fork) -> bool:  # pylint: disable=unused-argument
   return True
-
-
-def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
-  SEAM.apply(_wrap)
-
-
-def undo() -> None:
-  SEAM.undo()

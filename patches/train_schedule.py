@@ -119,7 +119,3 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   _config_view.SEAM.check()
   settings = settings_from(fork)
   SEAM.apply(lambda train_step: _wrap(train_step, settings))
-
-
-def undo() -> None:
-  SEAM.undo()

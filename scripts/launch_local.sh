@@ -3,7 +3,7 @@
 #
 # NPROC=1 (the default): one process drives every local GPU.
 # NPROC>1: NPROC processes on this host, joined through jax.distributed
-# (MaxText/launch.py reads JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/
+# (MaxText/run/launch.py reads JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/
 # JAX_PROCESS_ID: the same discovery path as SLURM and Kubernetes). With GPUs,
 # each process gets GPU_COUNT/NPROC of them (JAX_LOCAL_DEVICE_IDS); on a CPU
 # machine each process has its own CPU device and collectives go through gloo.

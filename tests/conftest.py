@@ -239,7 +239,7 @@ def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:
   return result
 
 
-# What a started run leaves in its run directory (MaxText/train.py writes the
+# What a started run leaves in its run directory (MaxText/run/loop.py writes the
 # first right after validation, the second at the end).
 RUN_EVIDENCE = ("maxtext-moe/effective_config.json", "summary.json")
 

@@ -185,7 +185,7 @@ def main(case: str):
   elif case == "callbacks":
     # The compiled block's gradient, with and without the FP8 dispatch (whose backward re-traces the
     # dispatcher for its transpose): no host callback, and a2a_padded adds no all-reduce (its overflow is each
-    # shard's own flag, reduced once per train step: MaxText/overflow.py). The router's gradient is outside.
+    # shard's own flag, reduced once per train step: MaxText/moe/overflow.py). The router's gradient is outside.
     for fp8 in (False, True):
       cfg = dataclasses.replace(_cfg(8, "xla_fp8" if fp8 else "xla"), fp8_dispatch=fp8)
       disp, sharding = _on_mesh("a2a_padded", (4,), ("expert",), capacity_factor=4.0)

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from MaxText import xla_presets  # noqa: E402
+from MaxText.config import xla_presets  # noqa: E402
 from MaxText.plan import gpu_target  # noqa: E402
 
 PRESET = "deepseek_v3_reference"

@@ -32,7 +32,8 @@ def ours(run_dir: Path, out: Path, step: int | None, params: str | None, overrid
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText import config as fork_config, train  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
   from MaxText.hf import checkpoint, run as hf_run  # pylint: disable=import-outside-toplevel
   from MaxText.plan import aot  # pylint: disable=import-outside-toplevel
 
@@ -42,7 +43,7 @@ def ours(run_dir: Path, out: Path, step: int | None, params: str | None, overrid
   if params:
     keys["load_parameters_path"] = params
   run = dataclasses.replace(run, upstream={**run.upstream, **keys})
-  run = train.prepare_environment(run).run
+  run = environment.prepare_environment(run).run
   config = aot.start_upstream(run)
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
   ids = tokens(config.vocab_size)

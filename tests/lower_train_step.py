@@ -21,11 +21,11 @@ def lowered_train_step(args: list[str]) -> str:
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
   from MaxText.plan import aot  # pylint: disable=import-outside-toplevel
   from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
 
-  prepared = train.prepare_environment(fork_config.load(args))
+  prepared = environment.prepare_environment(fork_config.load(args))
   config = aot.start_upstream(prepared.run)
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
   step = aot.train_step(config, mesh)

@@ -204,7 +204,7 @@ def _command_args(case: Case, out_dir: Path, cache: Path) -> list[str]:
 
 
 def _run_inprocess(case: Case, args: list[str]) -> tuple[int, str, str]:
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.run import main as train  # pylint: disable=import-outside-toplevel
   from MaxText.plan import __main__ as plan  # pylint: disable=import-outside-toplevel
 
   with tempfile.TemporaryFile("w+") as err, tempfile.TemporaryFile("w+") as out:

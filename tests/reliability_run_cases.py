@@ -30,7 +30,7 @@ BASES = {
 ASYNC = "async_checkpointing=true"  # upstream's default and the recipes': orbax commits each save in the background
 PY = f"PYTHONPATH={REPO} {sys.executable}"
 SUMMARY_SIZE = "echo \"[case] summary.json $(wc -c < $RUN/summary.json 2>/dev/null || echo absent)\""  # in `post`
-COMPLETE = f"{PY} -c 'import sys; from MaxText import lifecycle; print(\"[case] complete\", lifecycle.checkpoint_steps(__import__(\"pathlib\").Path(sys.argv[1])))' $RUN"
+COMPLETE = f"{PY} -c 'import sys; from MaxText.checkpoints import resume; print(\"[case] complete\", resume.checkpoint_steps(__import__(\"pathlib\").Path(sys.argv[1])))' $RUN"
 
 
 # --- fixtures -----------------------------------------------------------------------------------

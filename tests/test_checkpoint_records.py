@@ -1,4 +1,4 @@
-"""Checkpoints verified, not trusted (MaxText/checkpoint_records.py, patches/checkpoint_restore.py): the content
+"""Checkpoints verified, not trusted (MaxText/checkpoints/records.py, patches/checkpoint_restore.py): the content
 digest against a numpy reference and under sharding, flipped bits, orbax's own damage errors, and upstream's
 restore falling back through damaged checkpoints (real orbax, real upstream load_state_if_possible)."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from MaxText import checkpoint_records
+from MaxText.checkpoints import records as checkpoint_records
 
 
 def _reference_digest(x: np.ndarray) -> str:
@@ -62,7 +62,7 @@ def test_every_single_flipped_bit_changes_the_digest():
 SHARDED = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from MaxText import checkpoint_records
+from MaxText.checkpoints import records as checkpoint_records
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
 rng = np.random.default_rng(1)
 host = [rng.standard_normal((8, 6, 4)).astype(np.float32), rng.standard_normal((16, 8)).astype(jnp.bfloat16)]

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
+import patches
 from conftest import REPO, run_rejected
 from MaxText import config as fork_config
-from MaxText import train
+from MaxText.run import main as train
+from MaxText.config import environment
 
 RECIPES = sorted((REPO / "configs/recipes").glob("deepseek3-671b-*x*.yml"))
 # What upstream's import-time notices start with (patches/quiet_notices.py; transformers' logging).
@@ -48,11 +50,11 @@ def test_help_lists_our_keys_and_the_exit_codes(tmp_path):
   for name, field in fork_config.ForkConfig.model_fields.items():
     assert f"  {name} (" in proc.stdout and field.description in proc.stdout
   assert "exit codes:" in proc.stdout and "  2  bad config" in proc.stdout
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  from MaxText.config import command_line  # pylint: disable=import-outside-toplevel
 
-  for code, meaning in lifecycle.EXIT_CODES.items():  # every code the entry point returns, from its constants
+  for code, meaning in command_line.EXIT_CODES.items():  # every code the entry point returns, from its constants
     assert f"\n  {code:>3}  {meaning}\n" in proc.stdout, code
-  assert set(lifecycle.EXIT_CODES) == {v for k, v in vars(lifecycle).items() if k.startswith("EXIT_") and isinstance(v, int)}
+  assert set(command_line.EXIT_CODES) == {v for k, v in vars(command_line).items() if k.startswith("EXIT_") and isinstance(v, int)}
   assert "--print-config" in proc.stdout and "--dry-run" in proc.stdout
 
 
@@ -133,12 +135,12 @@ def test_upstream_validation_error_is_one_line_naming_the_key(tmp_path):
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["dcn_fsdp_parallelism=2", f"base_output_directory={tmp_path}"])
-  config_errors.apply()
+  patches.apply_module(config_errors)
   try:
     with pytest.raises(fork_config.ConfigError) as err:
-      train.validate_with_upstream(run)
+      environment.validate_with_upstream(run)
   finally:
-    config_errors.undo()
+    patches.undo_module(config_errors)
   assert str(err.value) == ("config key 'dcn_fsdp_parallelism' = 2 (command line): rejected by upstream MaxText: "
                             "DCN parallelism requested but only one slice available.")
 

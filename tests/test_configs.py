@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+import patches
 from conftest import REPO
 from MaxText import config as fork_config
 from MaxText.plan import analytic_memory
-from MaxText import launch, train, xla_presets
+from MaxText.config import parallelism
+from MaxText.config import environment
+from MaxText.config import xla_presets
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yml"))
 MODELS = sorted((REPO / "configs/models").glob("*.yml"))
@@ -51,9 +54,9 @@ def _cpu_safe_overrides(run: fork_config.RunConfig, out_dir: Path) -> list[str]:
 def upstream_patched():
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
-  config_errors.apply()  # upstream's config errors raise instead of exiting (the only seam validation needs)
+  patches.apply_module(config_errors)  # upstream's config errors raise instead of exiting (the only seam validation needs)
   yield
-  config_errors.undo()
+  patches.undo_module(config_errors)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
@@ -68,7 +71,7 @@ def test_config_validates_with_ours_and_upstreams(path, upstream_patched, tmp_pa
   run = xla_presets.with_upstream_defaults(run, composed)
   run = fork_config.load([str(path), *_cpu_safe_overrides(run, tmp_path)])
   run = xla_presets.with_upstream_defaults(run, composed)
-  config = train.validate_with_upstream(run)
+  config = environment.validate_with_upstream(run)
   for key in ("num_experts", "base_emb_dim", "base_num_decoder_layers"):
     if key in run.upstream:
       assert getattr(config, key) == run.upstream[key], key  # upstream's model_name did not override ours
@@ -125,7 +128,7 @@ def test_ep_proxies_keep_32_experts_per_gpu():
     ep = run.upstream["ici_expert_parallelism"] * run.upstream.get("dcn_expert_parallelism", 1)
     assert run.fork.recipe_num_gpus == gpus == ep
     assert run.upstream["num_experts"] // gpus == 32
-    launch.check_topology(run.upstream, gpus, gpus, nodes)
+    parallelism.check_topology(run.upstream, gpus, gpus, nodes)
   # Across the two nodes: V3's group-limited routing (4 of its 8 groups on each node), not node-limited (M = 4 of
   # 2 nodes would limit nothing, and node-limited routing needs the groups to be the nodes).
   assert run.fork.moe_dispatch_backend == "hierarchical" and not run.fork.moe_node_limited_routing
@@ -138,7 +141,7 @@ def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
   gpus = run.fork.recipe_num_gpus
   assert f"{gpus}x" in path.name
   assert f"x{run.fork.target_gpu}" in path.name  # the planner's verdict is against the recipe's own GPU
-  launch.check_topology(run.upstream, gpus, gpus, gpus // GPUS_PER_NODE)  # one slice per 8-GPU node
+  parallelism.check_topology(run.upstream, gpus, gpus, gpus // GPUS_PER_NODE)  # one slice per 8-GPU node
   _, est, _ = analytic_memory.estimate(run.upstream, gpus)
   hbm = 80e9 if "h100" in path.name else 141e9
   assert est.device_total < hbm  # the analytic cross-check

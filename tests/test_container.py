@@ -133,7 +133,7 @@ def test_wheelhouse_on_a_mirror_of_the_image_imports_and_trains(tmp_path):
       assert not problems, problems
       import MaxText
       assert MaxText.__file__.startswith({str(site_dir)!r}), MaxText.__file__
-      from MaxText import train
+      from MaxText.run import main as train
       sys.exit(train.main([{str(REPO / "configs" / "deepseek3-tiny.yml")!r}, "steps=2", "checkpoint_period=2",
                            "base_output_directory={run_dir / "out"}", "run_name=tiny"]))
   """)

@@ -85,7 +85,8 @@ def _metadata(directory, *paths):
 
 
 def test_load_parameters_path_with_the_other_bias_semantics_is_one_config_error(tmp_path):
-  from MaxText import checkpoint_compat, config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import compat as checkpoint_compat  # pylint: disable=import-outside-toplevel
 
   layer = ("decoder", "moe_layers", "DeepSeekMoeBlock_0", "MoeBlock_0", "gate")
   old = _metadata(tmp_path / "old" / "items", ("params", "params", *layer, "bias"), ("params", "params", *layer, "kernel"))

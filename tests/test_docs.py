@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from MaxText import config as fork_config
-from MaxText import launch
+from MaxText.config import parallelism
 
 DOCUMENTS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -70,13 +70,13 @@ def test_every_train_command_in_the_documents_names_a_config_that_runs():
   for path, doc in configs.items():
     assert (REPO / path).is_file(), (doc, path)
     run = fork_config.load([str(REPO / path)])
-    launch.check_hardware(run.upstream, run.explicit)  # raises for a model file alone
+    parallelism.check_hardware(run.upstream, run.explicit)  # raises for a model file alone
 
 
 def test_a_model_file_alone_is_what_the_command_check_refuses():
   run = fork_config.load([str(REPO / "configs/models/qwen3-moe-tiny.yml")])
-  with pytest.raises(launch.LaunchError, match="hardware is not set"):
-    launch.check_hardware(run.upstream, run.explicit)
+  with pytest.raises(parallelism.LaunchError, match="hardware is not set"):
+    parallelism.check_hardware(run.upstream, run.explicit)
 
 
 def test_the_families_page_names_each_familys_three_configs():
@@ -92,11 +92,24 @@ def test_the_families_page_names_each_familys_three_configs():
 
 
 def test_troubleshooting_explains_every_exit_code():
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  from MaxText.config import command_line  # pylint: disable=import-outside-toplevel
 
-  codes = sorted({v for k, v in vars(lifecycle).items() if k.startswith("EXIT_") and isinstance(v, int)})
+  codes = sorted({v for k, v in vars(command_line).items() if k.startswith("EXIT_") and isinstance(v, int)})
   assert codes == [0, 1, 2, 3, 4, 5, 6, 7, 8, 75, 130]
   for doc in ("README.md", "docs/troubleshooting.md", "docs/cluster.md"):
     text = (REPO / doc).read_text()
     for code in codes:
       assert re.search(rf"^\| {code} \| \S", text, re.M), (doc, code)
+
+
+def test_every_tool_is_named_with_its_command_in_the_tools_readme():
+  """tools/ holds what the docs run: each script appears in tools/README.md in a command that runs it."""
+  readme = (REPO / "tools" / "README.md").read_text()
+  scripts = [p.relative_to(REPO / "tools") for p in (REPO / "tools").rglob("*")
+             if p.is_file() and p.suffix in (".py", ".sh") and "__pycache__" not in p.parts]
+  helpers = {"te_offline/repack_wheel.py", "te_offline/prune_fatbin.py"}  # called by te_offline/build.sh
+  for script in scripts:
+    if str(script) in helpers:
+      assert str(script.name) in (REPO / "tools" / "te_offline" / "build.sh").read_text()
+      continue
+    assert re.search(rf"`(?:[A-Z_]+=\S+ )*(?:python3|bash|source) tools/{re.escape(str(script))}\b", readme), script

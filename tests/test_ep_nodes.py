@@ -85,7 +85,7 @@ def test_node_limited_routing_sends_each_token_to_at_most_m_nodes(devices):
 
 def test_hierarchical_overflow_is_flagged_on_the_device_with_no_host_callback_or_all_reduce():
   """Every token to node 0's first rank, bound too small: the shards that sent past a buffer flag it, unreduced
-  (the train step reduces every layer's once, MaxText/overflow.py). The compiled block has no host callback and
+  (the train step reduces every layer's once, MaxText/moe/overflow.py). The compiled block has no host callback and
   no all-reduce: the overflow check added a callback per layer call and, to word its message, two all-reduces
   over the expert axis besides the flag's own."""
   (row,) = _check(8, "overflow")

@@ -360,7 +360,7 @@ def test_xla_fp8_through_gmms_vjp_quantizes_all_three_products():
 def test_a_weight_is_quantized_once_per_step(remat):
   """The forward, dlhs (and a remat's forward again) quantize the same weight to the same blocks: the compiled
   step has one block-amax reduction per weight, so "weights once per step" holds for one microbatch
-  (the compiled H200 step's HLO, tools/hlo_fp8_passes.py: the GPU pipeline then re-reads the bf16 weight per
+  (the compiled H200 step's HLO, tests/hlo_fp8_passes.py: the GPU pipeline then re-reads the bf16 weight per
   consumer fusion)."""
   import re  # pylint: disable=import-outside-toplevel
 
@@ -380,7 +380,7 @@ def test_a_weight_is_quantized_once_per_step(remat):
                                       ("8.9", "written for Hopper's wgmma"), ("10.0", "Transformer Engine's MXFP8"),
                                       ("12.0", "past Hopper"), ("", "no FP8 tensor cores")])
 def test_fp8_refuses_gpus_its_kernel_cannot_run_on(cc, want):
-  from MaxText import config_checks  # pylint: disable=import-outside-toplevel
+  from MaxText.config import checks as config_checks  # pylint: disable=import-outside-toplevel
 
   why = config_checks.fp8_gpu_refusal(cc)
   assert why is None if want is None else (want in why and "moe_fp8=none" in why)

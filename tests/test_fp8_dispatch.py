@@ -37,7 +37,7 @@ def test_quantizing_commutes_with_moving_rows_bit_for_bit():
   want_q, want_scale_KbM = fp8_quant.quantize_row_tiles(jnp.pad(x[rows], ((0, 0), (0, 56))))
   assert (_bits(got.q_MK) == _bits(want_q)).all() and (_bits(got.scale_MKb) == _bits(want_scale_KbM.T)).all()
   assert fp8_dispatch.pack(moved).dtype == fp8_dispatch.WORD == jnp.uint32  # what an exchange moves
-  for word in (jnp.uint16, jnp.uint32):  # wider words carry the same bytes (tools/bench_packed_gather.py)
+  for word in (jnp.uint16, jnp.uint32):  # wider words carry the same bytes
     wide = fp8_dispatch.pack(moved, word)
     assert wide.dtype == word and wide.shape == (40, packed.shape[1] // jnp.dtype(word).itemsize)
     again = fp8_dispatch.unpack(wide[rows], 256)
@@ -204,13 +204,3 @@ def test_a_row_scaled_by_its_weight_requantizes_to_the_tiles_that_crossed():
   rows = (fp8_quant.dequantize_rows(tiles, 1024, jnp.float32) * w).astype(jnp.bfloat16)
   q_again, _ = fp8_quant.quantize_row_tiles(rows)
   assert (_bits(q_again) == _bits(tiles.q_MK)).all()
-
-
-def test_bench_packed_gather_checks_the_words_against_each_other(capsys):
-  """tools/bench_packed_gather.py (tiny, on CPU): both words and both paths run, each bit for bit the uint8 one's."""
-  from conftest import load_script  # pylint: disable=import-outside-toplevel
-
-  bench = load_script("bench_packed_gather", "tools/bench_packed_gather.py")
-  assert bench.main(["--tokens", "64", "--dim", "256", "--experts", "8", "--top-k", "2"]) == 0
-  out = capsys.readouterr().out
-  assert out.count("PASS") == 4 and "FAIL" not in out and "[128, 256] e4m3 rows" in out

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import patches
 from conftest import REPO
 from gmm_reference import CASES, dense_gmm, rel_err
 from MaxText import config as fork_config
@@ -49,7 +50,7 @@ def patched_xla():
   try:
     yield megablox
   finally:
-    megablox_gmm.undo()
+    patches.undo_module(megablox_gmm)
   assert megablox.gmm is original
 
 

@@ -72,7 +72,7 @@ def test_a_target_the_planner_cannot_compile_for_says_why(monkeypatch, capsys):
 
 
 def test_only_the_expert_load_callback_is_left_out_of_a_gpu_plan():
-  """The overflow check has no host callback (MaxText/overflow.py): the plan compiles the run's own program."""
+  """The overflow check has no host callback (MaxText/moe/overflow.py): the plan compiles the run's own program."""
   run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours", "moe_log_expert_load=true"])
   assert plan.gpu_target_substitutes(run) == {"moe_log_expert_load": False}
   run = fork_config.load(["configs/deepseek3-tiny.yml", "moe_block=ours"])
@@ -193,7 +193,7 @@ def test_fp8_experts_compile_for_two_h200s_over_expert_parallelism_without_a_gpu
   # dW's operands that are gathers of token rows stay XLA's; dlhs quantizes nothing itself: its dout is the
   # combine's moved tiles or the one-pass kernel's, and its weight blocks are the forward's.
   assert any("u32[" in line and ("all-to-all(" in line or "all-to-all-start(" in line) for line in text.splitlines())
-  spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tools" / "hlo_fp8_passes.py")
+  spec = importlib.util.spec_from_file_location("hlo_fp8_passes", REPO / "tests" / "hlo_fp8_passes.py")
   passes = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(passes)
   rows = passes.fp8_fusions(text)

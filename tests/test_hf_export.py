@@ -19,7 +19,7 @@ import pytest
 
 import hf_helpers
 from conftest import run_train
-from MaxText import export_hf
+from MaxText.hf import export_cli as export_hf
 from MaxText.hf import checkpoint, layout, safetensors
 from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 

@@ -14,7 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText import checkpoint_records, export_hf
+from MaxText.checkpoints import records as checkpoint_records
+from MaxText.hf import export_cli as export_hf
 from MaxText.hf import checkpoint, layout, safetensors
 from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 
@@ -74,7 +75,7 @@ def test_heads_in_moves_only_each_heads_rope_tail():
 @pytest.mark.parametrize("dtype,block", [(np.float32, 1 << 22), (ml_dtypes.bfloat16, 1 << 22), (np.float32, 7)])
 def test_digest_folded_slice_by_slice_is_the_saved_digest(dtype, block, monkeypatch):
   """The export checks what it reads against our record: slices read in any order (and folded a few rows at a
-  time) add up to the digest the trainer takes of the whole array at save (MaxText/checkpoint_records.scan)."""
+  time) add up to the digest the trainer takes of the whole array at save (MaxText/checkpoints/records.py's scan)."""
   monkeypatch.setattr(checkpoint, "BLOCK", block)
   x = np.random.default_rng(2).normal(size=(3, 4, 5, 6)).astype(dtype)
   _, (want,) = checkpoint_records.scan([x])
@@ -156,7 +157,7 @@ def test_a_family_without_a_layout_is_refused_naming_the_key(family):
 
 
 def test_import_refuses_another_architecture_and_missing_shards(tmp_path, capsys):
-  from MaxText import import_hf  # pylint: disable=import-outside-toplevel
+  from MaxText.hf import import_cli as import_hf  # pylint: disable=import-outside-toplevel
 
   (tmp_path / "hf").mkdir()
   (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"],

@@ -81,3 +81,57 @@ def test_no_import_circles():
 
 def test_a_circle_is_found():
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Which package may import which: data flows down, from the entry points through the run's life to configuration,
+# checkpoints, the seams (patches) and the MoE pieces. The MoE block and the planner never import the run's life.
+# An entry point (MaxText.train, MaxText.export_hf, MaxText.import_hf, the planner's __main__) may import anything.
+MAY_IMPORT = {
+    "MaxText.console": set(),
+    "MaxText.moe": set(),
+    "MaxText.config": {"MaxText.console", "MaxText.moe", "patches"},
+    "MaxText.checkpoints": {"MaxText.config", "MaxText.console"},
+    # The seams raise the config's one-line error (MaxText.config.keys alone, which imports nothing of ours), and
+    # read and write our checkpoint records around upstream's saves and restores.
+    "patches": {"MaxText.config.keys", "MaxText.checkpoints", "MaxText.console", "MaxText.moe"},
+    "MaxText.plan": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "patches"},
+    "MaxText.hf": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "patches"},
+    "MaxText.run": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "MaxText.plan",
+                    "patches"},
+}
+ENTRY_POINTS = {"MaxText.train", "MaxText.export_hf", "MaxText.import_hf", "MaxText.plan.__main__"}
+
+
+def _package(module: str) -> str:
+  """The layer a module belongs to: its package under MaxText, or patches; MaxText itself for the shims."""
+  parts = module.split(".")
+  return "patches" if parts[0] == "patches" else ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def _allowed(importer: str, imported: str) -> bool:
+  if importer in ENTRY_POINTS or _package(importer) == _package(imported) or imported == "MaxText":
+    return True
+  allowed = MAY_IMPORT[_package(importer)]
+  return _package(imported) in allowed or any(imported == a or imported.startswith(a + ".") for a in allowed)
+
+
+def test_maxtext_has_no_flat_module_but_the_entry_points_and_every_package_has_a_layer():
+  flat = {p.stem for p in (REPO / "MaxText").glob("*.py")}
+  assert flat == {"__init__", "train", "export_hf", "import_hf"}
+  packages = {f"MaxText.{p.parent.name}" for p in (REPO / "MaxText").glob("*/__init__.py")}
+  assert packages == set(MAY_IMPORT) - {"patches"}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+  graph = _graph()
+  wrong = sorted(f"{a} -> {b}" for a, edges in graph.items() for b in edges if not _allowed(a, b))
+  assert wrong == []
+
+
+def test_the_layering_check_catches_an_upward_import():
+  """The rule above fails where it should: the planner importing the run's life, a seam the config's loader."""
+  assert not _allowed("MaxText.plan.planner", "MaxText.run.main")
+  assert not _allowed("MaxText.moe.block", "MaxText.run.lifecycle")
+  assert not _allowed("patches.routed_moe", "MaxText.config.loader")
+  assert _allowed("patches.routed_moe", "MaxText.config.keys")
+  assert _allowed("MaxText.run.loop", "MaxText.plan.hardware")

@@ -1,5 +1,5 @@
 """Everything checkable is checked before anything is written: real data and its tokenizer
-(MaxText/data_checks.py), upstream's choice keys and the ranges that crashed later (MaxText/config_checks.py),
+(MaxText/config/data_checks.py), upstream's choice keys and the ranges that crashed later (MaxText/config/checks.py),
 our backends on this platform, YAML the loader choked on, the planner's options, and TensorBoard on a full disk
 (patches/tensorboard.py). Each is one ConfigError line naming the key, value or path."""
 
@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 import text_fixture
+import patches
 from MaxText import config as fork_config
-from MaxText import config_checks, data_checks, train
+from MaxText.config import checks as config_checks
+from MaxText.config import data_checks
+from MaxText.config import environment
+from MaxText.run import loop
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs/deepseek3-tiny.yml")
 
@@ -27,9 +31,9 @@ TINY = str(Path(__file__).resolve().parent.parent / "configs/deepseek3-tiny.yml"
 def upstream_patched():
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
-  config_errors.apply()  # upstream's config errors raise instead of exiting
+  patches.apply_module(config_errors)  # upstream's config errors raise instead of exiting
   yield
-  config_errors.undo()
+  patches.undo_module(config_errors)
 
 
 BAD_VALUES = {
@@ -60,13 +64,13 @@ def test_values_upstream_accepts_and_then_crashes_on_are_refused(override, upstr
   run = fork_config.load([TINY, f"base_output_directory={tmp_path}", override])
   with pytest.raises(fork_config.ConfigError, match=BAD_VALUES[override].replace("(", r"\(").replace(")", r"\)")
                      .replace("[", r"\[")):
-    train.validate_with_upstream(run)
+    environment.validate_with_upstream(run)
 
 
 @pytest.mark.slow  # four config loads
 def test_the_tiny_config_passes_the_new_checks(upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
   for policy in ("full", "minimal", "custom", "none"):
-    train.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}", f"remat_policy={policy}"]))
+    environment.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}", f"remat_policy={policy}"]))
 
 
 @pytest.mark.parametrize("override,says", [
@@ -214,7 +218,7 @@ def test_only_process_0_reads_the_data_and_every_process_stops_on_its_verdict(mo
 
   monkeypatch.setattr(checkpoint_restore, "agree", all_gather)
   with pytest.raises(fork_config.ConfigError, match="grain_train_files"):
-    train.check_data_on_process_0("run", None, process_id=0)
+    loop.check_data_on_process_0("run", None, process_id=0)
   with pytest.raises(fork_config.ConfigError, match="the data checks failed on process 0"):
-    train.check_data_on_process_0("run", None, process_id=1)
+    loop.check_data_on_process_0("run", None, process_id=1)
   assert calls == ["run"]  # process 1 read nothing

@@ -23,7 +23,7 @@ import yaml
 
 from conftest import REPO
 from MaxText import config as fork_config
-from MaxText import launch
+from MaxText.run import launch
 
 K8S_VERSION = "1.33.0"  # what current managed clusters run; JobSet v0.8+ supports it
 MANIFESTS = {"jobset": REPO / "scripts/k8s/jobset.yaml", "indexed-job": REPO / "scripts/k8s/indexed-job.yaml"}

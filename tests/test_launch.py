@@ -17,7 +17,8 @@ import numpy as np
 import yaml
 
 from conftest import REPO, run_rejected
-from MaxText import launch
+from MaxText.run import launch
+from MaxText.config import parallelism
 
 
 # --- discovery: one code path for every launcher ---------------------------
@@ -81,14 +82,14 @@ def test_slurm_layouts_give_each_process_its_gpus(job_env, tasks_per_node, bound
 
 def test_slurm_layout_that_does_not_split_names_the_counts(job_env):
   job_env(**_slurm(0, 3))
-  with pytest.raises(launch.LaunchError, match="8 GPUs on this node do not split evenly over its 3 processes"):
+  with pytest.raises(parallelism.LaunchError, match="8 GPUs on this node do not split evenly over its 3 processes"):
     launch.discover()
   assert launch.tasks_on_node("8(x2),4", 2) == 4 and launch.tasks_on_node("2,1", 1) == 1
 
 
 _JAX_SEES = (
     "import json, jax\n"
-    "from MaxText import launch\n"
+    "from MaxText.run import launch\n"
     "info = launch.discover()\n"
     "launch.initialize(info, 'cpu')\n"
     "print('SEES', json.dumps([info.scheduler, jax.process_index(), jax.process_count(),"
@@ -118,7 +119,7 @@ def test_upstream_gpu_variables_are_read_or_named(job_env):
   job_env(JAX_COORDINATOR_IP="10.0.0.1", JAX_COORDINATOR_PORT="1234", NNODES="4", NODE_RANK="3")
   assert launch.discover() == launch.ProcessInfo("upstream-env", "10.0.0.1:1234", 4, 3, None)
   job_env(JAX_COORDINATOR_IP="10.0.0.1", NNODES="4")
-  with pytest.raises(launch.LaunchError, match=r"^JAX_COORDINATOR_IP=10.0.0.1, NNODES=4 is set \(upstream MaxText's "
+  with pytest.raises(parallelism.LaunchError, match=r"^JAX_COORDINATOR_IP=10.0.0.1, NNODES=4 is set \(upstream MaxText's "
                      r"GPU launch variables\) but JAX_COORDINATOR_PORT, NODE_RANK is not"):
     launch.discover()
 
@@ -248,7 +249,7 @@ def test_sbatch_without_an_image_says_how_to_make_one(tmp_path):
     ({"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "2"}, "process id 2 is outside 0..1"),
 ])
 def test_bad_launch_env_names_the_value(environ, message):
-  with pytest.raises(launch.LaunchError, match=re.escape(message)):
+  with pytest.raises(parallelism.LaunchError, match=re.escape(message)):
     launch.discover(environ)
 
 
@@ -256,31 +257,31 @@ def test_bad_launch_env_names_the_value(environ, message):
 
 
 def test_mesh_product_must_match_the_device_count():
-  with pytest.raises(launch.LaunchError, match=r"ICI \(per slice\) mesh ici_fsdp_parallelism=4 x ici_expert_parallelism=2 = 8 does not match 4 device"):
-    launch.check_topology({"ici_fsdp_parallelism": 4, "ici_expert_parallelism": 2}, None, 4, 1)
-  launch.check_topology({"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2, "num_experts": 8}, None, 4, 1)
+  with pytest.raises(parallelism.LaunchError, match=r"ICI \(per slice\) mesh ici_fsdp_parallelism=4 x ici_expert_parallelism=2 = 8 does not match 4 device"):
+    parallelism.check_topology({"ici_fsdp_parallelism": 4, "ici_expert_parallelism": 2}, None, 4, 1)
+  parallelism.check_topology({"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2, "num_experts": 8}, None, 4, 1)
 
 
 def test_expert_parallelism_must_divide_num_experts():
-  with pytest.raises(launch.LaunchError, match=r"expert parallelism 3 .* does not divide num_experts=8"):
-    launch.check_topology({"ici_fsdp_parallelism": 1, "ici_expert_parallelism": 3, "num_experts": 8}, None, 3, 1)
+  with pytest.raises(parallelism.LaunchError, match=r"expert parallelism 3 .* does not divide num_experts=8"):
+    parallelism.check_topology({"ici_fsdp_parallelism": 1, "ici_expert_parallelism": 3, "num_experts": 8}, None, 3, 1)
 
 
 def test_recipe_for_more_gpus_than_present():
-  with pytest.raises(launch.LaunchError, match=r"recipe_num_gpus=128: this recipe is for 128 GPUs, 8 present"):
-    launch.check_topology({}, 128, 8, 1)
-  with pytest.raises(launch.LaunchError, match=r"dcn_fsdp_parallelism=16 needs more than the 1 slice present"):
-    launch.check_topology({"dcn_fsdp_parallelism": 16, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8}, None, 8, 1)
+  with pytest.raises(parallelism.LaunchError, match=r"recipe_num_gpus=128: this recipe is for 128 GPUs, 8 present"):
+    parallelism.check_topology({}, 128, 8, 1)
+  with pytest.raises(parallelism.LaunchError, match=r"dcn_fsdp_parallelism=16 needs more than the 1 slice present"):
+    parallelism.check_topology({"dcn_fsdp_parallelism": 16, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8}, None, 8, 1)
 
 
 def test_dcn_axes_fill_the_slices():
-  launch.check_topology({"dcn_fsdp_parallelism": 16, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8,
+  parallelism.check_topology({"dcn_fsdp_parallelism": 16, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8,
                          "num_experts": 256}, 128, 128, 16)
-  with pytest.raises(launch.LaunchError, match=r"DCN \(across 16 slices\) mesh dcn_fsdp_parallelism=8 = 8 does not match 16"):
-    launch.check_topology({"dcn_fsdp_parallelism": 8, "dcn_data_parallelism": 1, "ici_fsdp_parallelism": 1,
+  with pytest.raises(parallelism.LaunchError, match=r"DCN \(across 16 slices\) mesh dcn_fsdp_parallelism=8 = 8 does not match 16"):
+    parallelism.check_topology({"dcn_fsdp_parallelism": 8, "dcn_data_parallelism": 1, "ici_fsdp_parallelism": 1,
                            "ici_expert_parallelism": 8}, None, 128, 16)
   # upstream's default dcn_data_parallelism=-1 takes up the rest: 8 x 2 = 16
-  launch.check_topology({"dcn_fsdp_parallelism": 8, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8}, None, 128, 16)
+  parallelism.check_topology({"dcn_fsdp_parallelism": 8, "ici_fsdp_parallelism": 1, "ici_expert_parallelism": 8}, None, 128, 16)
 
 
 # --- the same checks from the command line, before any compile --------------
@@ -390,7 +391,7 @@ def test_an_unreachable_coordinator_is_one_line_naming_its_address():
     port = free.getsockname()[1]
   info = launch.ProcessInfo("explicit", f"127.0.0.1:{port}", 4, 3)
   started = time.monotonic()
-  with pytest.raises(launch.LaunchError, match=rf"process 3 of 4 could not reach the coordinator at 127.0.0.1:{port} "
+  with pytest.raises(parallelism.LaunchError, match=rf"process 3 of 4 could not reach the coordinator at 127.0.0.1:{port} "
                                                r"in 1 s \(Connection refused\): is process 0 running"):
     launch.wait_for_coordinator(info.coordinator_address, 1, info, poll_s=0.2)
   assert time.monotonic() - started < 5
@@ -425,6 +426,6 @@ def test_each_node_of_the_mesh_must_be_one_hosts_devices(monkeypatch):
   groups = launch.node_groups(mesh, (1, 8))
   assert sorted(sorted(d.id for d in g) for g in groups.values()) == [list(range(8)), list(range(8, 16))]
   launch.check_nodes_on_hosts(mesh, (1, 8), {p: "a" if p < 8 else "b" for p in range(16)})
-  with pytest.raises(launch.LaunchError, match=r"the mesh's node \(0, 0\) \(devices 0..7\) spans hosts a, b: "
+  with pytest.raises(parallelism.LaunchError, match=r"the mesh's node \(0, 0\) \(devices 0..7\) spans hosts a, b: "
                                                r"processes must be ranked node by node"):
     launch.check_nodes_on_hosts(mesh, (1, 8), {p: "ab"[p % 2] for p in range(16)})

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import pytest
 
+import patches
 from MaxText import config as fork_config
-from MaxText import lifecycle, train
+from MaxText.run import lifecycle
+from MaxText.checkpoints import resume
+from MaxText.config import command_line
+from MaxText.config import environment
+from MaxText.run import main as train
 from patches import checkpoint_guard, checkpoint_restore
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs/deepseek3-tiny.yml")
@@ -26,9 +31,9 @@ TINY = str(Path(__file__).resolve().parent.parent / "configs/deepseek3-tiny.yml"
 def upstream_patched():
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
-  config_errors.apply()  # upstream's config errors raise instead of exiting
+  patches.apply_module(config_errors)  # upstream's config errors raise instead of exiting
   yield
-  config_errors.undo()
+  patches.undo_module(config_errors)
 
 
 # Each: an override upstream 0.2.5 accepts (the run then fails with a
@@ -51,11 +56,11 @@ def test_values_upstream_accepts_are_refused_with_the_key(override, upstream_pat
   args = [TINY, f"base_output_directory={tmp_path}", override]
   run = fork_config.load(args)
   with pytest.raises(fork_config.ConfigError, match=BAD_VALUES[override].replace("(", r"\(").replace(")", r"\)")):
-    train.validate_with_upstream(run)
+    environment.validate_with_upstream(run)
 
 
 def test_the_tiny_config_itself_passes_the_value_checks(upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
-  train.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}/new"]))
+  environment.validate_with_upstream(fork_config.load([TINY, f"base_output_directory={tmp_path}/new"]))
   assert not (tmp_path / "new").exists()  # checked, not created
 
 
@@ -73,7 +78,7 @@ def test_a_dispatch_backend_without_our_block_is_refused():
 def test_te_moe_block_in_one_process_is_refused_before_anything_starts():
   """TE's MoE block bootstraps NCCL EP, which refuses a world of one process (measured on the H200: a
   ValueError masked by upstream's TE context); ours refuses first, in one line naming the key."""
-  from MaxText import config_checks  # pylint: disable=import-outside-toplevel
+  from MaxText.config import checks as config_checks  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load([TINY, "moe_block=te", "hardware=cpu"])
   config = types.SimpleNamespace(hardware="cpu", per_device_batch_size=1)
@@ -193,7 +198,7 @@ def _config(**kw):
 def _with_checkpoints(run_dir: Path, *steps: int, config=None) -> None:
   """Step directories as a save leaves them (orbax's commit marker and tree metadata, our record), the run's
   schedule and data records (those of `config`), and an unfinished save, which is not a checkpoint."""
-  from MaxText import checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   for step in steps:
     (run_dir / "checkpoints" / str(step) / "items").mkdir(parents=True)
@@ -201,41 +206,41 @@ def _with_checkpoints(run_dir: Path, *steps: int, config=None) -> None:
     (run_dir / "checkpoints" / str(step) / checkpoint_records.COMMIT_MARKER).write_text("committed")
     checkpoint_records.write_record(run_dir, step, [], [])
   (run_dir / "checkpoints" / f"{max(steps) + 1}.orbax-checkpoint-tmp-123").mkdir()
-  lifecycle.record_schedule(run_dir, config or _config())
-  lifecycle.record_data(run_dir, config or _config())
+  resume.record_schedule(run_dir, config or _config())
+  resume.record_data(run_dir, config or _config())
 
 
 def test_resume_refuses_a_changed_schedule_and_names_the_pin(tmp_path):
   _with_checkpoints(tmp_path, 0, 4)
-  assert lifecycle.check_resume(tmp_path, _config(), False) == (4, [])
+  assert resume.check_resume(tmp_path, _config(), False) == (4, [])
   with pytest.raises(fork_config.ConfigError, match=r"learning_rate_schedule_steps 10 -> 20\).*pin "
                                                     r"learning_rate_schedule_steps=10 to continue"):
-    lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), False)
-  step, warnings = lifecycle.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), True)
+    resume.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), False)
+  step, warnings = resume.check_resume(tmp_path, _config(steps=20, learning_rate_schedule_steps=20), True)
   assert step == 4 and "WARNING" in warnings[0]
-  lifecycle.check_resume(tmp_path, _config(steps=20), False)  # more steps on the pinned schedule: fine
+  resume.check_resume(tmp_path, _config(steps=20), False)  # more steps on the pinned schedule: fine
   # The hint names the key that changed, with its recorded value.
   with pytest.raises(fork_config.ConfigError, match=r"\(learning_rate 0.001 -> 0.002\).*pin learning_rate=0.001 "):
-    lifecycle.check_resume(tmp_path, _config(learning_rate=2e-3), False)
+    resume.check_resume(tmp_path, _config(learning_rate=2e-3), False)
 
 
 def test_after_a_non_finite_stop_the_advised_lower_learning_rate_resumes_with_a_warning(tmp_path):
   _with_checkpoints(tmp_path, 0, 4)
-  lifecycle.record_nonfinite(tmp_path, 6, None)  # exit 4 at step 6, its advice: lower learning_rate
-  step, warnings = lifecycle.check_resume(tmp_path, _config(learning_rate=5e-4), False)
+  resume.record_nonfinite(tmp_path, 6, None)  # exit 4 at step 6, its advice: lower learning_rate
+  step, warnings = resume.check_resume(tmp_path, _config(learning_rate=5e-4), False)
   assert step == 4 and warnings == ["WARNING: learning_rate 0.001 -> 0.0005 after the non-finite stop at step 6: "
                                     "steps up to 4 followed the old rate, steps from 5 the new one"]
   with pytest.raises(fork_config.ConfigError, match="pin learning_rate=0.001"):  # higher: not the remedy
-    lifecycle.check_resume(tmp_path, _config(learning_rate=2e-3), False)
+    resume.check_resume(tmp_path, _config(learning_rate=2e-3), False)
   with pytest.raises(fork_config.ConfigError, match="pin learning_rate=0.001 warmup_steps_fraction=0.1"):
-    lifecycle.check_resume(tmp_path, _config(learning_rate=5e-4, warmup_steps_fraction=0.2), False)
+    resume.check_resume(tmp_path, _config(learning_rate=5e-4, warmup_steps_fraction=0.2), False)
 
 
 @pytest.mark.parametrize("record", ["schedule.json", "data.json"])
 @pytest.mark.parametrize("damage", ["missing", "garbled", "a list"])
 def test_a_missing_or_garbled_resume_record_is_refused_unless_allowed(tmp_path, record, damage):
   _with_checkpoints(tmp_path, 0, 4)
-  path = tmp_path / lifecycle.RUN_FILES / record
+  path = tmp_path / resume.RUN_FILES / record
   if damage == "missing":
     path.unlink()
   else:
@@ -243,8 +248,8 @@ def test_a_missing_or_garbled_resume_record_is_refused_unless_allowed(tmp_path, 
   key = "allow_schedule_change" if record == "schedule.json" else "allow_data_change"
   why = {"missing": "is missing", "garbled": "cannot be read", "a list": "is not a JSON object"}[damage]
   with pytest.raises(fork_config.ConfigError, match=f"record {path} {why}.*set {key}=true"):
-    lifecycle.check_resume(tmp_path, _config(), False, False)
-  step, warnings = lifecycle.check_resume(tmp_path, _config(), True, True)
+    resume.check_resume(tmp_path, _config(), False, False)
+  step, warnings = resume.check_resume(tmp_path, _config(), True, True)
   assert step == 4 and len(warnings) == 1 and f"{key}=true: this run's" in warnings[0]
 
 
@@ -255,19 +260,19 @@ def test_a_resume_on_other_data_is_refused_naming_what_changed(tmp_path):
                   tokenizer_type="sentencepiece", tokenizer_path="/tok/llama2", vocab_size=32000)
   with pytest.raises(fork_config.ConfigError, match=r"would train on other data \(dataset_type 'synthetic' -> "
                                                     r"'grain', vocab_size 1024 -> 32000, grain_train_files"):
-    lifecycle.check_resume(tmp_path, grain, False, False)
-  step, warnings = lifecycle.check_resume(tmp_path, grain, False, True)
+    resume.check_resume(tmp_path, grain, False, False)
+  step, warnings = resume.check_resume(tmp_path, grain, False, True)
   assert step == 4 and warnings[0].startswith("WARNING: the data changes on resume (dataset_type 'synthetic'")
-  lifecycle.record_data(tmp_path, grain)
-  assert lifecycle.check_resume(tmp_path, _config(**{**vars(grain), "steps": 10}), False) == (4, [])
+  resume.record_data(tmp_path, grain)
+  assert resume.check_resume(tmp_path, _config(**{**vars(grain), "steps": 10}), False) == (4, [])
 
 
 def test_checkpointing_off_on_a_run_with_checkpoints_is_refused(tmp_path):
   _with_checkpoints(tmp_path, 0, 4)
   with pytest.raises(fork_config.ConfigError, match=r"'enable_checkpointing' = False: run .* holds checkpoints up to "
                                                     r"step 4, which this run would neither resume nor extend"):
-    lifecycle.check_resume(tmp_path, _config(enable_checkpointing=False), False)
-  assert lifecycle.check_resume(tmp_path / "other", _config(enable_checkpointing=False), False) == (None, [])
+    resume.check_resume(tmp_path, _config(enable_checkpointing=False), False)
+  assert resume.check_resume(tmp_path / "other", _config(enable_checkpointing=False), False) == (None, [])
 
 
 def test_only_committed_and_recorded_step_directories_count_and_the_rest_are_set_aside(tmp_path):
@@ -279,11 +284,11 @@ def test_only_committed_and_recorded_step_directories_count_and_the_rest_are_set
   (root / "12" / "items").mkdir(parents=True)
   (root / "12" / "items" / "_METADATA").write_text("{}")
   (root / "12" / "commit_success.txt").write_text("committed")  # no record of ours
-  assert lifecycle.checkpoint_steps(tmp_path) == [0]
-  assert lifecycle.check_resume(tmp_path, _config(steps=100), False) == (0, [])  # not "already finished" at 99
-  dry = lifecycle.set_aside_unusable(tmp_path, dry_run=True)
+  assert resume.checkpoint_steps(tmp_path) == [0]
+  assert resume.check_resume(tmp_path, _config(steps=100), False) == (0, [])  # not "already finished" at 99
+  dry = resume.set_aside_unusable(tmp_path, dry_run=True)
   assert [p.name for p in sorted(root.iterdir())] == ["0", "12", "4", "8", "9.orbax-checkpoint-tmp-123", "99"]
-  lines = lifecycle.set_aside_unusable(tmp_path)
+  lines = resume.set_aside_unusable(tmp_path)
   assert [line.split(" is not a checkpoint ")[0] for line in lines] == [
       f"WARNING: {root / str(s)}" for s in (4, 8, 12, 99)]
   assert "(its items/_METADATA is missing): set aside as 4.unusable" in lines[0]
@@ -299,18 +304,18 @@ def test_a_run_whose_checkpoints_predate_our_records_is_refused_with_nothing_mov
   import shutil  # pylint: disable=import-outside-toplevel
 
   _with_checkpoints(tmp_path, 0, 4)
-  shutil.rmtree(tmp_path / lifecycle.RUN_FILES / "checkpoints")
+  shutil.rmtree(tmp_path / resume.RUN_FILES / "checkpoints")
   with pytest.raises(fork_config.ConfigError, match=r"holds checkpoints \(0, 4\) but no records of them .*cannot be "
                                                     r"verified.*nothing was moved"):
-    lifecycle.set_aside_unusable(tmp_path)
+    resume.set_aside_unusable(tmp_path)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "4", "5.orbax-checkpoint-tmp-123"]
 
 
 def test_rerunning_a_finished_run_says_so(tmp_path):
   _with_checkpoints(tmp_path, 0, 9)
-  with pytest.raises(lifecycle.FinishedRun, match="already finished: its last checkpoint is step 9 and steps=10"):
-    lifecycle.check_resume(tmp_path, _config(), False)
-  assert lifecycle.check_resume(tmp_path / "new", _config(), False) == (None, [])
+  with pytest.raises(resume.FinishedRun, match="already finished: its last checkpoint is step 9 and steps=10"):
+    resume.check_resume(tmp_path, _config(), False)
+  assert resume.check_resume(tmp_path / "new", _config(), False) == (None, [])
 
 
 def test_a_negative_skip_count_is_one_line_naming_the_key():
@@ -321,28 +326,28 @@ def test_a_negative_skip_count_is_one_line_naming_the_key():
 def test_the_skip_covers_the_non_finite_batch_and_follows_the_data_across_resumes(tmp_path):
   """Checkpoints 0 and 4, step 7 went non-finite: the batches of steps 5..7 must go."""
   _with_checkpoints(tmp_path, 0, 4)
-  assert lifecycle.record_nonfinite(tmp_path, 7, None) == {"step": 7, "checkpoint": 4, "batches_past_checkpoint": 3}
-  assert lifecycle.batches_to_skip(tmp_path, 4, 0) is None  # the option is off: replay
-  assert lifecycle.batches_to_skip(tmp_path, 4, 1)[0] == 3  # never fewer than through the non-finite batch
-  assert lifecycle.batches_to_skip(tmp_path, 4, 10)[0] == 10
-  assert lifecycle.batches_to_skip(tmp_path, 0, 10) is None  # the record is for checkpoint 4's position only
+  assert resume.record_nonfinite(tmp_path, 7, None) == {"step": 7, "checkpoint": 4, "batches_past_checkpoint": 3}
+  assert resume.batches_to_skip(tmp_path, 4, 0) is None  # the option is off: replay
+  assert resume.batches_to_skip(tmp_path, 4, 1)[0] == 3  # never fewer than through the non-finite batch
+  assert resume.batches_to_skip(tmp_path, 4, 10)[0] == 10
+  assert resume.batches_to_skip(tmp_path, 0, 10) is None  # the record is for checkpoint 4's position only
   # Resumed from 4 skipping 10 batches, it went non-finite again at step 6 before a new save: the data
   # iterator had read 6 - 4 + 10 = 12 batches past checkpoint 4's position.
-  assert lifecycle.record_nonfinite(tmp_path, 6, (4, 10))["batches_past_checkpoint"] == 12
+  assert resume.record_nonfinite(tmp_path, 6, (4, 10))["batches_past_checkpoint"] == 12
   # After a save at 8 (its iterator position includes the skip), a stop at 9 is 1 batch past it.
   _with_checkpoints(tmp_path, 8)
-  assert lifecycle.record_nonfinite(tmp_path, 9, (4, 10)) == {"step": 9, "checkpoint": 8, "batches_past_checkpoint": 1}
-  assert lifecycle.batches_to_skip(tmp_path, 4, 10) is None
-  assert not list((tmp_path / lifecycle.RUN_FILES).glob("*.tmp*"))  # written atomically (temp file, then rename)
+  assert resume.record_nonfinite(tmp_path, 9, (4, 10)) == {"step": 9, "checkpoint": 8, "batches_past_checkpoint": 1}
+  assert resume.batches_to_skip(tmp_path, 4, 10) is None
+  assert not list((tmp_path / resume.RUN_FILES).glob("*.tmp*"))  # written atomically (temp file, then rename)
 
 
 def test_a_garbled_non_finite_record_is_refused_when_a_skip_is_asked_for(tmp_path):
   _with_checkpoints(tmp_path, 0, 4)
-  (tmp_path / lifecycle.RUN_FILES / lifecycle.NONFINITE_RECORD).write_text('{"step": 7, "checkp')
-  assert lifecycle.batches_to_skip(tmp_path, 4, 0) is None  # no skip asked for: nothing depends on it
+  (tmp_path / resume.RUN_FILES / resume.NONFINITE_RECORD).write_text('{"step": 7, "checkp')
+  assert resume.batches_to_skip(tmp_path, 4, 0) is None  # no skip asked for: nothing depends on it
   with pytest.raises(fork_config.ConfigError, match=r"'nonfinite_skip_batches' = 3: the record of the last non-finite "
                                                     r"stop, .*nonfinite.json, cannot be read"):
-    lifecycle.batches_to_skip(tmp_path, 4, 3)
+    resume.batches_to_skip(tmp_path, 4, 3)
 
 
 def test_shape_difference_names_the_first_array():
@@ -403,7 +408,7 @@ def test_first_sigint_requests_a_stop_and_the_second_aborts():
 
 
 def test_the_second_sigint_runs_the_cleanups_then_the_abort_in_the_handler():
-  """With an abort (MaxText/train.py's exits 130) nothing is raised: a KeyboardInterrupt raised at an arbitrary
+  """With an abort (MaxText/run/main.py's exits 130) nothing is raised: a KeyboardInterrupt raised at an arbitrary
   bytecode can be caught on its way (CI: a SystemError inside numpy, exit 1). The lock's cleanup runs first;
   a failing cleanup does not stop the abort."""
   calls = []
@@ -426,9 +431,9 @@ def test_the_second_sigint_runs_the_cleanups_then_the_abort_in_the_handler():
 
 
 def test_exit_codes_are_documented():
-  doc = lifecycle.__doc__
+  doc = command_line.__doc__
   for name in ("EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_LOCKED", "EXIT_SAVE_FAILED", "EXIT_PREEMPTED"):
-    assert f"{getattr(lifecycle, name):>3}  {name}" in doc
+    assert f"{getattr(command_line, name):>3}  {name}" in doc
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   for value in (2, 4, 5, 6, 75, 130):
     assert f"| {value} |" in readme, value
@@ -439,8 +444,6 @@ def test_out_of_device_memory_is_one_line_naming_xlas_figure():
   exit 7 with one line, not upstream's traceback; any other runtime error is left alone."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import lifecycle, train  # pylint: disable=import-outside-toplevel
-
   error = jax.errors.JaxRuntimeError(
       "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589934592 bytes.\nBufferAssignment OOM Debugging.")
   line = train.out_of_memory_line(error, None)
@@ -448,4 +451,4 @@ def test_out_of_device_memory_is_one_line_naming_xlas_figure():
                          "8589934592 bytes.; scripts/plan.sh CONFIG")
   assert "\n" not in line and "per_device_batch_size" in line
   assert train.out_of_memory_line(jax.errors.JaxRuntimeError("INTERNAL: cuDNN failed"), None) is None
-  assert lifecycle.EXIT_OUT_OF_MEMORY == 7
+  assert command_line.EXIT_OUT_OF_MEMORY == 7

@@ -230,7 +230,8 @@ def test_patched_layer_keeps_upstream_params_and_matches_it_in_float32(monkeypat
 
 def test_te_block_without_te_says_what_to_install():
   """Refused by the check the trainer and the planner both run before any patch (config_checks.check_fork)."""
-  from MaxText import config as fork_config, config_checks
+  from MaxText import config as fork_config
+  from MaxText.config import checks as config_checks
 
   run = fork_config.load(["moe_block=te"])
   with pytest.raises(fork_config.ConfigError, match=r"pip install 'maxtext-moe\[te\]'"):

@@ -26,6 +26,7 @@ import pydantic_core
 import pytest
 import yaml
 
+import patches
 from conftest import REPO, in_own_process
 from moe_reference import assert_close, make_params
 from MaxText import config as fork_config
@@ -344,18 +345,18 @@ def test_each_family_routing_statistics_match_a_numpy_reference(model, groups):
 
 @pytest.mark.parametrize("model,key", [("gemma4-26b", "decoder_block"), ("qwen3.5-35b-a3b-fp8", "weight_dtype")])
 def test_a_refused_model_is_one_config_error_naming_the_key(model, key, tmp_path, monkeypatch):
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
-  monkeypatch.setenv("XLA_FLAGS", train.NEUTRAL_XLA_FLAGS)  # keeps upstream from adding an HLO dump
+  monkeypatch.setenv("XLA_FLAGS", environment.NEUTRAL_XLA_FLAGS)  # keeps upstream from adding an HLO dump
   run = fork_config.load([str(REPO / "configs/upstream-model.yml"), f"model_name={model}", "hardware=cpu",
                           f"base_output_directory={tmp_path}"])
-  config_errors.apply()
+  patches.apply_module(config_errors)
   try:
     with pytest.raises(fork_config.ConfigError) as err:
-      train.validate_with_upstream(run)
+      environment.validate_with_upstream(run)
   finally:
-    config_errors.undo()
+    patches.undo_module(config_errors)
   message = str(err.value)
   assert "\n" not in message and message.startswith(f"config key '{key}'") and f"model_name {model}" in message
   assert "moe_block=ours cannot run it" in message and "moe_block=upstream" in message
@@ -549,11 +550,11 @@ def test_every_family_has_a_one_node_recipe():
 def test_one_node_recipe_fits_its_8_gpus_and_its_plan(path):
   """The mesh fits 8 GPUs and splits the experts; the header records the compiled plan that fits (or says why
   none ran here)."""
-  from MaxText import launch  # pylint: disable=import-outside-toplevel
+  from MaxText.config import parallelism  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load([str(path)])
   assert run.fork.recipe_num_gpus == 8 and run.fork.target_gpu == "h100" and run.fork.moe_block == "ours"
-  launch.check_topology(run.upstream, 8, 8, 1)
+  parallelism.check_topology(run.upstream, 8, 8, 1)
   planned = re.search(r"^# Memory: ([\d.]+) GiB a GPU of ([\d.]+) usable: fits", path.read_text(), re.M)
   assert planned and float(planned[1]) <= float(planned[2]), path.name  # its summary's: tests/test_recipe_plans.py
 

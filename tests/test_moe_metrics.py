@@ -57,9 +57,9 @@ def test_layer_stats_against_a_hand_computed_routing():
 
 
 def test_heatmap_colours_load_relative_to_the_layer_mean():
-  from MaxText import moe_tensorboard
+  from MaxText.moe import heatmap
 
-  img = moe_tensorboard.heatmap_HWC(np.array([[0, 2, 4, 2]], np.float32))  # mean 2: idle, mean, 2x, mean
+  img = heatmap.heatmap_HWC(np.array([[0, 2, 4, 2]], np.float32))  # mean 2: idle, mean, 2x, mean
   scale = img.shape[1] // 4
   assert img.shape == (scale, 4 * scale, 3)
   cells = [tuple(img[0, i * scale]) for i in range(4)]
@@ -148,22 +148,22 @@ def test_the_quick_start_runs_our_block_and_shows_its_heatmap():
 
 
 def test_heatmap_lines_show_load_over_the_layer_mean_where_they_fit():
-  from MaxText import moe_tensorboard
+  from MaxText.moe import heatmap
 
-  lines = moe_tensorboard.heatmap_lines(np.array([[2, 2, 4, 0], [1, 1, 1, 1]]), step=9)
+  lines = heatmap.heatmap_lines(np.array([[2, 2, 4, 0], [1, 1, 1, 1]]), step=9)
   assert lines == ["MoE load at step 10, tokens per expert / the layer's mean (2 MoE layers x 4 experts; "
                    "TensorBoard image moe/load_over_mean):",
                    "  layer   0 1.00 1.00 2.00 0.00",
                    "  layer   1 1.00 1.00 1.00 1.00"]
   wide = np.ones((3, 64))
   wide[2, 17] = 5.0
-  (line,) = moe_tensorboard.heatmap_lines(wide, step=99)
+  (line,) = heatmap.heatmap_lines(wide, step=99)
   assert line.endswith("(3 MoE layers x 64 experts; TensorBoard image moe/load_over_mean): hottest expert 17 of "
                        "layer 2 at 4.71")
 
 
 def test_mfu_peak_from_the_gpu_table_or_the_override():
-  from MaxText import metrics
+  from MaxText.run import metrics
   from MaxText.plan import hardware
 
   assert hardware.mfu_peak("NVIDIA H200") == (989e12, "H200 dense bf16 989 TF/s")
@@ -182,7 +182,7 @@ def test_mfu_peak_from_the_gpu_table_or_the_override():
 def test_progress_line_carries_the_step_and_says_the_mfu_reason_once(capsys):
   """One line a step with this step's loss, time, TFLOP/s and tokens/s per device, the ETA and MFU; what MFU is
   measured against (or why there is none) on the first line only."""
-  from MaxText import metrics
+  from MaxText.run import metrics
   from MaxText.plan import hardware
 
   _, label = hardware.mfu_peak("cpu")
@@ -203,7 +203,7 @@ def test_progress_line_carries_the_step_and_says_the_mfu_reason_once(capsys):
 
 
 def test_summary_lines_say_what_ran_how_fast_and_where_the_outputs_are(tmp_path):
-  from MaxText import metrics
+  from MaxText.run import metrics
 
   tracker = metrics.ProgressTracker(total_steps=2, print_every=0)
   for step in range(2):
@@ -285,6 +285,7 @@ def test_upstream_block_sows_the_statistics_of_its_own_routing():
 
   from MaxText import config as fork_config
   from MaxText.moe import stats
+  import patches
   from patches import deepseek_v3_router, routed_moe
 
   run = fork_config.load([TINY, "steps=1", "enable_checkpointing=false", "dtype=float32", "float32_gate_logits=true"])
@@ -306,7 +307,7 @@ def test_upstream_block_sows_the_statistics_of_its_own_routing():
         ).MoeBlock_0
     finally:
       routed_moe.undo()
-      deepseek_v3_router.undo()
+      patches.undo_module(deepseek_v3_router)
   x = jax.random.normal(jax.random.key(1), (2, 16, cfg.emb_dim))
   with jax.set_mesh(mesh):
     out_on = layers[1](x)[0]

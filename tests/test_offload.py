@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 from MaxText import config as fork_config
-from MaxText import xla_presets
+from MaxText.config import xla_presets
 
 PLACEMENT = re.compile(r'annotate_device_placement\(%\w+\) \{[^}]*_xla_buffer_placement = "pinned_host"\}+ : \(tensor<(\w+)>\)')
 # deepseek3-tiny: per_device_batch 2 x 128 tokens x top-4 = 1024 routed rows, base_moe_mlp_dim 32

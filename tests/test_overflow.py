@@ -1,4 +1,4 @@
-"""A bounded dispatch buffer's overflow (MaxText/overflow.py): refused combinations, the run stopped after the step
+"""A bounded dispatch buffer's overflow (MaxText/moe/overflow.py): refused combinations, the run stopped after the step
 that dropped rows, and upstream's dropless replay training on every token on our block.
 
 Fast: the config checks. Slow (training runs on 4 simulated CPU devices, EP 4 over a2a_padded, the tiny
@@ -20,7 +20,8 @@ import pytest
 
 from conftest import REPO, run_train
 from MaxText import config as fork_config
-from MaxText import lifecycle, overflow
+from MaxText.config import command_line
+from MaxText.moe import overflow
 
 FOUR_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 EP4 = ("moe_block=ours", "dtype=float32", "base_num_decoder_layers=4", "max_target_length=64",
@@ -83,7 +84,7 @@ def test_an_overflow_stops_the_run_after_that_step_with_one_line(tmp_path):
   raise; the step that dropped rows is not saved (a checkpoint every step: none is written)."""
   result = run_train(tmp_path, *EP4, OVERFLOWING, "steps=3", "enable_checkpointing=true", "checkpoint_period=1",
                      run_name="over", env=FOUR_CPUS)
-  assert result.returncode == lifecycle.EXIT_MOE_OVERFLOW == 8, result.stderr[-3000:]
+  assert result.returncode == command_line.EXIT_MOE_OVERFLOW == 8, result.stderr[-3000:]
   lines = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe: MoE dispatch overflow:")]
   assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert "our block's a2a_padded dispatch" in lines[0] and "in step 0" in lines[0]

@@ -140,19 +140,21 @@ def test_every_value_our_layers_sow_has_a_reduction_and_an_unknown_one_is_refuse
     (("attention=cudnn_flash_jax",), r"^config key 'attention' = 'cudnn_flash_jax' .*MLA's differ \(24 against 16\)"),
 ])
 def test_pipeline_settings_that_cannot_work_are_one_config_error(tmp_path, args, match):
-  from MaxText import config as fork_config, train  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/deepseek3-tiny.yml", *MODEL[:2], "ici_pipeline_parallelism=2",
                           "num_pipeline_microbatches=2", f"base_output_directory={tmp_path}", *args])
   with pytest.raises(fork_config.ConfigError, match=match) as e:
-    train.validate_with_upstream(run)
+    environment.validate_with_upstream(run)
   assert "\n" not in str(e.value)
 
 
 def test_our_block_before_the_pipeline_validates(tmp_path):
-  from MaxText import config as fork_config, train  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
-  train.validate_with_upstream(fork_config.load(["configs/deepseek3-tiny.yml", *MODEL[:2], "ici_pipeline_parallelism=2",
+  environment.validate_with_upstream(fork_config.load(["configs/deepseek3-tiny.yml", *MODEL[:2], "ici_pipeline_parallelism=2",
                                                  "num_pipeline_microbatches=2", f"base_output_directory={tmp_path}",
                                                  "moe_block=ours", "pipeline_parallel_layers=2"]))
 
@@ -442,7 +444,9 @@ def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():
 
 def test_a_resume_onto_another_pipeline_layout_names_the_keys(tmp_path):
   """The record written at a run's start against the config of the resume; no checkpoint or no record: no check."""
-  from MaxText import checkpoint_compat, checkpoint_records, config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import compat as checkpoint_compat  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load(["configs/deepseek3-tiny.yml", f"base_output_directory={tmp_path}", "run_name=r"])
   layout = lambda stages, repeats, per_stage=1: types.SimpleNamespace(  # noqa: E731
@@ -450,7 +454,7 @@ def test_a_resume_onto_another_pipeline_layout_names_the_keys(tmp_path):
       num_layers_per_pipeline_stage=per_stage, scan_layers_per_stage=per_stage > 1, pipeline_parallel_layers=4)
   checkpoint_compat.record_pipeline_layout(run, layout(2, 2))
   checkpoint_compat.check_pipeline_resume(run, layout(4, 1))  # nothing saved yet: nothing to refuse
-  # A complete step: orbax's commit marker and metadata, and our record of it (MaxText/checkpoint_records.py).
+  # A complete step: orbax's commit marker and metadata, and our record of it (MaxText/checkpoints/records.py).
   (run.run_dir / "checkpoints" / "3" / "items").mkdir(parents=True)
   (run.run_dir / "checkpoints" / "3" / "items" / "_METADATA").write_text("{}")
   (run.run_dir / "checkpoints" / "3" / checkpoint_records.COMMIT_MARKER).write_text("")

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from conftest import REPO, run_train
-from MaxText import launch
+from MaxText.config import parallelism
 from MaxText.plan import aot, gpu_target, hardware, hlo_inventory, planner as plan
 from MaxText import config as fork_config
 
@@ -342,7 +342,7 @@ def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
                           "ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=2", "per_device_batch_size=2"])
   cands = plan_search.candidates(run, 8)
   assert cands[0] == {}  # the run as given comes first
-  now = {**launch.mesh_axes(run.upstream, "ici_"), **launch.mesh_axes(run.upstream, "dcn_")}
+  now = {**parallelism.mesh_axes(run.upstream, "ici_"), **parallelism.mesh_axes(run.upstream, "dcn_")}
   meshes = [{**now, **c} for c in cands if any(k.endswith("_parallelism") for k in c)]  # a candidate names changes only
   eps = sorted(c["ici_expert_parallelism"] * c["dcn_expert_parallelism"] for c in meshes)
   assert eps == [1, 2, 4, 8]  # 8 experts: EP 2, 4 (in node), 8 (2 across nodes); EP 1 is the HSDP layout

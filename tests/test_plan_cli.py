@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO
 from MaxText import config as fork_config
-from MaxText import launch
-from MaxText import config_report
+from MaxText.run import launch
+from MaxText.config import report as config_report
 from MaxText.plan import __main__ as plan_cli
 from MaxText.plan import planner
 
@@ -123,7 +123,7 @@ class _Compiling(Exception):
 
 
 def test_every_dry_run_plan_hint_of_the_shipped_gpu_configs_passes_the_planners_checks(monkeypatch):
-  """For each shipped GPU config, the plan command its dry run prints (MaxText/config_report.py plan_command), run as
+  """For each shipped GPU config, the plan command its dry run prints (MaxText/config/report.py plan_command), run as
   printed through the planner's own main up to the compile (every check before it: the command line, the config,
   the GPU count, the mesh, the target). The compile itself is the slow test below, for the config whose hint
   needed more than its name (upstream-model.yml: no GPU count)."""

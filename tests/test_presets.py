@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, run_rejected
 from MaxText import config as fork_config
-from MaxText import xla_presets as xp
+from MaxText.config import xla_presets as xp
 
 
 def test_every_preset_composes_and_its_flags_are_known_to_jaxlib():
@@ -147,11 +147,11 @@ def test_nothing_before_run_environment_creates_a_jax_backend():
   """
   code = (
       "import os\n"
-      "from MaxText import config, train, xla_presets\n"
+      "from MaxText import config\nfrom MaxText.config import environment, xla_presets\n"
       "run = config.load(['configs/bench/proxy-1xh200.yml', 'xla_presets=[deepseek_v3_reference,host_offload]', 'remat_policy=custom'])\n"
       "composed = xla_presets.compose_for(run, dict(os.environ))\n"
       "run = xla_presets.with_upstream_defaults(run, composed)\n"
-      "env = train.run_environment(run, dict(os.environ), composed)\n"
+      "env = environment.run_environment(run, dict(os.environ), composed)\n"
       "env['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=3'\n"
       "os.environ.update(env)\n"
       "import jax\n"

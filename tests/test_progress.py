@@ -1,4 +1,4 @@
-"""Progress lines for long work (MaxText/progress.py), with fake clocks where time matters: the planner's
+"""Progress lines for long work (MaxText/console/progress.py), with fake clocks where time matters: the planner's
 heartbeat, plan --search's ETA, the train step's compile phases (real jax compiles of a tiny function) and a
 checkpoint save's report. The real runs are in test_train.py (compile and checkpoint lines), test_plan.py (the
 heartbeat of a real compile) and test_launch.py (one summary in a two-process job)."""
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import progress
+from MaxText.console import progress
 
 
 class FakeClock:
@@ -185,3 +185,35 @@ def test_a_save_that_never_completes_ends_unreported(tmp_path):
 
 def test_polling_is_five_percent_of_the_wait_within_bounds():
   assert [progress.save_poll_s(t) for t in (0.0, 4.0, 600.0)] == [0.05, 0.2, 1.0]
+
+
+class _Stream:
+  def __init__(self, terminal: bool):
+    self.terminal, self.text = terminal, ""
+
+  def isatty(self) -> bool:
+    return self.terminal
+
+  def write(self, s: str) -> None:
+    self.text += s
+
+  def flush(self) -> None:
+    pass
+
+
+def test_a_status_line_is_rewritten_in_place_on_a_terminal_and_a_line_a_minute_in_a_log():
+  """13 minutes of heartbeats: one line on a terminal (carriage returns, ended once), 13 lines in a log."""
+  now = [0.0]
+  for terminal, lines in ((True, 1), (False, 13)):
+    stream = _Stream(terminal)
+    status = progress.StatusLine("[plan] ", log_every_s=60.0, stream=stream, clock=lambda: now[0])
+    assert status.period_s == (progress.TERMINAL_REFRESH_S if terminal else 60.0)
+    for second in range(0, 13 * 60, int(status.period_s)):
+      now[0] = float(second)
+      status.update(f"compiling (lowering): {second} s elapsed")
+    status.close()
+    assert stream.text.count("\n") == lines, stream.text[:300]
+    if terminal:
+      assert stream.text.count("\r\033[K[plan] compiling") == 13 * 60 // 2 and stream.text.endswith("778 s elapsed\n")
+    else:
+      assert "\r" not in stream.text and stream.text.splitlines()[1] == "[plan] compiling (lowering): 60 s elapsed"

@@ -1,10 +1,10 @@
-"""What upstream's logging shows at the default verbosity (MaxText/quiet.py)."""
+"""What upstream's logging shows at the default verbosity (MaxText/run/quiet.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from MaxText import quiet
+from MaxText.run import quiet
 
 
 def _record(level: int, message: str, path: str = "/site-packages/maxtext/trainers/pre_train/train.py"):

@@ -9,8 +9,9 @@ import math
 import pytest
 
 import text_fixture
+import patches
 from conftest import REPO, run_train
-from MaxText import lifecycle
+from MaxText.checkpoints import resume
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -49,11 +50,11 @@ def test_a_grain_iterator_without_a_parent_closes_without_an_assertion():
   it.close()  # upstream's first step (_close_iterator), then the seam
   with pytest.raises(AssertionError):
     multihost_dataloading._terminate_iterator_workers(it)  # pylint: disable=protected-access
-  grain_iterator_close.apply()
+  patches.apply_module(grain_iterator_close)
   try:
     multihost_dataloading._terminate_iterator_workers(it)  # pylint: disable=protected-access
   finally:
-    grain_iterator_close.undo()
+    patches.undo_module(grain_iterator_close)
 
 
 def _no_traceback(result) -> None:
@@ -94,8 +95,8 @@ def test_a_resume_after_a_non_finite_stop_skips_its_batches(tmp_path, corpus):
 
   first = run_train(tmp_path, *args, "steps=3", run_name="skipped")  # checkpoint 2
   assert first.returncode == 0, first.stderr[-3000:]
-  # As MaxText/train.py records an exit-4 stop at step 4 (tests/test_train_lifecycle.py: a real one, synthetic).
-  assert lifecycle.record_nonfinite(first.run_dir, 4, None)["batches_past_checkpoint"] == 2
+  # As MaxText/run/loop.py records an exit-4 stop at step 4 (tests/test_train_lifecycle.py: a real one, synthetic).
+  assert resume.record_nonfinite(first.run_dir, 4, None)["batches_past_checkpoint"] == 2
   resumed = run_train(tmp_path, *args, "steps=7", "nonfinite_skip_batches=3", run_name="skipped")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert ("step 4 went non-finite after checkpoint 2; nonfinite_skip_batches=3: skipped 3 batches, those an "

@@ -1,6 +1,6 @@
 """The run directory on storage that misbehaves, without training: a dangling symlink where the run writes, a
-read-only disk's words, and a summary that does not fit (MaxText/config_checks.check_run_directory,
-MaxText/disk_full.py, MaxText/metrics.write_summary). The same cases through the CLI, a read-only bind mount
+read-only disk's words, and a summary that does not fit (MaxText/config/checks.py's check_run_directory,
+MaxText/run/disk_full.py, MaxText/run/metrics.py's write_summary). The same cases through the CLI, a read-only bind mount
 included: tests/reliability_run_cases.py."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from MaxText import config_checks, disk_full
+from MaxText.config import checks as config_checks
+from MaxText.run import disk_full
 from MaxText.config import ConfigError
 
 
@@ -54,7 +55,7 @@ def test_a_read_only_disk_mid_run_is_not_called_full(tmp_path):
 SUMMARY_PAST_THE_LIMIT = r"""
 import json, resource, signal, sys
 from pathlib import Path
-from MaxText import metrics
+from MaxText.run import metrics
 out = Path(sys.argv[1])
 metrics.write_summary({"losses": {"0": 1.0}}, out)  # the previous invocation's, 28 bytes
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk

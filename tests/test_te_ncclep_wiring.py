@@ -135,7 +135,7 @@ def test_a_run_bootstraps_once_then_dispatches_with_the_configured_options(tmp_p
 def _train_with_stand_in(argv: list[str]) -> None:
   import test_te_ncclep  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS: it imports jax)
 
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.run import main as train  # pylint: disable=import-outside-toplevel
   from MaxText.moe import dispatch  # pylint: disable=import-outside-toplevel
   from MaxText.moe.dispatch import te_ncclep  # pylint: disable=import-outside-toplevel
 

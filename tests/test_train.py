@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import pytest
 
 from conftest import run_rejected, run_train
-from MaxText import progress
+from MaxText.console import progress
 
 TINY = "configs/deepseek3-tiny.yml"
 
@@ -184,4 +184,4 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
   assert "MaxText/configs/deepseek3-tiny.yml" in names
   assert "MaxText/configs/models/deepseek3-tiny.yml" in names  # its base_config
   assert "MaxText/configs/bench/proxy-1xh200.yml" in names
-  assert config.DEFAULT_CONFIG == Path(config.__file__).parent / "configs" / "deepseek3-tiny.yml"
+  assert config.DEFAULT_CONFIG == Path(config.__file__).resolve().parent.parent / "configs" / "deepseek3-tiny.yml"

@@ -158,18 +158,18 @@ def test_async_saves_resume_from_the_last_checkpoint_after_an_exit_and_after_a_s
   """async_checkpointing=true (upstream's default, the 671B recipes'): orbax commits each save in the background,
   and every record of ours must outlive that (they were dropped as stale while orbax still wrote
   <step>.orbax-checkpoint-tmp, so each resume set every checkpoint aside and retrained from step 0)."""
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import resume  # pylint: disable=import-outside-toplevel
 
   common = (TINY, "async_checkpointing=true", "checkpoint_period=4", "learning_rate_schedule_steps=40")
   first = run_train(tmp_path, *common, "steps=9")
-  assert first.returncode == 0 and lifecycle.checkpoint_steps(first.run_dir) == [0, 4, 8], first.stderr[-3000:]
+  assert first.returncode == 0 and resume.checkpoint_steps(first.run_dir) == [0, 4, 8], first.stderr[-3000:]
   with BackgroundRun(tmp_path, *common, "steps=40") as run:
     run.wait_for("[maxtext-moe] checkpoint 12 saved")  # committed; the next saves may be in flight at the kill
     run.send_signal(signal.SIGKILL)
     killed = run.finish(timeout=300)
   assert "resuming from checkpoint step 8" in killed.stdout and "is not a checkpoint" not in killed.stdout
-  last = max(lifecycle.checkpoint_steps(killed.run_dir))
-  assert last >= 12, lifecycle.unusable_steps(killed.run_dir)
+  last = max(resume.checkpoint_steps(killed.run_dir))
+  assert last >= 12, resume.unusable_steps(killed.run_dir)
   resumed = run_train(tmp_path, *common, f"steps={last + 3}")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resuming from checkpoint step {last}" in resumed.stdout and "is not a checkpoint" not in resumed.stdout

@@ -201,7 +201,7 @@ def test_own_wheel_builds_offline_from_a_clean_copy(tmp_path):
   assert wh.wheel_name(whl)[0] == wh.OWN_NAME
   with zipfile.ZipFile(whl) as zf:
     names = set(zf.namelist())
-  assert {"MaxText/train.py", "MaxText/config.py", "patches/__init__.py"} <= names
+  assert {"MaxText/train.py", "MaxText/config/loader.py", "patches/__init__.py"} <= names
   assert not any("__pycache__" in n for n in names)
   assert {Requirement(r).name for r in wh.requires_from_wheel(whl)} >= {"maxtext", "tokamax", "jax"}
 

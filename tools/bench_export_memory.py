@@ -30,7 +30,10 @@ def write_run(config_path: str, root: Path, overrides: list[str]) -> None:
   from maxtext.common import checkpoint_context  # pylint: disable=import-outside-toplevel
   from orbax.checkpoint import v1 as ocp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpoint_records, config as fork_config, import_hf, train  # pylint: disable=import-outside-toplevel
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
+  from MaxText.hf import import_cli as import_hf  # pylint: disable=import-outside-toplevel
+  from MaxText.run import loop  # pylint: disable=import-outside-toplevel
   from MaxText.hf import checkpoint, run as hf_run  # pylint: disable=import-outside-toplevel
 
   run = fork_config.load([config_path, *overrides, f"base_output_directory={root}", "run_name=run"])
@@ -38,7 +41,7 @@ def write_run(config_path: str, root: Path, overrides: list[str]) -> None:
   config = hf_run.upstream_config(run)
   patches.apply_all(run.fork)
   shapes, _ = import_hf.abstract_shapes(config)
-  train.write_run_files(run, env={}, applied=[])
+  loop.write_run_files(run, env={}, applied=[])
   tree: dict = {}
   named, digests = [], []
   for i, (key, shape) in enumerate(shapes.items()):  # jax arrays on the CPU: the only copy of the model here

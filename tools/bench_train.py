@@ -44,7 +44,7 @@ DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, NVIDIA datasheet
 DEFAULT_CONFIG = "configs/bench/proxy-1xh200.yml"
 
 # name -> (overrides, dropless?). Upstream keys are maxtext 0.2.5's; ours are
-# MaxText/config.py's. The upstream variants name moe_block=upstream: the family
+# MaxText/config/keys.py's. The upstream variants name moe_block=upstream: the family
 # proxies' run configs run ours. "dense_equivalent" makes every layer a dense MLP
 # of the same active width (here the DeepSeek-V3 proxy's 18432 = 8 routed x 2048
 # + 1 shared x 2048): the FLOPs the MoE should cost; for another config it is

@@ -1,5 +1,7 @@
 """The GPU's SM clock and board power while a benchmark times something: `nvidia-smi` sampled in the background.
 
+  python3 tools/gpu_clock.py [SECONDS]   # the means over SECONDS (default 1) of sampling, as bench_fp8 records them
+
   with ClockSampler() as clock:
     t0 = time.monotonic(); ...timed work...; t1 = time.monotonic()
     clock.window(t0, t1)   # {"sm_mhz": mean, "watts": mean, "samples": n}, or None
@@ -62,3 +64,14 @@ class ClockSampler:
       self._proc.terminate()
       self._proc.wait(timeout=10)
       self._thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+
+  seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+  with ClockSampler() as sampler:
+    start = time.monotonic()
+    time.sleep(seconds)
+    print(json.dumps(sampler.window(start, time.monotonic())))

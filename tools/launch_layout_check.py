@@ -3,7 +3,7 @@
   python3 tools/launch_layout_check.py          # PASS/FAIL per case, exit 1 on any FAIL
 
 Each case starts two processes under a simulated srun environment (no SLURM
-needed) that join one jax.distributed job through MaxText/launch.py, and
+needed) that join one jax.distributed job through MaxText/run/launch.py, and
 compares the GPUs each process drives (jax.local_devices()) with the layout's:
 
   per-gpu   two tasks on one node of 2 GPUs (JAX's convention): GPU 0 and GPU 1
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CHILD = (
     "import json, jax\n"
-    "from MaxText import launch\n"
+    "from MaxText.run import launch\n"
     "info = launch.discover()\n"
     "launch.initialize(info, 'gpu')\n"
     "print('DEVICES', json.dumps([jax.process_index(), [d.local_hardware_id for d in jax.local_devices()],"

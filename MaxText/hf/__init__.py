@@ -1,4 +1,4 @@
-"""Hugging Face export and import (docs/huggingface.md): MaxText/export_hf.py, MaxText/import_hf.py.
+"""Hugging Face export and import (docs/huggingface.md): MaxText/hf/export_cli.py, MaxText/hf/import_cli.py.
 
   checkpoint.py   a run's orbax checkpoint, read one slice at a time and checked against our record's digests
   safetensors.py  sharded safetensors written header-first (one tensor in memory at a time), and read

@@ -1,6 +1,6 @@
 """A run's orbax checkpoint, read one slice at a time, and checked as a resume checks it.
 
-Which step: the newest that MaxText/checkpoint_records.py calls complete (orbax's commit marker, its tree metadata
+Which step: the newest that MaxText/checkpoints/records.py calls complete (orbax's commit marker, its tree metadata
 and our record), or the one asked for. Reads go through tensorstore straight to the stored arrays, a slice at a
 time (a layer, or one expert of a layer): only the stored chunks a slice touches are decoded, and a cache the size
 of the largest chunk keeps each chunk decoded once while its slices are read in order. A checkpoint written on one
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import checkpoint_records
+from MaxText.checkpoints import records as checkpoint_records
 from MaxText.hf.errors import Damaged, NoCheckpoint
 
 PARAMS = ("params", "params")  # the trained weights' subtree in a training checkpoint's items

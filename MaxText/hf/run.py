@@ -1,6 +1,6 @@
 """A run directory's model config (what export needs), rebuilt from the run's own record of it.
 
-The trainer writes `<run>/maxtext-moe/effective_config.json` (MaxText/train.write_run_files): our keys and every
+The trainer writes `<run>/maxtext-moe/effective_config.json` (MaxText/run/loop.py's write_run_files): our keys and every
 upstream key that differs from upstream's base.yml. Upstream's pyconfig resolves them (model_name's file, derived
 widths) exactly as the run did, on this machine's CPU: the model's shape does not depend on where it trained.
 """

@@ -209,7 +209,7 @@ def _output(h_MF, moved, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig,
   """wo's product and the combine: y_TD."""
   meta = moved[2]
   if cfg.fp8_dispatch:
-    if experts.bo_ED is not None:  # MaxText/config_checks.py refuses moe_fp8 with mlp_bias first
+    if experts.bo_ED is not None:  # MaxText/config/checks.py refuses moe_fp8 with mlp_bias first
       raise ValueError("expert biases (mlp_bias) with the FP8 dispatch's fused output and combine: not implemented")
     # wo's product and the combine in one VJP: the combine's backward moves the cotangent to the experts as
     # FP8 tiles, which wo's dlhs and dW take as they are (its combine's ops in a "combine" scope of their own).
@@ -330,7 +330,7 @@ def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatch
 def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
                           sharding: Sharding | None = None):
   """moe_block with each shard's overflow flag unreduced, bool[shards] (bool[1] on one device: the train step
-  reduces every layer's at once, MaxText/overflow.py), plus the bounded dispatch buffer's use: f32[2] =
+  reduces every layer's at once, MaxText/moe/overflow.py), plus the bounded dispatch buffer's use: f32[2] =
   [fullest per-peer buffer's fill (fraction of capacity, max over shards), rows beyond capacity, i.e. dropped
   (sum over shards)]; zeros when unbounded."""
   with jax.named_scope("route"):

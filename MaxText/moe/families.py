@@ -4,7 +4,7 @@ keys, and what our block cannot express, named by the key that asks for it.
 Upstream MaxText 0.2.5 decides these inside RoutedMoE by decoder block and model name (layers/moe.py:
 GateLogit ~675, get_topk ~1277, permute ~1545, apply_ffn_activation ~1441). This module is the one place our
 side reads them, so that block.py and routing.py stay model-agnostic and patches/routed_moe.py (trace time)
-and MaxText/config_checks.py (before anything is compiled) agree.
+and MaxText/config/checks.py (before anything is compiled) agree.
 
   decoder_block        upstream configs/models/        routing                                   expert GLU
   qwen3_moe, qwen3_next, Qwen3-MoE, Qwen3-Next,       softmax of the top-k logits,              silu(h0) * h1

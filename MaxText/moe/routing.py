@@ -121,7 +121,7 @@ def _top_sum(x_TGN, n: int):
 
 
 def node_limited(cfg: RouterConfig) -> RouterConfig:
-  """DeepSeek-V3's node-limited routing on a config whose groups are the EP nodes (MaxText/config.py checks that
+  """DeepSeek-V3's node-limited routing on a config whose groups are the EP nodes (MaxText/config/moe_keys.py checks that
   n_groups is the nodes): each node scored by the sum of its top_k / topk_groups best biased scores."""
   if cfg.n_groups < 1 or cfg.topk_groups < 1 or cfg.top_k % cfg.topk_groups:
     raise ValueError(f"node-limited routing needs groups (n_groups={cfg.n_groups}) and a node limit M "

@@ -41,15 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from MaxText import config as fork_config
-from MaxText import lifecycle
+from MaxText.config import command_line
 from MaxText.plan import planner, search
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 EXIT_CODES = {
-    lifecycle.EXIT_OK: "planned (the report printed), or --help",
-    lifecycle.EXIT_ERROR: "anything unexpected (a traceback on stderr)",
-    lifecycle.EXIT_CONFIG: "bad config or option, or a compile that failed or ran past --timeout: one `plan error:` line",
-    lifecycle.EXIT_ABORTED: "Ctrl-C (SIGINT): the compile child stopped and the temporary folder removed, one line",
+    command_line.EXIT_OK: "planned (the report printed), or --help",
+    command_line.EXIT_ERROR: "anything unexpected (a traceback on stderr)",
+    command_line.EXIT_CONFIG: "bad config or option, or a compile that failed or ran past --timeout: one `plan error:` line",
+    command_line.EXIT_ABORTED: "Ctrl-C (SIGINT): the compile child stopped and the temporary folder removed, one line",
     EXIT_TERMINATED: "SIGTERM: the same",
 }
 
@@ -57,12 +57,12 @@ EXIT_CODES = {
 def parser() -> argparse.ArgumentParser:
   """The planner's options; the config and its key=value overrides are the other arguments (parse_known_args)."""
   intro, _, rest = __doc__.strip().partition("\n\n")
-  p = lifecycle.command_line_parser("python -m MaxText.plan", "%(prog)s <config.yml> [key=value ...] [options]",
+  p = command_line.command_line_parser("python -m MaxText.plan", "%(prog)s <config.yml> [key=value ...] [options]",
                                     f"{intro}\n\n{rest}", EXIT_CODES)
   p.add_argument("--json", metavar="PATH", help="also write the report as JSON (to PATH.tmp, then renamed)")
   p.add_argument("--timeout", metavar="S", help=f"give up a compile after S seconds (default {planner.DEFAULT_TIMEOUT_S:.0f})")
-  p.add_argument("--heartbeat", metavar="S", help="while a compile runs, a line every S seconds naming its phase "
-                 f"(default {planner.HEARTBEAT_S:.0f}; 0: none)")
+  p.add_argument("--heartbeat", metavar="S", help="while a compile runs, a status line naming its phase: on a terminal "
+                 f"rewritten in place, in a log a line every S seconds (default {planner.HEARTBEAT_S:.0f}; 0: none)")
   p.add_argument("--hlo", metavar="PATH", help="keep the compiled HLO text")
   p.add_argument("--mock", action="store_true", help="compile on this machine's GPU with a mocked topology, even "
                  "where a compile-only target exists (a cross-check of the two)")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     name = signal.Signals(e.signum).name
     print(f"maxtext-moe: plan stopped by {name}: the compile was ended and its temporary files removed",
           file=sys.stderr, flush=True)
-    return lifecycle.EXIT_ABORTED if e.signum == signal.SIGINT else EXIT_TERMINATED
+    return command_line.EXIT_ABORTED if e.signum == signal.SIGINT else EXIT_TERMINATED
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
@@ -142,9 +142,9 @@ def _main(args: list[str]) -> int:
     options, args = parser().parse_known_args(args)
     if options.help or not args:
       print(parser().format_help())
-      return lifecycle.EXIT_OK
+      return command_line.EXIT_OK
     if unknown := [a for a in args if a.startswith("--")]:
-      raise lifecycle.CommandLineError(f"option '{unknown[0]}' is not one of the planner's (--help lists them); "
+      raise command_line.CommandLineError(f"option '{unknown[0]}' is not one of the planner's (--help lists them); "
                                        "overrides are key=value without dashes")
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
     json_path, hlo_path = _output("--json", options.json), _output("--hlo", options.hlo)
@@ -158,12 +158,12 @@ def _main(args: list[str]) -> int:
                           heartbeat_s=heartbeat_s)
   except ValueError as e:  # ConfigError, PlanError, a bad option
     print(f"maxtext-moe: plan error: {e}", file=sys.stderr, flush=True)
-    return lifecycle.EXIT_CONFIG
+    return command_line.EXIT_CONFIG
   planner.print_report(report)
   if json_path:
     planner.write_json(report, json_path)
     planner.log(f"wrote {json_path}")
-  return lifecycle.EXIT_OK
+  return command_line.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ a device count this machine does not have.
 
   topology = aot.choose_topology(num_devices=128, gpus_per_node=8, local_gpus=aot.local_gpu_count())
   aot.configure_backend(topology)        # the FIRST jax call of the process
-  result = aot.compile_train_step(run)   # run: a RunConfig after train.prepare_environment
+  result = aot.compile_train_step(run)   # run: a RunConfig after environment.prepare_environment
 
 For a target GPU with a shipped XLA target config (h100, h200), the step is
 compiled for compile-only devices of that GPU (MaxText/plan/gpu_target.py), on any
@@ -241,10 +241,11 @@ def start_upstream(run: fork_config.RunConfig) -> Any:
   upstream's config. tests/test_plan.py checks the result compiles to the trainer's HLO."""
   from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
-  from MaxText import config_checks, train  # pylint: disable=import-outside-toplevel
+  from MaxText.config import checks as config_checks  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
   config_checks.check_fork(run)  # as the trainer does, before the patches
-  train.apply_patches_and_validate(run)
+  environment.apply_patches_and_validate(run)
   config, _ = upstream_train.initialize(run.upstream_argv())
   return config
 
@@ -253,25 +254,26 @@ def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
                        on_phase: Callable[[str], None] = lambda phase: None) -> Compiled:
   """Patches, upstream validation, and the AOT compile of upstream's train step.
 
-  Call after train.prepare_environment (the environment is the run's) and
+  Call after environment.prepare_environment (the environment is the run's) and
   configure_backend; compiles over all the devices configure_backend set up.
   lower_only: stop after lowering (`compiled` is jax's Lowered): the shardings
   are checked against every array's shape, nothing is partitioned or compiled.
   on_phase(phase) as each phase starts: "starting upstream", "building the abstract
-  state", then jax's "tracing", "lowering" and "compiling" (MaxText/progress.CompileWatch).
+  state", then jax's "tracing", "lowering" and "compiling" (MaxText/console/progress.py's CompileWatch).
   """
   import jax  # pylint: disable=import-outside-toplevel
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
   from maxtext.utils import max_utils, maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText import progress, train  # pylint: disable=import-outside-toplevel
+  from MaxText.console import progress  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
   on_phase("starting upstream")
   config = start_upstream(run)
   start = time.perf_counter()
   mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
-  watch = progress.CompileWatch(train.TRAIN_STEP, on_phase).start()
+  watch = progress.CompileWatch(environment.TRAIN_STEP, on_phase).start()
   try:
     with max_utils.maybe_get_transformer_engine_context(config):  # as upstream's train.run
       on_phase("building the abstract state")
@@ -368,7 +370,8 @@ def indivisible_message(error: str) -> str | None:
 
 def child_main(request_path: str, result_path: str) -> int:
   """Compiles one request (written by MaxText/plan/planner.py) and writes its result JSON."""
-  from MaxText import progress, train  # pylint: disable=import-outside-toplevel
+  from MaxText.console import progress  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
   request = json.loads(Path(request_path).read_text())
   topology = Topology(**request["topology"])
@@ -382,7 +385,7 @@ def child_main(request_path: str, result_path: str) -> int:
     on_phase("loading the config")
     run = fork_config.load(request["args"])
     extra = " ".join(filter(None, [GPU_AOT_XLA_FLAGS if topology.compiles_for_gpu else "", request.get("xla_flags", "")]))
-    prepared = train.prepare_environment(run, extra_xla_flags=extra)
+    prepared = environment.prepare_environment(run, extra_xla_flags=extra)
     configure_backend(topology)
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     step = compile_train_step(prepared.run, lower_only=topology.lower_only, on_phase=on_phase)

@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from MaxText import launch
-from MaxText import progress
+from MaxText.config import parallelism
+from MaxText.console import progress
 from MaxText.plan import account, analytic_comms, aot, bubble, hardware, hlo_inventory, schedule, step_report
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800
-HEARTBEAT_S = 30.0  # a line naming the compile's phase this often while the child works (--heartbeat)
+HEARTBEAT_S = 60.0  # in a log, a line naming the compile's phase this often (--heartbeat); a terminal's is rewritten in place
 # How much lower a compile-only plan's memory has read than the same tree compiled on the GPU itself:
 # the 128 x H100 recipe, 65.55 GiB compile-only against 71.11 GiB mocked on an H200 scheduled against the
 # H100's memory (+8.5%), 1,024 x H100 +6.8%, the 128 x H200 recipe +7.0%, the 1-GPU proxy +0.4%
@@ -39,7 +39,7 @@ def num_gpus_of(run: fork_config.RunConfig) -> int:
   """recipe_num_gpus, else a mesh written out in full; PlanError naming the key otherwise."""
   if run.fork.recipe_num_gpus:
     return run.fork.recipe_num_gpus
-  axes = {**launch.mesh_axes(run.upstream, "ici_"), **launch.mesh_axes(run.upstream, "dcn_")}
+  axes = {**parallelism.mesh_axes(run.upstream, "ici_"), **parallelism.mesh_axes(run.upstream, "dcn_")}
   if any(v == -1 for v in axes.values()):
     raise aot.PlanError("recipe_num_gpus is unset and the mesh has a -1 axis: set recipe_num_gpus=N to plan for N GPUs")
   return math.prod(axes.values())
@@ -48,7 +48,7 @@ def num_gpus_of(run: fork_config.RunConfig) -> int:
 def check_layout(run: fork_config.RunConfig, num_gpus: int) -> None:
   """The launcher's own checks (mesh product, experts over EP) for the planned devices."""
   nodes = max(1, num_gpus // run.fork.gpus_per_node)
-  launch.check_topology(run.upstream, num_gpus, num_gpus, nodes)
+  parallelism.check_topology(run.upstream, num_gpus, num_gpus, nodes)
 
 
 # Keys a CPU compile cannot keep, with what stands in and why.
@@ -70,7 +70,7 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
 def gpu_target_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
   """A host callback needs a GPU runtime to lower, which a compile-only device has not: expert-load logging
   is one, and is left out of the plan (for measurements only). The dispatch overflow check has none (it is
-  reduced in the step and read by the host after it, MaxText/overflow.py): the plan compiles the run's program."""
+  reduced in the step and read by the host after it, MaxText/moe/overflow.py): the plan compiles the run's program."""
   out: dict[str, Any] = {}
   if run.fork.moe_log_expert_load:
     out["moe_log_expert_load"] = False
@@ -113,8 +113,9 @@ def devices_text(topology: aot.Topology) -> str:
 
 def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, hlo_path: str | None,
                      xla_flags: str = "", heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
-  """One compile in a fresh process: its result, or PlanError naming what ran out. Every heartbeat_s, a
-  line with the phase the child last wrote to its phase file (MaxText/plan/aot.py child_main)."""
+  """One compile in a fresh process: its result, or PlanError naming what ran out. While it runs, a status line
+  with the phase the child last wrote to its phase file (MaxText/plan/aot.py child_main): rewritten in place on a
+  terminal, in a log a line every heartbeat_s."""
   with tempfile.TemporaryDirectory(prefix="maxtext-plan-") as tmp:
     request, result, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "child.log")
     phase_path = Path(tmp, "phase")
@@ -131,12 +132,15 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
       proc = subprocess.Popen([sys.executable, "-m", "MaxText.plan.aot", str(request), str(result)], stdout=child_log,
                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
+      status = progress.StatusLine("[plan] ", log_every_s=heartbeat_s)
+
       def beat(elapsed: float) -> None:
-        log(f"compiling for {devices_text(topology)} ({progress.read_phase(phase_path)}): "
-            f"{progress.fmt_seconds(elapsed)} elapsed")
+        status.update(f"compiling for {devices_text(topology)} ({progress.read_phase(phase_path)}): "
+                      f"{progress.fmt_seconds(elapsed)} elapsed")
 
       try:
-        rc = progress.wait_beating(lambda t: proc.wait(timeout=t), timeout_s, heartbeat_s, beat)
+        period_s = status.period_s if heartbeat_s > 0 else 0
+        rc = progress.wait_beating(lambda t: proc.wait(timeout=t), timeout_s, period_s, beat)
       except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -146,6 +150,8 @@ def compile_in_child(args: list[str], topology: aot.Topology, timeout_s: float, 
         os.killpg(proc.pid, signal.SIGKILL)  # never saw it; it goes before its folder does
         proc.wait()
         raise
+      finally:
+        status.close()
     if rc == -signal.SIGKILL or rc == 137:
       raise aot.PlanError("compile was killed (host out of memory?): free host memory, or plan with scan_layers=true "
                           "and fewer devices per compile")
@@ -204,11 +210,11 @@ def layout_comms(child: dict[str, Any], gpus_per_node: int, collectives: list[di
 
 def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> dict[str, Any]:
   """The plan as data: what was compiled, memory, verdict, collectives, estimate, constants."""
-  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.config import environment  # pylint: disable=import-outside-toplevel
 
   gpu_key, gpu_from = target_gpu(run, topology)
   gpu = hardware.GPUS[gpu_key]
-  prepared_env = train.run_environment(run, {}, None)
+  prepared_env = environment.run_environment(run, {}, None)
   fraction = mem_fraction({**prepared_env})
   model_flops, recompute = child["model_tflops_per_device"] * 1e12, child.get("recompute_flops", 0.0)
   # The walk runs upstream's pipeline loop by its trip count, the bubble's iterations included (every stage computes

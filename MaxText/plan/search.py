@@ -19,8 +19,8 @@ import json
 from typing import Any
 
 from MaxText import config as fork_config
-from MaxText import launch
-from MaxText import progress
+from MaxText.config import parallelism
+from MaxText.console import progress
 from MaxText.plan import planner as plan
 
 BEST = 3
@@ -45,13 +45,13 @@ def candidates(run: fork_config.RunConfig, num_gpus: int) -> list[dict[str, Any]
   experts = int(up.get("num_experts", 1))
   gpn = run.fork.gpus_per_node
   out: list[dict[str, Any]] = [{}]
-  now = {**launch.mesh_axes(up, "ici_"), **launch.mesh_axes(up, "dcn_")}
+  now = {**parallelism.mesh_axes(up, "ici_"), **parallelism.mesh_axes(up, "dcn_")}
 
   def changed(mesh: dict[str, int]) -> dict[str, int]:  # only the keys that differ from the run's
     return {k: v for k, v in mesh.items() if now.get(k) != v}
-  ep_now = launch.mesh_axes(up, "ici_")["ici_expert_parallelism"] * launch.mesh_axes(up, "dcn_")["dcn_expert_parallelism"]
+  ep_now = parallelism.mesh_axes(up, "ici_")["ici_expert_parallelism"] * parallelism.mesh_axes(up, "dcn_")["dcn_expert_parallelism"]
   ep_now = max(ep_now, 1)
-  across_now = "data" if launch.mesh_axes(up, "dcn_")["dcn_data_parallelism"] > 1 else "fsdp"
+  across_now = "data" if parallelism.mesh_axes(up, "dcn_")["dcn_data_parallelism"] > 1 else "fsdp"
   for ep in (e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if e <= num_gpus and num_gpus % e == 0):
     if experts > 1 and experts % ep == 0 and ep != ep_now and (ep <= gpn or ep % gpn == 0):
       out.append(changed(_mesh(num_gpus, gpn, ep, across_now)))

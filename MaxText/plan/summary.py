@@ -39,9 +39,9 @@ def config_digest(path: str | Path) -> str:
 def recipe_facts(run: Any, mesh: dict[str, int]) -> dict[str, Any]:
   """What a recipe's header states besides the plan's figures: every axis (ICI x DCN), the precision, the batch,
   the dispatch options. From the run's config and the compiled mesh."""
-  from MaxText import launch  # pylint: disable=import-outside-toplevel
+  from MaxText.config import parallelism  # pylint: disable=import-outside-toplevel
 
-  up = {**launch._upstream_base(), **run.upstream}  # pylint: disable=protected-access
+  up = {**parallelism.upstream_base(), **run.upstream}
   axes = {}
   for axis, name in AXES.items():
     if axis in mesh:  # a -1 (upstream: fill to the device count) is what the compiled mesh filled it with

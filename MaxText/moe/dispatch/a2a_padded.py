@@ -22,7 +22,7 @@ than C rows is an *overflow*: only its first C rows travel. Each shard flags
 its own overflow from its counts (meta.overflow, no collective and no host
 callback); the block returns the flags, the layer sows them unreduced as
 `moe_has_overflow`, and the train step reduces them once
-(MaxText/overflow.py: the run stops, or upstream replays the step dropless).
+(MaxText/moe/overflow.py: the run stops, or upstream replays the step dropless).
 """
 
 from __future__ import annotations

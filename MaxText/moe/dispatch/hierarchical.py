@@ -38,7 +38,7 @@ Capacities: C1 = min(T, ceil(f T P / N)) rows per node, P = min(K, N, M) (T: a t
 once, so T never overflows); C2 = min(R1 min(K, E_l), ceil(f T K / L)) slots per local peer, R1 = N C1
 (T K slots reach a shard when balanced). f = capacity_factor; f = the EP size never overflows. A buffer
 sent more than it holds is an overflow, with a2a_padded's contract: the rows past its capacity are not
-sent, and the shard flags it (meta.overflow) for the train step to reduce once (MaxText/overflow.py).
+sent, and the shard flags it (meta.overflow) for the train step to reduce once (MaxText/moe/overflow.py).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ R = ceil(capacity_factor * T*K), default capacity_factor = EP size (never
 overflows). When a shard would receive more than R rows every shard learns it
 from the counts (one all-reduce: every shard must agree, since nothing may be
 sent then: ragged_all_to_all must not write past R), and the overflow is
-flagged as in a2a_padded, for the train step to reduce (MaxText/overflow.py).
+flagged as in a2a_padded, for the train step to reduce (MaxText/moe/overflow.py).
 """
 
 from __future__ import annotations

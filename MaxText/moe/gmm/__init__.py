@@ -65,7 +65,7 @@ class BackendUnavailable(RuntimeError):
 
 
 def _log(msg: str) -> None:
-  # The run log (stdout, as MaxText/train.py's own lines) must say what ran.
+  # The run log (stdout, as the run's own lines) must say what ran.
   print(f"[maxtext-moe] {msg}", flush=True)
 
 

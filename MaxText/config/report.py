@@ -1,6 +1,6 @@
 """What `python -m MaxText.train --help` and `--print-config` print.
 
---help: usage, the flags, the exit codes (MaxText/lifecycle.py's), and our keys with their descriptions
+--help: usage, the flags, the exit codes (MaxText/config/command_line.py's), and our keys with their descriptions
 (ForkConfig's pydantic `Field(description=...)`); upstream's ~900 keys are
 listed by --print-config, not here.
 
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from MaxText import config as fork_config
-from MaxText import launch
-from MaxText import xla_presets
+from MaxText.config import command_line
+from MaxText.config import parallelism
+from MaxText.config import xla_presets
 
 USAGE = "python -m MaxText.train [--print-config | --dry-run] [config.yml] [key=value ...]"
 DESCRIPTION = """\
@@ -37,10 +38,9 @@ FLAGS = ("--print-config", "--dry-run")
 
 def train_parser() -> argparse.ArgumentParser:
   """`python -m MaxText.train`'s options; the config and its key=value overrides are the other arguments
-  (parse_known_args), read by MaxText/config.py."""
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  (parse_known_args), read by MaxText/config/loader.py."""
 
-  parser = lifecycle.command_line_parser(
+  parser = command_line.command_line_parser(
       "python -m MaxText.train", USAGE,
       DESCRIPTION.format(default=fork_config.DEFAULT_CONFIG.relative_to(fork_config.REPO_CONFIGS.parent)))
   parser.add_argument("--print-config", action="store_true",
@@ -54,8 +54,8 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_command_line(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  """(our options, the config and key=value overrides); lifecycle.CommandLineError naming the argument."""
-  from MaxText.lifecycle import CommandLineError  # pylint: disable=import-outside-toplevel
+  """(our options, the config and key=value overrides); command_line.CommandLineError naming the argument."""
+  from MaxText.config.command_line import CommandLineError  # pylint: disable=import-outside-toplevel
 
   options, rest = train_parser().parse_known_args(args)
   for arg in rest:
@@ -69,7 +69,7 @@ def parse_command_line(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 DISTRIBUTED_KEY = "skip_jax_distributed_system"  # base.yml: false
-# Upstream keys our loader fills when the user does not (MaxText/config.py, local_first_defaults).
+# Upstream keys our loader fills when the user does not (MaxText/config/loader.py, local_first_defaults).
 LOCAL_FIRST_KEYS = ("base_output_directory", "run_name", "jax_cache_dir", "dump_hlo_local_dir")
 
 
@@ -153,15 +153,16 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
 
 def print_config_checked(run: fork_config.RunConfig) -> list[str]:
   """--print-config's lines; upstream's errors as one ConfigError line naming the key."""
+  import patches  # pylint: disable=import-outside-toplevel
   from patches import config_errors  # pylint: disable=import-outside-toplevel
 
-  config_errors.apply()  # upstream's handler would exit (or raise past us) with its banner
+  patches.apply_module(config_errors)  # upstream's handler would exit (or raise past us) with its banner
   try:
     return print_config(run)
   except fork_config.ConfigError:
     raise
   except (ValueError, TypeError, KeyError, AssertionError) as e:
-    from MaxText import config_checks  # pylint: disable=import-outside-toplevel
+    from MaxText.config import checks as config_checks  # pylint: disable=import-outside-toplevel
 
     raise config_checks.upstream_error(run, e) from e
 
@@ -197,8 +198,8 @@ def plan_command(run: fork_config.RunConfig, overrides: Sequence[str] = ()) -> t
   words = [_shown_path(script, configs=False) if script.is_file() else "python -m MaxText.plan",
            _shown_path(run.config_path), *map(shlex.quote, overrides)]
   gpus, target = run.fork.recipe_num_gpus, f"its {run.fork.recipe_num_gpus} GPUs"
-  if not gpus and any(v == -1 for v in {**launch.mesh_axes(run.upstream, "ici_"),
-                                         **launch.mesh_axes(run.upstream, "dcn_")}.values()):
+  if not gpus and any(v == -1 for v in {**parallelism.mesh_axes(run.upstream, "ici_"),
+                                         **parallelism.mesh_axes(run.upstream, "dcn_")}.values()):
     added = {k: v for k, v in PLAN_DEFAULTS.items() if not getattr(run.fork, k)}
     words += [f"{k}={v}" for k, v in added.items()]
     target = f"one node of {PLAN_DEFAULTS['recipe_num_gpus']} {str(run.fork.target_gpu or 'h100').upper()}s " \

@@ -27,19 +27,16 @@ jax.distributed is already initialized, so ours is the only initialization.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
 import re
 import socket
 import time
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText.config import ConfigError, RunConfig, upstream_configs_dir
+from MaxText.config import RunConfig
+from MaxText.config.parallelism import LaunchError, check_hardware, check_topology, num_slices_of
 
 DEFAULT_PORT = 12345  # coordinator port when the environment names none
 UPSTREAM_GPU_VARS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")
@@ -48,10 +45,6 @@ XPK_CPU_VARS = ("JOB_INDEX", "JOB_COMPLETION_INDEX", "PROCESSES_IN_JOB", "JAX_PR
 SKIP_DISTRIBUTED = "skip_jax_distributed_system"
 # Processes on this node, per JAX cluster: Open MPI says it; SLURM says it per node.
 _LOCAL_SIZE_VARS = {"ompi": ("OMPI_COMM_WORLD_LOCAL_SIZE",)}
-
-
-class LaunchError(ConfigError):
-  """A launch environment or topology that cannot work; the message names the value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,17 +259,6 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
   )
 
 
-def check_hardware(upstream: Mapping[str, Any], explicit: frozenset[str]) -> None:
-  """A config that never set `hardware` gets upstream's default, tpu: refuse it.
-
-  Typically a model YAML run on its own (configs/models/ holds architecture only).
-  """
-  if "hardware" not in explicit and upstream.get("hardware", "tpu") == "tpu":
-    raise LaunchError("hardware is not set, and upstream's default is tpu: add hardware=gpu (or cpu), or run a "
-                      "config that sets it (a model YAML under configs/models/ holds architecture only; "
-                      "configs/deepseek3-tiny.yml and configs/bench/ are run configs)")
-
-
 def check_upstream_distributed(run: RunConfig, info: ProcessInfo) -> None:
   """A single CPU process whose config leaves upstream to start jax.distributed: refuse it, naming the key.
 
@@ -290,74 +272,6 @@ def check_upstream_distributed(run: RunConfig, info: ProcessInfo) -> None:
   raise LaunchError(f"config key '{SKIP_DISTRIBUTED}' = False ({where}) with hardware=cpu: upstream MaxText then "
                     f"starts jax.distributed from XPK's {', '.join(XPK_CPU_VARS)}, and this is one process; set "
                     f"{SKIP_DISTRIBUTED}=true (scripts/launch_local.sh -n N runs several processes)")
-
-
-# --- topology checks --------------------------------------------------------
-
-
-@functools.cache
-def _upstream_base() -> Mapping[str, Any]:
-  """Upstream's base.yml (parsed once: the mesh defaults our checks fill in)."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
-  base = omegaconf.OmegaConf.load(Path(upstream_configs_dir()) / "base.yml")
-  return MappingProxyType(omegaconf.OmegaConf.to_container(base))
-
-
-def mesh_axes(upstream: Mapping[str, Any], prefix: str) -> dict[str, int]:
-  """`ici_`/`dcn_` parallelism keys (upstream base.yml defaults under the run's values)."""
-  merged = {**_upstream_base(), **upstream}
-  return {k: int(v) for k, v in merged.items() if k.startswith(prefix) and k.endswith("_parallelism")}
-
-
-def _fill(axes: dict[str, int], target: int, what: str) -> dict[str, int]:
-  """Upstream's rule: at most one -1, filled so that the product is `target`."""
-  auto = [k for k, v in axes.items() if v == -1]
-  fixed = math.prod(v for v in axes.values() if v != -1)
-  shown = " x ".join(f"{k}={v}" for k, v in axes.items() if v not in (1,))
-  if len(auto) > 1:
-    raise LaunchError(f"{what}: only one axis may be -1, got {', '.join(auto)}")
-  if (auto and target % fixed) or (not auto and fixed != target):
-    raise LaunchError(f"{what} mesh {shown or 'all 1'} = {fixed} does not match {target} device(s)")
-  return {k: (target // fixed if v == -1 else v) for k, v in axes.items()}
-
-
-def check_topology(upstream: Mapping[str, Any], recipe_num_gpus: int | None, num_devices: int, num_slices: int) -> None:
-  """Refuses, naming the values, a job the devices found cannot run.
-
-  Args:
-    upstream: the run's upstream keys (base.yml defaults fill the rest).
-    recipe_num_gpus: the device count a recipe was written for (None: any).
-    num_devices: jax.device_count() (all processes).
-    num_slices: upstream's slice count (nodes on GPU; 1 on CPU).
-  """
-  if recipe_num_gpus is not None and recipe_num_gpus != num_devices:
-    raise LaunchError(f"recipe_num_gpus={recipe_num_gpus}: this recipe is for {recipe_num_gpus} GPUs, {num_devices} present")
-  if num_devices % num_slices:
-    raise LaunchError(f"num_slices={num_slices} does not divide {num_devices} devices")
-  ici = _fill(mesh_axes(upstream, "ici_"), num_devices // num_slices, "ICI (per slice)")
-  dcn = mesh_axes(upstream, "dcn_")
-  if num_slices > 1:
-    dcn = _fill(dcn, num_slices, f"DCN (across {num_slices} slices)")
-  else:
-    wanted = {k: v for k, v in dcn.items() if v > 1}
-    if wanted:
-      raise LaunchError(f"{', '.join(f'{k}={v}' for k, v in wanted.items())} needs more than the 1 slice present")
-    dcn = {k: 1 for k in dcn}
-  experts = int(upstream.get("num_experts", 1))
-  ep = ici["ici_expert_parallelism"] * dcn["dcn_expert_parallelism"]
-  if experts > 1 and experts % ep:
-    raise LaunchError(f"expert parallelism {ep} (ici_expert_parallelism x dcn_expert_parallelism) does not divide num_experts={experts}")
-
-
-def num_slices_of(devices, upstream: Mapping[str, Any]) -> int:
-  """Upstream's slice count: num_slices if set, 1 on CPU, else distinct device slice_index."""
-  requested = int({**_upstream_base(), **upstream}.get("num_slices", -1))
-  if requested != -1:
-    return requested
-  if upstream.get("hardware") == "cpu":
-    return 1
-  return len({getattr(d, "slice_index", 0) for d in devices})
 
 
 def start(run: RunConfig, environ: Mapping[str, str] | None = None, check_devices: bool = True) -> ProcessInfo:

@@ -7,7 +7,7 @@ shards' flags unreduced as `moe_has_overflow`, and the train step reduces them o
 (patches/moe_metrics.py). Then, by moe_a2a_padded_on_overflow:
 
   error  (default) the host reads that scalar right after each train step, before anything saves or logs the
-         step, and stops the run with one line and exit code 8 (MaxText/lifecycle.py): the step that dropped
+         step, and stops the run with one line and exit code 8 (MaxText/config/command_line.py): the step that dropped
          rows is never saved. The host waits for each step to finish before queuing the next, as upstream's own
          dropless fallback does; only when a layer traced a bounded buffer.
   flag   only with upstream's moe_dropless_fallback=step: upstream rolls the step's update back in the step
@@ -44,7 +44,7 @@ def checked(fork) -> bool:
 
 def upstream_keys(fork, upstream: dict[str, Any], origins: dict[str, str]) -> tuple[str | None, dict[str, Any]]:
   """(what contradicts, in one line naming the keys, or None; upstream's keys with what its fallback's check
-  needs). MaxText/config.py raises the line as a config error."""
+  needs). MaxText/config/loader.py raises the line as a config error."""
   fallback = upstream.get("moe_dropless_fallback")
   if fork.moe_block != "ours":
     return None, upstream

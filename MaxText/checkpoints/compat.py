@@ -23,12 +23,12 @@ import ast
 import json
 from pathlib import Path
 
-from MaxText import checkpoint_records
+from MaxText.checkpoints import records as checkpoint_records
 from MaxText.config import UPSTREAM_V3_ROUTER_MODEL_PREFIXES, ConfigError, RunConfig
 
 
 def _latest_step_metadata(checkpoints: Path) -> Path | None:
-  """`items/_METADATA` of the newest checkpoint a resume restores (MaxText/checkpoint_records.py)."""
+  """`items/_METADATA` of the newest checkpoint a resume restores (MaxText/checkpoints/records.py)."""
   steps = checkpoint_records.complete_steps(checkpoints.parent)
   return checkpoints / str(steps[-1]) / "items" / "_METADATA" if steps else None
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from MaxText.progress import fmt_bytes, fmt_seconds
+from MaxText.console.progress import fmt_bytes, fmt_seconds
 
 
 @dataclass

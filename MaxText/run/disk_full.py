@@ -3,9 +3,9 @@ writable" for a read-only or forbidden one).
 
 TensorBoard's events (patches/tensorboard.py writes them in the caller's thread), upstream's metrics,
 a checkpoint (patches/checkpoint_guard.SaveFailed), the lock, the run's records and summary.json all
-land on the same disk. Whichever write fails first, MaxText/train.py turns it into one line: what could
+land on the same disk. Whichever write fails first, MaxText/run/loop.py turns it into one line: what could
 not be written, where, how much is free there, and the last complete checkpoint, which is kept (a save
-that failed leaves no step a resume would take: MaxText/checkpoint_records.py). The process then exits
+that failed leaves no step a resume would take: MaxText/checkpoints/records.py). The process then exits
 without waiting for writer threads or atexit handlers (a full disk once left one waiting forever).
 """
 
@@ -51,7 +51,7 @@ def try_write(write: Callable[[], object]) -> bool:
 
 def line(e: BaseException, run_dir: Path, summary_written: bool | None = None) -> str:
   """What could not be written, where, how much is free, and what is kept."""
-  from MaxText import lifecycle  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import resume  # pylint: disable=import-outside-toplevel
   from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
   summary = {True: "; summary.json written", False: "; summary.json not written", None: ""}[summary_written]
@@ -60,7 +60,7 @@ def line(e: BaseException, run_dir: Path, summary_written: bool | None = None) -
     return f"checkpoint not saved: {failed}{summary}"
   path = next((Path(x.filename) for x in chain(e) if isinstance(x, OSError) and x.filename), run_dir)
   probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-  steps = lifecycle.checkpoint_steps(run_dir)
+  steps = resume.checkpoint_steps(run_dir)
   reason = str(checkpoint_guard.no_space_reason(e)).replace(f" ({path})", "")
   kept = f"the last complete checkpoint ({'step ' + str(steps[-1]) if steps else 'none'}) is kept{summary}"
   if reason.startswith(UNWRITABLE):  # a disk remounted read-only, permissions: not a lack of space

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-RUN_FILES = "maxtext-moe"  # MaxText/lifecycle.py's folder of our files in the run directory
+RUN_FILES = "maxtext-moe"  # MaxText/checkpoints/resume.py's folder of our files in the run directory
 RECORDS = "checkpoints"  # <run>/maxtext-moe/checkpoints/<step>.json
 COMMIT_MARKER = "commit_success.txt"  # orbax's (orbax.checkpoint _src/path/atomicity_types.COMMIT_SUCCESS_FILE)
 SET_ASIDE = ".unusable"  # suffix of a step directory that is not a checkpoint: no digit name, so orbax skips it

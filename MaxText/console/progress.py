@@ -7,6 +7,7 @@ Each piece takes its clock as an argument, so tests drive it with a fake one.
                  jax.monitoring's public events: the trainer's "compiling the train step...",
                  the planner child's phase file
   wait_beating   waits for a child process, calling a heartbeat every period (the planner)
+  StatusLine     that heartbeat's line: rewritten in place on a terminal, a line a minute in a log
   Eta            "candidate k of n" with an ETA from the mean time so far (plan --search)
   watch_save     a background thread that reports a checkpoint's size and duration once
                  its step directory is final (patches/checkpoint_guard.py)
@@ -19,6 +20,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -147,6 +149,43 @@ def wait_beating(wait: Callable[[float], int], timeout_s: float, period_s: float
         beat(elapsed)
         while next_beat <= elapsed:  # a slow wait does not queue up beats
           next_beat += period_s
+
+
+TERMINAL_REFRESH_S = 2.0  # how often a status line on a terminal is rewritten
+
+
+class StatusLine:
+  """A long wait's status, one line: on a terminal it is rewritten in place (carriage return, the line cleared)
+  and ended with a newline by `close`; in a log (stdout not a terminal) `update` prints a line only once
+  `log_every_s` has passed since the last it printed, so a 13-minute compile is 13 lines, not one per beat."""
+
+  def __init__(self, prefix: str, log_every_s: float = 60.0, stream=None, clock: Callable[[], float] = time.monotonic):
+    self.prefix, self.log_every_s, self.clock = prefix, log_every_s, clock
+    self.stream = stream or sys.stdout
+    self.terminal = bool(getattr(self.stream, "isatty", lambda: False)())
+    self._last_printed = -math.inf
+    self._open = False
+
+  @property
+  def period_s(self) -> float:
+    """How often the caller should call `update`: TERMINAL_REFRESH_S on a terminal, else log_every_s."""
+    return min(TERMINAL_REFRESH_S, self.log_every_s) if self.terminal else self.log_every_s
+
+  def update(self, text: str) -> None:
+    if self.terminal:
+      self.stream.write(f"\r\033[K{self.prefix}{text}")
+      self._open = True
+    elif self.clock() - self._last_printed >= self.log_every_s:
+      self.stream.write(f"{self.prefix}{text}\n")
+      self._last_printed = self.clock()
+    self.stream.flush()
+
+  def close(self) -> None:
+    """Ends the terminal's line, so what follows starts on its own."""
+    if self._open:
+      self.stream.write("\n")
+      self.stream.flush()
+      self._open = False
 
 
 # --- k of n with an ETA ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from MaxText.config import ConfigError, RunConfig
 # Flag names compiled into jax 0.11.2's CUDA 13 plugin (xla_cuda_plugin.so),
 # used when the plugin is not installed (CPU machines, CI) and jaxlib is the
 # same version. A list of names extracted from the binary, not code.
-REFERENCE_GPU_FLAGS = Path(__file__).resolve().parent / "data" / "xla_gpu_flags_jax-0.11.2_cuda13.txt"
+REFERENCE_GPU_FLAGS = Path(__file__).resolve().parent.parent / "data" / "xla_gpu_flags_jax-0.11.2_cuda13.txt"
 REFERENCE_JAXLIB_VERSION = "0.11.2"
 # Names as they appear in the binaries' string tables.
 _FLAG_NAME = re.compile(rb"xla_[a-z0-9_]{3,}")
@@ -456,5 +456,5 @@ def summary_lines(composed: Composed, env: Mapping[str, str]) -> list[str]:
   return lines
 
 
-if __name__ == "__main__":  # python -m MaxText.xla_presets: list the presets
+if __name__ == "__main__":  # python -m MaxText.config.xla_presets: list the presets
   print(describe())

@@ -1,0 +1,203 @@
+"""Published weights in: a Hugging Face directory to a parameters checkpoint that `load_parameters_path` trains from.
+
+  python -m MaxText.import_hf HF_DIR OUT_DIR [config.yml] [key=value ...]
+  python -m MaxText.train CONFIG load_parameters_path=OUT_DIR ...
+
+Without a config, the model's keys come from HF_DIR/config.json on the family's tiny CPU config (run settings
+only: the widths are all HF's); with one, the config's model must have exactly the weights' shapes (a tensor whose
+shape differs stops the import naming both). Every parameter the config builds comes from a tensor (the routing
+bias too), and every tensor goes to a parameter (the MTP module's copies of the embedding and head aside: MaxText
+shares the main ones). DeepSeek's FP8 weights (float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block)
+are dequantized as they are read. The checkpoint holds the whole model in host memory while it is written (orbax
+writes a tree); it is written to OUT_DIR.tmp and renamed when complete. Exit codes: MaxText/hf/errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import patches
+from MaxText import config as fork_config
+from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors
+from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
+
+# config.json's architecture -> what lays it out (pieces, maxtext_keys, DEFAULT_CONFIG)
+FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def log(msg: str) -> None:
+  print(f"[import_hf] {msg}", file=sys.stderr, flush=True)
+
+
+def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
+  """(config.json, family module, tensor reader); BadInput for another architecture, Damaged for missing shards."""
+  try:
+    hf = json.loads((hf_dir / "config.json").read_text())
+  except FileNotFoundError:
+    raise BadInput(f"{hf_dir} has no config.json: not a Hugging Face model directory") from None
+  except (OSError, ValueError) as e:
+    raise BadInput(f"{hf_dir}/config.json cannot be read: {' '.join(str(e).split())[:120]}") from None
+  arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+  if arch not in FAMILIES:
+    raise BadInput(f"{hf_dir} holds a {arch} (model_type {hf.get('model_type')!r}): import knows "
+                   f"{', '.join(sorted(FAMILIES))}")
+  try:
+    reader = safetensors.Reader(hf_dir)
+  except FileNotFoundError as e:
+    raise Damaged(str(e)) from None
+  except (OSError, ValueError, KeyError) as e:
+    raise Damaged(f"{hf_dir}'s safetensors index cannot be read: {' '.join(str(e).split())[:120]}") from None
+  for shard in reader.shards():
+    if not (hf_dir / shard).is_file():
+      named = sum(1 for s in reader.weight_map.values() if s == shard)
+      raise Damaged(f"{hf_dir}/{shard} is missing ({named} tensors of the index are in it)")
+  return hf, FAMILIES[arch], reader
+
+
+def run_config(hf: dict[str, Any], family, args: list[str]) -> fork_config.RunConfig:
+  if args and "=" not in args[0]:
+    return fork_config.load(args)
+  derived = [f"{k}={json.dumps(v)}" for k, v in family.maxtext_keys(hf).items()]
+  return fork_config.load([family.DEFAULT_CONFIG, *derived, *args])
+
+
+def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[tuple[str, ...], np.dtype]]:
+  """{checkpoint key: shape} and dtypes of every parameter (and routing bias) the config's model has."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices()[:1])
+  _, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  shapes, dtypes = {}, {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, moe.MoEBiasVar))):
+    top = checkpoint.AUX if isinstance(var, moe.MoEBiasVar) else checkpoint.PARAMS
+    key = top + tuple(str(p) for p in path)
+    value = var.get_value()
+    shapes[key], dtypes[key] = tuple(value.shape), np.dtype(value.dtype)
+  return shapes, dtypes
+
+
+def dequantized(reader: safetensors.Reader, name: str, block: tuple[int, int]) -> np.ndarray:
+  """The tensor in float32; an FP8 one times its scale_inv, one per block (DeepSeek-V3's released weights)."""
+  x = reader.read(name)
+  if x.dtype != FP8:
+    return x.astype(np.float32)
+  scale_name = f"{name}_scale_inv"
+  if scale_name not in reader.weight_map:
+    raise BadInput(f"{name} is float8_e4m3fn without {scale_name}: no scale to dequantize it with")
+  s = reader.read(scale_name).astype(np.float32)
+  full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: x.shape[0], : x.shape[1]]
+  return x.astype(np.float32) * full
+
+
+def fill(pieces, reader, shapes, dtypes, hf: dict[str, Any], hf_dir: Path) -> dict[tuple[str, ...], np.ndarray]:
+  block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+  arrays = {k: np.zeros(shapes[k], np.float32) for k in shapes}
+  filled = {k: 0 for k in shapes}
+  for p in pieces:
+    if p.copy:
+      continue
+    if p.name not in reader.weight_map:
+      raise BadInput(f"{hf_dir} has no {p.name}, which the config's model needs: the config and the weights "
+                     "describe different models")
+    got = tuple(reader.info(p.name)["shape"])
+    if got != p.hf_shape:
+      raise BadInput(f"{p.name} is {list(got)} in {hf_dir} but the config builds {list(p.hf_shape)} "
+                     f"({'/'.join(p.key[2:])}): the config's widths disagree with the weights")
+    try:
+      region = p.transform.to_maxtext(dequantized(reader, p.name, block), p.maxtext_shape)
+    except (OSError, ValueError) as e:
+      raise Damaged(f"{p.name} cannot be read from {hf_dir}/{reader.weight_map[p.name]}: "
+                    f"{' '.join(str(e).split())[:120]}") from None
+    arrays[p.key][p.index] = region
+    filled[p.key] += region.size
+  empty = [k for k, n in filled.items() if n != int(np.prod(shapes[k]))]
+  if empty:
+    raise BadInput(f"no tensor of {hf_dir} gives {'/'.join(empty[0])}: it would train from its initial values")
+  return {k: a.astype(dtypes[k]) for k, a in arrays.items()}
+
+
+def unused(pieces, reader) -> list[str]:
+  placed = {p.name for p in pieces}
+  return [n for n in reader.names() if n not in placed and not n.endswith("_scale_inv")]
+
+
+def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
+  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/..."""
+  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+
+  tree: dict[str, Any] = {}
+  for key, value in arrays.items():
+    node = tree.setdefault("params" if key[:2] == checkpoint.PARAMS else "MoEBiasVar", {})
+    for part in key[2:-1]:
+      node = node.setdefault(part, {})
+    node[key[-1]] = value
+  checkpointing.save_params_to_path(str(out), tree)
+
+
+def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
+  if out_dir.exists():
+    raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
+  hf, family, reader = read_hf(hf_dir)
+  try:
+    run = run_config(hf, family, args)
+  except fork_config.ConfigError as e:
+    raise BadInput(f"config error: {e}") from None
+  config = hf_run.upstream_config(hf_run.on_this_machine(run))
+  patches.apply_all(run.fork)  # the model as the trainer builds it (DeepSeek-V3's bias a MoEBiasVar at any model_name)
+  shapes, dtypes = abstract_shapes(config)
+  pieces = family.pieces(shapes, config, run.fork)
+  left = unused(pieces, reader)
+  n, hf_mtp = config.num_decoder_layers, hf.get("num_nextn_predict_layers") or 0
+  skipped = tuple(f"model.layers.{i}." for i in range(n + getattr(config, "mtp_num_layers", 0), n + hf_mtp))
+  wrong = [name for name in left if not name.startswith(skipped)] if skipped else left
+  if wrong:
+    raise BadInput(f"{wrong[0]} of {hf_dir} has no place in the config's model ({len(wrong)} tensors in all): the "
+                   "config and the weights describe different models")
+  start = time.perf_counter()
+  arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
+  tmp = out_dir.with_name(out_dir.name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    save(arrays, tmp)
+    keys = {k: v for k, v in run.upstream.items() if k in family.maxtext_keys(hf)}
+    (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "model_keys": keys}, indent=1))
+    tmp.rename(out_dir)
+  except OSError as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
+          "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = sys.argv[1:] if argv is None else list(argv)
+  if len(args) < 2 or args[0] in ("-h", "--help"):
+    print(__doc__)
+    return 0 if args[:1] in (["-h"], ["--help"]) else 2
+  hf_dir, out_dir = Path(args[0]), Path(args[1])
+  try:
+    done = import_(hf_dir, out_dir, args[2:])
+  except HFError as e:
+    print(f"import_hf: {e}", file=sys.stderr, flush=True)
+    return e.code
+  if done["left"]:
+    log(f"not imported: {len(done['left'])} tensors of the MTP modules beyond the config's mtp_num_layers "
+        f"(first {done['left'][0]})")
+  log(f"{hf_dir} -> {out_dir}: {done['tensors']} tensors into {done['arrays']} arrays, {done['params']:,} "
+      f"parameters in {done['seconds']:.1f} s; train from it with load_parameters_path={out_dir}")
+  return 0

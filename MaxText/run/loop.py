@@ -1,0 +1,306 @@
+"""The training run: checks, the run directory's lock and records, upstream's pre-training main under our
+step hooks, and the closing summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+from MaxText import config as fork_config
+from MaxText.checkpoints import compat as checkpoint_compat
+from MaxText.checkpoints import resume
+from MaxText.config import checks as config_checks
+from MaxText.config import data_checks
+from MaxText.config import command_line
+from MaxText.config import environment
+from MaxText.config import report as config_report
+from MaxText.config import xla_presets
+from MaxText.console import progress as progress_lines
+from MaxText.run import quiet
+from MaxText.plan import hardware
+from MaxText.run import disk_full
+from MaxText.run import launch
+from MaxText.run import lifecycle
+from MaxText.run import metrics
+
+
+def log(msg: str) -> None:
+  print(f"[maxtext-moe] {msg}", flush=True)
+
+
+def write_run_files(
+    run: fork_config.RunConfig, env: dict[str, str], applied: list[str], presets: dict[str, Any] | None = None
+) -> None:
+  """The effective config and environment, so a run can be reproduced."""
+  out = run.run_dir / "maxtext-moe"
+  out.mkdir(parents=True, exist_ok=True)
+  effective = {
+      "config_path": str(run.config_path),
+      "fork": run.fork.model_dump(),
+      "upstream_overrides": run.upstream,
+      "environment": {**env, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+                      "DECOUPLE_GCLOUD": os.environ.get("DECOUPLE_GCLOUD", "")},
+      "patches": applied,
+      "xla_presets": presets or {},
+  }
+  (out / "effective_config.json").write_text(json.dumps(effective, indent=2, sort_keys=True, default=str))
+
+
+class _StepHook:
+  """patches/metric_logger.py's observer: progress, then the loss check."""
+
+  def __init__(self, tracker: metrics.ProgressTracker, abort_on_nonfinite: bool):
+    self.tracker, self.abort = tracker, abort_on_nonfinite
+    self.raised = False
+
+  def __call__(self, step: int, scalars: dict[str, Any]) -> None:
+    from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+    self.tracker.on_train_step(step, scalars)
+    loss = scalars.get("learning/loss")
+    if self.abort and not self.raised and loss is not None and not math.isfinite(float(loss)):
+      self.raised = True  # upstream flushes its metric buffer once more while the error propagates
+      grad = scalars.get("learning/raw_grad_norm")
+      raise checkpoint_guard.NonFiniteState(
+          f"step {step}: loss {float(loss)}, gradient norm {'n/a' if grad is None else float(grad)}; stopped "
+          "before any checkpoint of a non-finite state; lower learning_rate or set gradient_clipping_threshold",
+          step=step)
+
+
+def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
+  try:
+    previous = json.loads((run.run_dir / resume.RUN_FILES / "effective_config.json").read_text())
+    return dict(previous["upstream_overrides"])
+  except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    return {}  # only the refusal's hint uses it: without it, the hint names no keys
+
+
+def _changed_keys(before: dict[str, Any], now: dict[str, Any]) -> str:
+  keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ("steps", "run_name"))
+  return ", ".join(f"{k} {before.get(k, '(default)')} -> {now.get(k, '(default)')}" for k in keys[:6])
+
+
+def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
+                 dry_run: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
+  """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
+  `dry_run`, stops after every check, before writing or compiling (`overrides`: the command line's key=value
+  arguments, for the plan command it prints)."""
+  import patches  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, checkpoint_restore, metric_logger, moe_profile, step_metrics  # pylint: disable=import-outside-toplevel
+
+  stop = stop or lifecycle.StopRequest()
+  config_checks.check_fork(run)
+  prepared = environment.prepare_environment(run)
+  run, env, composed = prepared.run, prepared.env, prepared.composed
+  process = launch.start(run, check_devices=not dry_run)  # jax.distributed (+ device checks), before upstream's
+  # A dry run of a recipe for GPUs this machine lacks checks its mesh against its own GPU count instead.
+  elsewhere = launch.devices_elsewhere(run) if dry_run else None
+  if dry_run and elsewhere is None:
+    launch.check_devices_fit(run)
+  config_checks.check_backends(run)  # our MoE backends against this platform, before the patches resolve them
+  tracker: list[_StepHook] = []
+  on_restored: list[Any] = []
+  hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
+                        on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
+                        stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars,
+                        on_restored=lambda step: on_restored[0](step))
+  applied, config = environment.apply_patches_and_validate(run, hooks)
+  if elsewhere is None:
+    config_checks.check_devices(run, config)
+    if not dry_run:
+      launch.check_mesh_on_hosts(config)  # a node's ici_* group on one host, before anything is compiled
+  checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
+  checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
+  checkpoint_compat.check_load_parameters(run)
+  check_data_on_process_0(run, config, process.process_id)  # before the run directory exists
+  if dry_run:
+    for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
+      log(line)
+    for line in config_report.dry_run_report(run, process, elsewhere, overrides):
+      log(line)
+    return {}
+
+  # Every process trains and keeps its own summary (<run>/maxtext-moe/summary.rank<k>.json in a multi-process
+  # job); only the first writes the run's own files and prints the [progress] lines, the compile and checkpoint
+  # lines and the closing summary (torchtitan's LOG_RANK=0), which would otherwise come once per process.
+  lead = process.process_id == 0
+  import jax  # pylint: disable=import-outside-toplevel
+
+  peak_flops, peak_label = hardware.mfu_peak(jax.devices()[0].device_kind, run.fork.mfu_peak_tflops)
+  progress = metrics.ProgressTracker(total_steps=int(config.steps), print_every=run.fork.progress_every if lead else 0,
+                                     peak_flops=peak_flops, peak_label=peak_label)
+  metric_logger.set_mfu_peak(peak_flops)
+  moe_profile.set_run_dir(run.run_dir)  # moe_profile_every_n_steps's traces stay in the run directory
+  tracker.append(_StepHook(progress, prepared.abort_on_nonfinite))
+  lock = lifecycle.RunLock.for_run(run.run_dir) if lead else None
+  if lock:
+    lock.acquire()
+    stop.on_abort(lock.release)
+  try:
+    set_aside = resume.set_aside_unusable(run.run_dir) if lead else []  # before orbax lists the steps
+    resumed_from, warnings = resume.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
+                                                    run.fork.allow_data_change)
+    previous = _previous_overrides(run)
+
+    def record_run(restored: int | None) -> None:
+      """Once upstream's restore settled where the run starts; a resume refused there writes nothing."""
+      if lead:
+        write_run_files(run, env, applied, xla_presets.report(composed))
+        checkpoint_compat.record_pipeline_layout(run, config)
+        if restored is None or warnings:  # a new run (or one whose checkpoints all failed), or an allowed change
+          resume.record_schedule(run.run_dir, config)
+          resume.record_data(run.run_dir, config)
+
+    on_restored.append(record_run)
+    log(f"run directory {run.run_dir}")
+    for line in set_aside:
+      log(line)
+    if resumed_from is not None:
+      log(f"resuming from checkpoint step {resumed_from}")
+      stop_record = resume.nonfinite_stop(run.run_dir) or {}
+      if not run.fork.nonfinite_skip_batches and stop_record.get("checkpoint") == resumed_from:
+        log("this run last stopped at a non-finite step after this checkpoint and replays its batches; "
+            "nonfinite_skip_batches=K skips them")
+    for line in warnings:
+      log(line)
+    for line in start_lines(run, process, composed, env, applied):
+      log(line)
+
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
+
+    quiet.install_filter(run.fork.verbose)
+    compiles = _watch_train_step_compile(lead)
+
+    def upstream_main(_argv):
+      quiet.upstream_logging(run.fork.verbose)  # after app.run's flag parsing set absl's verbosity
+      return upstream_train.main(run.upstream_argv())
+
+    try:
+      # app.run parses absl flags (upstream's logging reads them) and calls main.
+      app.run(upstream_main, argv=[sys.argv[0] or "maxtext-moe"])
+    except SystemExit as e:
+      if e.code not in (0, None):
+        raise
+    except checkpoint_guard.NonFiniteState as e:
+      if lead and e.step is not None:  # what the next resume skips with nonfinite_skip_batches
+        skip = checkpoint_restore.skipped
+        resume.record_nonfinite(run.run_dir, e.step, (skip["checkpoint"], skip["batches"]) if skip else None)
+      raise
+    except fork_config.ConfigError as e:
+      if resumed_from is not None and _changed_keys(previous, run.upstream):
+        raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if not disk_full.is_storage_failure(e):  # a full disk, whoever wrote first: TensorBoard, metrics, a checkpoint
+        raise
+      written = disk_full.try_write(lambda: close_summary(run, progress, compiles, process, lead))
+      raise disk_full.StorageFailure(disk_full.line(e, run.run_dir, written)) from e
+    finally:
+      compiles.stop()
+  finally:
+    if lock:
+      lock.release()
+  summary = close_summary(run, progress, compiles, process, lead)
+  if lead:
+    metrics.print_summary(summary)
+  if summary["stopped"]:
+    s = summary["stopped"]
+    if s["saved"] is not None:
+      said = f"checkpoint of step {s['saved']} saved; run again with the same run_name to resume"
+    else:
+      said = (f"checkpointing is off (enable_checkpointing=false), so the {s['step'] + 1} steps trained are lost; "
+              "a rerun starts at step 0")
+    print(f"maxtext-moe: stopped by {s['signal']} after step {s['step']}: {said} (exit {command_line.EXIT_PREEMPTED})",
+          file=sys.stderr, flush=True)
+  return summary
+
+
+def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
+                  compiles: progress_lines.CompileWatch, process: launch.ProcessInfo, lead: bool) -> dict[str, Any]:
+  """The closing summary, written to summary.json (process 0) and summary.rank<k>.json (several processes)."""
+  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
+
+  run_dir = run.run_dir
+  stopped = dict(checkpoint_guard.stopped)
+  if stopped and (not progress.records or progress.records[-1].step < stopped["step"]):
+    # The stop ended the loop before upstream's metric logger saw the saved step (it runs a step behind).
+    progress.on_train_step(stopped["step"], step_metrics.latest_scalars())
+  summary = progress.summary(run_dir, run.upstream)
+  peak = metrics.device_memory_peak_bytes()
+  summary["peak_device_memory_gib"] = peak / 2**30 if peak is not None else None
+  summary["stopped"] = stopped or None
+  summary["compile_s"] = sum(compiles.compiles) if compiles.compiles else None
+  summary["checkpoint_saves"] = list(checkpoint_guard.finish_save_reports())
+  if process.num_processes > 1:
+    metrics.write_summary(summary, run_dir / resume.RUN_FILES, f"summary.rank{process.process_id}.json")
+  if lead:
+    metrics.write_summary(summary, run_dir)
+  return summary
+
+
+def start_lines(run: fork_config.RunConfig, process: launch.ProcessInfo, composed: xla_presets.Composed,
+                env: dict[str, str], applied: list[str]) -> list[str]:
+  """What the run says about its set-up before compiling: the presets, overrides and XLA_FLAGS when any are set,
+  the process when there are several; everything with verbose (all of it is in effective_config.json)."""
+  verbose = run.fork.verbose
+  lines = [f"patches applied: {', '.join(applied) or 'none'}"] if verbose else []
+  if verbose or process.num_processes > 1:
+    lines.append(f"process {process.process_id} of {process.num_processes} ({process.scheduler})")
+  presets = xla_presets.summary_lines(composed, env)
+  if verbose or len(presets) > 1 or composed.presets:
+    lines += presets
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if verbose or xla_flags != environment.NEUTRAL_XLA_FLAGS:
+    lines.append(f"XLA_FLAGS={xla_flags}")
+  return lines
+
+
+def _resume_preview(run: fork_config.RunConfig, config: Any) -> list[str]:
+  """What this run would do to an existing run directory (nothing written): the step directories it would set
+  aside and the checkpoint it would resume; FinishedRun or a refused resume raise as they would under the lock."""
+  lines = resume.set_aside_unusable(run.run_dir, dry_run=True)
+  resumed_from, warnings = resume.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
+                                                  run.fork.allow_data_change)
+  if resumed_from is not None:
+    resume.batches_to_skip(run.run_dir, resumed_from, run.fork.nonfinite_skip_batches)  # a garbled record
+    lines.append(f"the run would resume from checkpoint step {resumed_from}")
+  return lines + warnings
+
+
+def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
+  """Says when the train step starts compiling (upstream compiles it ahead of the loop, or at its first call)
+  and how long that took (trace, lower and compile); every compile's time goes to the summary."""
+  announced = [False]
+
+  def on_phase(phase: str) -> None:  # pylint: disable=unused-argument
+    if not announced[0]:  # once per compile, at its first phase
+      announced[0] = True
+      if lead:
+        log("compiling the train step...")
+
+  def on_compiled(seconds: float) -> None:
+    announced[0] = False
+    if lead:
+      log(f"compiled the train step in {seconds:.1f} s")
+
+  return progress_lines.CompileWatch(environment.TRAIN_STEP, on_phase, on_compiled).start()
+
+
+def check_data_on_process_0(run: fork_config.RunConfig, config: Any, process_id: int) -> None:
+  """The data files and the tokenizer (MaxText/data_checks.py), read by process 0 alone: the checks glob and stat
+  every shard, which a thousand processes would do a thousand times over one shared filesystem. The verdict is
+  shared (one all-gather), so every process stops on bad data, process 0 with the line naming the key."""
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  error = None
+  if process_id == 0:
+    try:
+      data_checks.check(run, config)
+    except fork_config.ConfigError as e:
+      error = e
+  if not checkpoint_restore.agree(error is None)[0]:
+    raise error or fork_config.ConfigError("the data checks failed on process 0, whose line names the key")

@@ -1,0 +1,137 @@
+"""`python -m MaxText.train [config.yml] [key=value ...]` (MaxText/train.py): the command and its exit codes.
+
+load our config -> set the run's environment -> apply patches -> validate with
+upstream -> run upstream's pre-training main -> print the summary.
+
+Everything that can be wrong with the config is reported (one line, exit 2)
+before the run directory is created or anything is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from MaxText import config as fork_config
+from MaxText.config import checks as config_checks
+from MaxText.config import command_line
+from MaxText.config import report as config_report
+from MaxText.run import quiet
+from MaxText.checkpoints import resume
+from MaxText.moe import overflow
+from MaxText.run import disk_full
+from MaxText.run import launch
+from MaxText.run import lifecycle
+from MaxText.run import loop
+from patches import UpstreamMismatch
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs; returns one of MaxText/config/command_line.py's exit codes (README "Exit codes")."""
+  try:
+    options, args = config_report.parse_command_line(sys.argv[1:] if argv is None else list(argv))
+  except command_line.CommandLineError as e:
+    print(f"maxtext-moe: config error: {e}", file=sys.stderr)
+    return command_line.EXIT_CONFIG
+  if options.help:
+    print(config_report.help_text())
+    return command_line.EXIT_OK
+  # Local-first: never reach for Google Cloud clients. Set before the config is
+  # loaded, because upstream modules decide at import time (maxtext.utils.gcs_utils
+  # would otherwise bind the real storage client, and upload_dump would call it).
+  os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+  quiet.before_jax()  # XLA's C++ INFO lines, read once when the config's loading first imports jax
+  from patches import checkpoint_guard, quiet_notices  # pylint: disable=import-outside-toplevel
+
+  stop = lifecycle.StopRequest(abort=_abort_on_second_sigint)
+
+  def fail(code: int, message: str) -> int:
+    print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+    return code
+
+  run = None
+  try:
+    quiet_notices.hold()  # loading the config imports upstream modules that print; held until `verbose` is known
+    stop.install(multi_process=launch.discover(os.environ).multi_process)
+    run = fork_config.load(args)
+    quiet.import_notices(run.fork.verbose)
+    if options.print_config:
+      print("\n".join(config_report.print_config_checked(run)))
+      return command_line.EXIT_OK
+    summary = loop.run_training(run, stop, dry_run=options.dry_run, overrides=[a for a in args if "=" in a])
+  except fork_config.ConfigError as e:
+    return fail(command_line.EXIT_CONFIG, f"config error: {e}")
+  except UpstreamMismatch as e:  # a patch refusing an upstream it was not written for
+    return fail(command_line.EXIT_UPSTREAM, str(e))
+  except resume.FinishedRun as e:
+    return fail(command_line.EXIT_OK, str(e))
+  except lifecycle.RunLocked as e:
+    return fail(command_line.EXIT_LOCKED, f"run directory locked: {e}")
+  except checkpoint_guard.NonFiniteState as e:
+    return fail(command_line.EXIT_NONFINITE, f"non-finite state: {e}")
+  except overflow.DispatchOverflow as e:
+    return fail(command_line.EXIT_MOE_OVERFLOW, f"MoE dispatch overflow: {e}")
+  except disk_full.StorageFailure as e:
+    _exit_now(command_line.EXIT_SAVE_FAILED, str(e))
+  except KeyboardInterrupt:
+    _exit_now(command_line.EXIT_ABORTED, _ABORTED)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if (backend := config_checks.backend_failure(e)) is not None:  # before anything was written
+      return fail(command_line.EXIT_CONFIG, f"config error: {backend}")
+    if (oom := out_of_memory_line(e, run)) is not None:
+      return fail(command_line.EXIT_OUT_OF_MEMORY, oom)
+    if run is None or not disk_full.is_storage_failure(e):
+      raise
+    # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
+    _exit_now(command_line.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
+  return command_line.EXIT_PREEMPTED if summary.get("stopped") else command_line.EXIT_OK
+
+
+def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> str | None:
+  """XLA running out of device memory (RESOURCE_EXHAUSTED, at the compile or at a step) as one line naming XLA's
+  figure and what to change; None for any other error."""
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+    return None
+  said = next((" ".join(line.split()) for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)[:240]
+  config = run.config_path if run is not None else "CONFIG"
+  return (f"out of device memory: {said}; scripts/plan.sh {config} (with the same key=value overrides) shows what "
+          "the step needs: lower per_device_batch_size, or set remat_policy=full or xla_presets=[host_offload]")
+
+
+def _exit_now(code: int, message: str) -> None:
+  """Exits without waiting for orbax's writer threads, which a failed or
+  interrupted save leaves mid-write (a normal exit would print their errors
+  after our line); a partial step directory is never resumed from."""
+  print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  logging.shutdown()
+  os._exit(code)  # pylint: disable=protected-access
+
+
+_ABORTED = "aborted by a second SIGINT; nothing saved since the last checkpoint"
+
+
+def _abort_on_second_sigint() -> None:
+  """StopRequest's abort, run inside the signal handler at whatever bytecode the main thread was at: the line
+  goes straight to fd 2 (print could re-enter a stream the main thread is in the middle of writing), then the
+  process ends, as _exit_now's does."""
+  os.write(2, f"maxtext-moe: {_ABORTED}\n".encode())
+  try:
+    sys.stdout.flush()
+  except Exception:  # pylint: disable=broad-except
+    pass  # a write the signal interrupted: its bytes are lost with the process either way
+  os._exit(command_line.EXIT_ABORTED)  # pylint: disable=protected-access
+
+
+def cli() -> None:
+  try:
+    sys.exit(main())
+  except BrokenPipeError:  # a reader that stopped early (`--help | head`): no traceback
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(command_line.EXIT_ERROR)
+
+
+if __name__ == "__main__":
+  cli()
