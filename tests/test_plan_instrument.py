@@ -1,0 +1,34 @@
+"""The planner's instruments checked where the rows and the walk would agree on a shared error: loop counts from the
+while's real init, the routed experts' FLOPs a step, the bytes of an async all-reduce, the sensitivity line, the rate
+of a group across nodes, the two-level dispatch's exchanges, and the exit code of a violated account. Hand-written
+HLO at the round rates of tests/test_plan_account.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from MaxText.plan import hardware
+
+# --- the routed experts' FLOPs: every microbatch of the step -----------------------------------------------------
+
+
+def test_routed_expert_flops_count_every_microbatch(monkeypatch):
+  """per_device_batch_size is one microbatch's: a step of 3 microbatches runs the routed GEMMs 3 times, and MaxText's
+  count (which multiplies by them) holds the output head 3 times, so the recompute leaves out 3 heads."""
+  from maxtext.utils import maxtext_utils
+
+  monkeypatch.setattr(maxtext_utils, "calculate_tflops_training_per_device", lambda c, log=False: (600.0, 0, 0))
+  cfg = dict(per_device_batch_size=2, max_target_length=10, emb_dim=4, vocab_size=1000, num_experts=8,
+             num_experts_per_tok=2, moe_mlp_dim=5, num_decoder_layers=3, first_num_dense_layers=1)
+  forward_one = 2 * 20 * 2 * 3 * 4 * 5 * 2  # tokens x top-k x 3 GEMMs x D x F x 2 MoE layers, one microbatch
+  one = types.SimpleNamespace(remat_policy="full", gradient_accumulation_steps=1, **cfg)
+  three = types.SimpleNamespace(remat_policy="full", gradient_accumulation_steps=3, **cfg)
+  assert hardware.routed_expert_flops(one) == 4 * forward_one
+  assert hardware.routed_expert_flops(three) == 3 * 4 * forward_one
+  head_one = 2 * 20 * 4 * 1000 * 3
+  assert hardware.recompute_flops(three)[0] == (600e12 - 3 * head_one) / 3
+  kept = types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="offload", moe_mlpwi_1="device",
+                               gradient_accumulation_steps=3, **cfg)
+  assert hardware.recompute_flops(kept)[0] == (600e12 - 3 * head_one) / 3 - 3 * forward_one
