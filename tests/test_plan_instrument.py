@@ -32,3 +32,42 @@ def test_routed_expert_flops_count_every_microbatch(monkeypatch):
   kept = types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="offload", moe_mlpwi_1="device",
                                gradient_accumulation_steps=3, **cfg)
   assert hardware.recompute_flops(kept)[0] == (600e12 - 3 * head_one) / 3 - 3 * forward_one
+
+
+# --- an async all-reduce's bytes: its transfer once ------------------------------------------------------------
+
+ALL_REDUCES = """\
+    HloModule m, is_scheduled=true
+
+    %add (a: f32[], b: f32[]) -> f32[] {
+      %a = f32[] parameter(0)
+      %b = f32[] parameter(1)
+      ROOT %s = f32[] add(%a, %b)
+    }
+
+    ENTRY %main (x: f32[256,256], y: f32[64,64], z: f32[128]) -> f32[256,256] {
+      %x = f32[256,256]{1,0} parameter(0)
+      %y = f32[64,64]{1,0} parameter(1)
+      %z = f32[128]{0} parameter(2)
+      %one = (f32[256,256]{1,0}, f32[256,256]{1,0}, u32[], u32[]) all-reduce-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+      %one_done = f32[256,256]{1,0} all-reduce-done(%one)
+      %two = (f32[64,64]{1,0}, f32[128]{0}) all-reduce-start(%y, %z), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+      %two_done = (f32[64,64]{1,0}, f32[128]{0}) all-reduce-done(%two)
+      ROOT %r = f32[256,256]{1,0} bitcast(%one_done)
+    }
+    """
+
+
+def test_an_async_all_reduce_counts_its_transfer_once():
+  """all-reduce-start printed with its operand and its result (and sync flags) moves the result once; printed with
+  its results alone (two arrays reduced together), both arrays are the transfer."""
+  from test_plan_account import MESH, _both
+
+  terms, rows, checked, _ = _both(ALL_REDUCES)
+  assert MESH == {"fsdp": 4}  # both groups vary along fsdp: one row
+  row = rows["all-reduce"]
+  assert row["count"] == 2 and row["bytes"] == 256 * 256 * 4 + 64 * 64 * 4 + 128 * 4
+  wire = 2 * 256 * 256 * 4 * 3 / 4 + 2 * (64 * 64 * 4 + 128 * 4) / 2  # 2 R (n - 1) / n, n = 4 and 2
+  assert row["wire_bytes"] == pytest.approx(wire)
+  assert terms.collectives_s == pytest.approx(wire / 1e9)
+  assert checked["ok"], checked["violations"]

@@ -264,11 +264,16 @@ def _result_bytes(kind: str, instr: Instr, n: int) -> float:
   """The collective's result bytes. Async -start ops return (operands, results[, sync flags])
   tuples: in + out = out (n + 1) / n for a gather over n, out (n + 1) for a reduce-scatter
   (its operand is n times its result: counting it made the 128 x H100 plan's reduce-scatters
-  1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all; all-reduce-start returns its
-  results only."""
-  total = sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s)
+  1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all. An all-reduce-start is printed
+  either with its results alone (a tuple of them where several arrays are reduced together) or,
+  like the others, with its operands and results (and u32 sync flags): an array for each operand
+  twice is the latter, and its transfer is half of it."""
+  shaped = [(d, s) for d, s in arrays(instr.type_text) if s]
+  total = sum(dtype_bytes(d) * math.prod(s) for d, s in shaped)
   if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
     return total
+  if kind == "all-reduce":
+    return total / 2 if len(shaped) == 2 * len(instr.operands) else total
   if kind in ("collective-permute", "all-to-all"):
     return total / 2
   if kind == "all-gather":
