@@ -71,3 +71,29 @@ def test_an_async_all_reduce_counts_its_transfer_once():
   assert row["wire_bytes"] == pytest.approx(wire)
   assert terms.collectives_s == pytest.approx(wire / 1e9)
   assert checked["ok"], checked["violations"]
+
+
+# --- the sensitivity line: each variant scales the link it names, one way ------------------------------------------
+
+LINKS = [(kind, across) for kind in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+                                      "collective-permute") for across in (False, True)]
+
+
+@pytest.mark.parametrize("gpu_key", ["h100", "h200", "b200"])
+def test_each_sensitivity_variant_scales_the_link_it_names_one_way(gpu_key):
+  """Per variant, every collective's rate against the plan's: the variant's factor on the collectives it names, 1 on
+  every other (an all-to-all variant never speeds one link while it slows the other)."""
+  from MaxText.plan import step_report
+
+  gpu = hardware.GPUS[gpu_key]
+  a2a = ("all-to-all", "ragged-all-to-all")
+  named = {"IB x0.5": (0.5, lambda kind, across: across), "IB x2": (2.0, lambda kind, across: across),
+           "all-to-all across nodes x0.5": (0.5, lambda kind, across: across and kind in a2a),
+           "all-to-all inside a node x0.5": (0.5, lambda kind, across: not across and kind in a2a)}
+  assert [label for label, _ in step_report.VARIANTS] == list(named)
+  for label, change in step_report.VARIANTS:
+    factor, names = named[label]
+    changed = change(gpu)
+    for kind, across in LINKS:
+      ratio = hardware.link_bytes(changed, kind, across).value / hardware.link_bytes(gpu, kind, across).value
+      assert ratio == pytest.approx(factor if names(kind, across) else 1.0), (label, kind, across)
