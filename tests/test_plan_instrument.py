@@ -5,6 +5,7 @@ HLO at the round rates of tests/test_plan_account.py."""
 
 from __future__ import annotations
 
+import textwrap
 import types
 
 import pytest
@@ -97,3 +98,93 @@ def test_each_sensitivity_variant_scales_the_link_it_names_one_way(gpu_key):
     for kind, across in LINKS:
       ratio = hardware.link_bytes(changed, kind, across).value / hardware.link_bytes(gpu, kind, across).value
       assert ratio == pytest.approx(factor if names(kind, across) else 1.0), (label, kind, across)
+
+
+# --- the microbatch loop: trips from the while's real init, checked against the config ------------------------
+
+# A step of 10 microbatches as XLA leaves it: the first and the last peeled into ENTRY (each a layer scan of 4
+# trips gathering a weight), the loop over the other 8 entering at copy(constant 1) with i < 9 and no init from XLA.
+PEELED = """\
+    HloModule m, is_scheduled=true
+
+    %scan_body (p: (s32[], f32[64,512])) -> (s32[], f32[64,512]) {
+      %p = (s32[], f32[64,512]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %w = f32[64,512]{1,0} get-tuple-element(%p), index=1
+      %ags = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+      %agd = f32[256,512]{1,0} all-gather-done(%ags)
+      ROOT %t = (s32[], f32[64,512]{1,0}) tuple(%i, %w)
+    }
+
+    %scan_cond (p: (s32[], f32[64,512])) -> pred[] {
+      %p = (s32[], f32[64,512]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %n = s32[] constant(4)
+      ROOT %c = pred[] compare(%i, %n), direction=LT
+    }
+
+    %mb_body (q: (s32[], f32[64,512])) -> (s32[], f32[64,512]) {
+      %q = (s32[], f32[64,512]{1,0}) parameter(0)
+      %scan = (s32[], f32[64,512]{1,0}) while(%q), condition=%scan_cond, body=%scan_body, backend_config={"known_trip_count":{"n":"4"}}
+      ROOT %r = (s32[], f32[64,512]{1,0}) copy(%scan)
+    }
+
+    %mb_cond (q: (s32[], f32[64,512])) -> pred[] {
+      %q = (s32[], f32[64,512]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%q), index=0
+      %n = s32[] constant(9)
+      ROOT %c = pred[] compare(%i, %n), direction=LT
+    }
+
+    ENTRY %main (w: f32[64,512]) -> f32[64,512] {
+      %w = f32[64,512]{1,0} parameter(0)
+      %zero = s32[] constant(0)
+      %t0 = (s32[], f32[64,512]{1,0}) tuple(%zero, %w)
+      %first = (s32[], f32[64,512]{1,0}) while(%t0), condition=%scan_cond, body=%scan_body, backend_config={"known_trip_count":{"n":"4"}}
+      %one = s32[] constant(1)
+      %i1 = s32[] copy(%one)
+      %w1 = f32[64,512]{1,0} get-tuple-element(%first), index=1
+      %t1 = (s32[], f32[64,512]{1,0}) tuple(%i1, %w1)
+      %mb = (s32[], f32[64,512]{1,0}) while(%t1), condition=%mb_cond, body=%mb_body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+      %last = (s32[], f32[64,512]{1,0}) while(%mb), condition=%scan_cond, body=%scan_body, backend_config={"known_trip_count":{"n":"4"}}
+      ROOT %out = f32[64,512]{1,0} get-tuple-element(%last), index=1
+    }
+    """
+
+
+def test_the_microbatch_loop_counts_from_its_init_and_adds_up_to_the_config():
+  """8 trips (1..8, the init followed through its copy), not 9 (init 0 assumed): 10 microbatches walked with the two
+  peeled, the rows and the walk alike; the account holds for gradient_accumulation_steps 10 and names the loop for 11."""
+  from test_plan_account import _both
+
+  from MaxText.plan import account, hlo_inventory, step_report
+
+  text = textwrap.dedent(PEELED)
+  terms, rows, checked, inv = _both(text)
+  assert rows["all-gather"]["count"] == rows["all-gather"]["walk_count"] == 4 * (8 + 2)
+  assert any("while loop mb:" in n and "init 1 from the while's init" in n and "counted 8 times" in n
+             for n in inv["inventory_notes"])
+  comps, entry = hlo_inventory.parse_module(text)
+  loops = account.microbatches(comps, entry, 10)
+  assert loops == {"expected": 10, "loop": "mb", "trips": 8, "peeled": 2, "walked": 10}
+  estimate = step_report.report(terms, 1.0, 0.0)
+  ok = account.check(list(rows.values()), terms.rows, estimate, loops)
+  assert ok["ok"] and any("10 microbatches walked" in line for line in ok["lines"])
+  wrong = account.check(list(rows.values()), terms.rows, estimate, account.microbatches(comps, entry, 11))
+  assert not wrong["ok"] and wrong["violations"] == [
+      "microbatch loop mb: 8 trips + 2 peeled = 10 microbatches walked, gradient_accumulation_steps 11"]
+  assert account.microbatches(comps, entry, 1) is None  # one microbatch: nothing to check
+
+
+def test_a_pipeline_whose_compiled_loops_disagree_with_its_schedule_violates_the_account():
+  from test_plan_account import _both
+
+  from MaxText.plan import account, step_report
+
+  terms, rows, _, _ = _both(textwrap.dedent(PEELED))
+  estimate = step_report.report(terms, 1.0, 0.0)
+  pipeline = {"compiled_trip_counts": [10], "agrees": False, "note": "compiled pipeline loops cover [10] iterations, the schedule 11"}
+  checked = account.check(list(rows.values()), terms.rows, estimate, None, pipeline)
+  assert checked["violations"] == ["pipeline: compiled pipeline loops cover [10] iterations, the schedule 11"]
+  unknown = {**pipeline, "compiled_trip_counts": []}  # no trip count to check: the bubble's note says so
+  assert account.check(list(rows.values()), terms.rows, estimate, None, unknown)["ok"]

@@ -79,6 +79,7 @@ class Instr:
   opcode: str
   operands: list[str]
   attrs: str
+  computation: str = ""  # the computation it is in
 
 
 @dataclasses.dataclass
@@ -87,6 +88,7 @@ class Computation:
   instrs: list[Instr]
   shapes: dict[str, str]  # name -> type text, parameters included
   constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants, name -> value
+  index: dict[str, Instr] = dataclasses.field(default_factory=dict)  # its instructions by name
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -115,10 +117,11 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
     if match:
       name, type_text, opcode, rest = match.groups()
       operand_text, attrs = _split_call(rest)
-      instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs)
+      instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs, current.name)
       if opcode == "constant" and re.fullmatch(r"[su]\d+\[\]\S*", type_text) and re.fullmatch(r"-?\d+", operand_text):
         current.constants[name] = int(operand_text)
       current.instrs.append(instr)
+      current.index[name] = instr
       current.shapes[name] = type_text
   return comps, entry
 
@@ -164,25 +167,55 @@ def loop_trips(instr: Instr, comps: dict[str, Computation]) -> Trips:
   if bound is None:
     return Trips(1, "once", f"while loop {instr.name}: no known trip count and no readable bound in {condition}: "
                  "its body counted once")
-  init, step = _induction(instr)
+  init, step, source = _induction(instr, comps, condition)
   if step <= 0:
     return Trips(1, "once", f"while loop {instr.name}: no known trip count and its induction variable steps by {step}: "
                  "its body counted once")
   count = max(0, math.ceil((bound - init) / step))
   return Trips(count, "bound", f"while loop {instr.name}: no known trip count; its condition {condition} bounds "
-               f"the induction variable at {bound} (init {init}, step {step}): counted {count} times")
+               f"the induction variable at {bound} (init {init} {source}, step {step}): counted {count} times")
 
 
-def _induction(instr: Instr) -> tuple[int, int]:
-  """(init, step) of a while loop's induction variable: XLA's known_init_step, else the dynamic variable at the
-  known induction variable's tuple index (the gradient-accumulation loop after XLA peeled its first microbatch:
-  init 1), else (0, 1)."""
+def _induction(instr: Instr, comps: dict[str, Computation], condition: str) -> tuple[int, int, str]:
+  """(init, step, where the init came from) of a while loop's induction variable: XLA's known_init_step; else the
+  variable at the known induction variable's tuple index (or the one tuple element its condition reads): the init
+  and step XLA gives for it, else the value the while's init tuple holds there, followed through copies to a
+  constant (the gradient-accumulation loop after XLA peeled a microbatch before it enters at copy(constant 1):
+  assuming 0 counted a microbatch too many); else 0 and 1, assumed."""
   known = re.search(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"', instr.attrs)
   if known:
-    return int(known[1]), int(known[2])
+    return int(known[1]), int(known[2]), "from XLA"
   index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', instr.attrs)
-  dynamic = index and re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"' % index[1], instr.attrs)
-  return (int(dynamic[1]), int(dynamic[2])) if dynamic else (0, 1)
+  index = int(index[1]) if index else _condition_index(comps, condition)
+  if index is None:
+    return 0, 1, "assumed"
+  dynamic = re.search(r'\{"tuple_index":"%d","init":"(-?\d+)","step":"(-?\d+)"' % index, instr.attrs)
+  if dynamic:
+    return int(dynamic[1]), int(dynamic[2]), "from XLA"
+  init = _init_element(instr, comps, index)
+  return (0, 1, "assumed") if init is None else (init, 1, "from the while's init")
+
+
+def _condition_index(comps: dict[str, Computation], condition: str) -> int | None:
+  """The tuple element a loop's condition reads, where it reads one."""
+  comp = comps.get(condition)
+  read = {re.search(r"index=(\d+)", i.attrs)[1] for i in comp.instrs if i.opcode == "get-tuple-element"} if comp else set()
+  return int(read.pop()) if len(read) == 1 else None
+
+
+def _init_element(instr: Instr, comps: dict[str, Computation], index: int) -> int | None:
+  """The integer constant element `index` of a while's init tuple holds, through copies, bitcasts and converts."""
+  comp = comps.get(instr.computation)
+  init = comp.index.get(instr.operands[0]) if comp and instr.operands else None
+  if init is None or init.opcode != "tuple" or index >= len(init.operands):
+    return None
+  name = init.operands[index]
+  while name not in comp.constants:
+    source = comp.index.get(name)
+    if source is None or source.opcode not in ("copy", "bitcast", "convert") or not source.operands:
+      return None
+    name = source.operands[0]
+  return comp.constants[name]
 
 
 def _condition_bound(comps: dict[str, Computation], name: str) -> int | None:
