@@ -188,3 +188,22 @@ def test_a_pipeline_whose_compiled_loops_disagree_with_its_schedule_violates_the
   assert checked["violations"] == ["pipeline: compiled pipeline loops cover [10] iterations, the schedule 11"]
   unknown = {**pipeline, "compiled_trip_counts": []}  # no trip count to check: the bubble's note says so
   assert account.check(list(rows.values()), terms.rows, estimate, None, unknown)["ok"]
+
+
+# --- the exit code of a violated account ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("violations, code", [([], 0), (["microbatch loop mb: 8 trips + 2 peeled = 10 microbatches "
+                                                         "walked, gradient_accumulation_steps 11"], 9)])
+def test_a_violated_account_exits_9_after_the_report_and_json(violations, code, tmp_path, monkeypatch, capsys):
+  from MaxText.plan import __main__ as plan_cli
+  from MaxText.plan import planner
+
+  report = {"account": {"ok": not violations, "lines": [], "violations": violations}}
+  monkeypatch.setattr(planner, "plan", lambda *a, **k: report)
+  monkeypatch.setattr(planner, "print_report", lambda r: print("the report"))
+  out = tmp_path / "plan.json"
+  assert plan_cli.main(["configs/deepseek3-tiny.yml", "--json", str(out)]) == code == (9 if violations else 0)
+  assert plan_cli.EXIT_CODES[9].startswith("planned, but the one account is violated")
+  captured = capsys.readouterr()
+  assert "the report" in captured.out and out.exists()  # printed and written whole either way
+  assert captured.err == (f"maxtext-moe: plan invariant violated (1): {violations[0]}\n" if violations else "")
