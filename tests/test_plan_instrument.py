@@ -207,3 +207,21 @@ def test_a_violated_account_exits_9_after_the_report_and_json(violations, code, 
   captured = capsys.readouterr()
   assert "the report" in captured.out and out.exists()  # printed and written whole either way
   assert captured.err == (f"maxtext-moe: plan invariant violated (1): {violations[0]}\n" if violations else "")
+
+
+# --- the two-level dispatch's exchanges between nodes under remat ------------------------------------------------
+
+def test_a_two_level_dispatch_under_remat_exchanges_5_times_between_nodes_and_6_inside():
+  """Remat re-runs the dispatch's exchanges; the combine's between nodes feeds `collect`, whose backward keeps only
+  its maps, so the recompute drops it (5), while inside a node `weighted_collect` keeps its rows (6). 16-way EP over
+  2 nodes, top-8 of 64 experts, T = 64, D = 128 bf16: C1 = T, C2 = ceil(1.5 T K / 8) = 96."""
+  from MaxText.plan import analytic_comms
+  from test_plan_layout import LAYOUT, _by_key
+
+  layout = {**LAYOUT, "groups": [], "top_k": 8, "num_experts": 64, "moe_layers": 3, "microbatches": 2,
+            "recompute": True, "dispatch": "hierarchical", "ep_nodes": 2}
+  rows = _by_key(analytic_comms.expected(layout, {"fsdp": 1, "expert": 16}))
+  between, inside = rows[("all-to-all", ("expert",), True)], rows[("all-to-all", ("expert",), False)]
+  assert between["wire_bytes"] == pytest.approx(5 * 3 * 2 * 2 * 64 * 256 / 2)
+  assert inside["wire_bytes"] == pytest.approx(6 * 3 * 2 * 8 * 96 * 256 * 7 / 8)
+  assert "5 passes" in between["what"][0] and "6 passes" in inside["what"][0]
