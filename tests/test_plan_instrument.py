@@ -225,3 +225,43 @@ def test_a_two_level_dispatch_under_remat_exchanges_5_times_between_nodes_and_6_
   assert between["wire_bytes"] == pytest.approx(5 * 3 * 2 * 2 * 64 * 256 / 2)
   assert inside["wire_bytes"] == pytest.approx(6 * 3 * 2 * 8 * 96 * 256 * 7 / 8)
   assert "5 passes" in between["what"][0] and "6 passes" in inside["what"][0]
+
+
+# --- a group across nodes: a ring at its members' NICs on a node together --------------------------------------
+
+ACROSS = """\
+    HloModule m, is_scheduled=true
+
+    ENTRY %main (w: f32[64,512], v: f32[64,64]) -> f32[64,512] {
+      %w = f32[64,512]{1,0} parameter(0)
+      %v = f32[64,64]{1,0} parameter(1)
+      %eight = f32[1024,512]{1,0} all-gather(%w), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}, dimensions={0}
+      %one = f32[128,512]{1,0} all-gather(%w), channel_id=2, replica_groups={{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}, dimensions={0}
+      %a2a = f32[64,64]{1,0} all-to-all(%v), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}, dimensions={1}
+      ROOT %r = f32[64,512]{1,0} bitcast(%w)
+    }
+    """
+
+
+def test_a_ring_across_nodes_runs_at_its_members_nics_on_a_node():
+  """16 GPUs on 2 nodes of 8 (one NIC each, 10 MB/s here): the gather over all 16 (8 members a node) moves a member's
+  wire bytes over the node's 8 NICs together, at 8x one NIC's rate; the gather over pairs across nodes (1 a node) and
+  the all-to-all (each member's own bytes over its own NIC) at one NIC's. The rows and the walk alike."""
+  from test_plan_account import GPU
+
+  from MaxText.plan import account, hlo_inventory, schedule, step_report
+
+  text, mesh, nodes = textwrap.dedent(ACROSS), {"data": 2, "fsdp": 8}, [i // 8 for i in range(16)]
+  terms = schedule.estimate(text, GPU, mesh, nodes)
+  inv = hlo_inventory.inventory(text, mesh, nodes, branches=terms.branches)
+  rows = {(r["kind"], tuple(r["axes"])): r for r in account.rows(inv["collectives"], terms.rows, GPU)}
+  eight, one = rows[("all-gather", ("data", "fsdp"))], rows[("all-gather", ("data",))]
+  a2a = rows[("all-to-all", ("data", "fsdp"))]
+  assert eight["crosses_nodes"] and one["crosses_nodes"] and a2a["crosses_nodes"]
+  assert eight["wire_bytes"] == pytest.approx(1024 * 512 * 4 * 15 / 16)
+  assert eight["seconds"] == pytest.approx(1024 * 512 * 4 * 15 / 16 / 8 / 1e7)
+  assert one["seconds"] == pytest.approx(128 * 512 * 4 / 2 / 1e7)
+  assert a2a["seconds"] == pytest.approx(64 * 64 * 4 * 15 / 16 / 1e7)
+  assert terms.collectives_s == pytest.approx(eight["seconds"] + one["seconds"] + a2a["seconds"])
+  checked = account.check(list(rows.values()), terms.rows, step_report.report(terms, 1.0, 0.0))
+  assert checked["ok"], checked["violations"]

@@ -31,7 +31,7 @@ def test_the_sensitivity_line_walks_the_step_again_at_each_changed_constant():
   module = schedule.parse(textwrap.dedent(SPREAD))
   nodes = [0, 0, 1, 1]
   terms = schedule.estimate(module, GPU, {"fsdp": 4}, nodes)
-  gather = 256 * 512 * 4 * 3 / 4 / 1e7  # over InfiniBand, exposed
+  gather = 256 * 512 * 4 * 3 / 4 / 2 / 1e7  # over InfiniBand, at its 2 members' NICs on a node together; exposed
   inside, across = 64 * 64 * 4 / 2 / 1e9, 64 * 64 * 4 / 2 / 1e7  # pairs: half of each on the wire
   assert terms.step_s == pytest.approx(gather + inside + across)
   rows = step_report.sensitivity(module, GPU, {"fsdp": 4}, nodes, terms, model_flops=1e12)

@@ -32,14 +32,15 @@ _SLACK_S = 1e-9  # float rounding in seconds
 
 
 def rows(collectives: list[dict[str, Any]], walk_rows: dict[tuple, list[float]], gpu: hardware.Gpu) -> list[dict]:
-  """The inventory's rows with their link, transfer seconds (wire bytes at the link's rate), and the walk's
+  """The inventory's rows with their link, transfer seconds (the bytes a link carries, `link_bytes`: the wire bytes,
+  a ring across nodes spread over its members' NICs on a node, at the link's rate), and the walk's
   exposed seconds, transfer seconds and count for the same (kind, axes, crosses nodes)."""
   out = []
   for row in collectives:
     key = (row["kind"], tuple(row["axes"]), row["crosses_nodes"])
     walked = walk_rows.get(key, [0.0, 0.0, 0.0])
     out.append({**row, "link": "ib" if row["crosses_nodes"] else "nvlink",
-                "seconds": row["wire_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value,
+                "seconds": row["link_bytes"] / hardware.link_bytes(gpu, row["kind"], row["crosses_nodes"]).value,
                 "exposed_s": walked[1], "walk_seconds": walked[0], "walk_count": int(round(walked[2]))})
   return out
 

@@ -11,9 +11,11 @@ into a step time, with these:
   collectives wire bytes per device / the link's bandwidth (NVLink inside a
               node, InfiniBand across), per kind where a kind was measured;
               host offload's copies at PCIe's
-Simplification, an upper bound on time: a collective whose group spans nodes
-moves all its wire bytes at InfiniBand rate (NCCL's hierarchical algorithms
-send only part across).
+A collective whose group spans nodes moves its wire bytes over InfiniBand: a
+ring (all-gather, reduce-scatter, all-reduce) at the rate of its members' NICs
+on a node together (one NIC a GPU; hlo_inventory.nics_per_member), an
+all-to-all or a permute at its own NIC's. Simplification: the ring's hops
+inside a node are not the bound (NVLink is faster than the NICs they share).
 """
 
 from __future__ import annotations

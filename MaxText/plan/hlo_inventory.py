@@ -9,7 +9,9 @@ or those the schedule's walk took: MaxText/plan/account.py), and returns
   collectives   one row per (kind, mesh axes, crosses nodes): count per step,
                 bytes (the collective's full buffer, see below) and wire bytes
                 (what each device sends over its link with a ring/pairwise
-                algorithm, the figure link bandwidth divides)
+                algorithm) and link bytes (what one link carries: a ring across
+                nodes spreads a member's wire bytes over its members' NICs on a
+                node, nics_per_member; the figure link bandwidth divides)
   hlo_dot_flops FLOPs of the dots and cuBLAS GEMM calls the HLO shows, per
                 device; kernels opaque to XLA (Mosaic GPU, cuDNN attention)
                 are not in it
@@ -359,11 +361,22 @@ def _dot_flops(instr: Instr, comp: Computation) -> float:
   return 2.0 * math.prod(out[0][1]) * k
 
 
+def nics_per_member(kind: str, groups: list[list[int]], nodes: list[int]) -> int:
+  """The NICs one member's wire bytes share across nodes. A ring (all-gather, reduce-scatter, all-reduce) leaves a
+  node once per pass, and NCCL runs a ring on each NIC of the group's members there (one NIC a GPU, HGX/DGX): a
+  group with c members a node moves a member's wire bytes at c NICs' rate (pricing it at one read 8x slow). An
+  all-to-all or a permute sends each member's own bytes over its own NIC: 1. The fewest on any node bound it."""
+  if kind not in ("all-gather", "reduce-scatter", "all-reduce"):
+    return 1
+  per_node = [c for g in groups for c in Counter(nodes[i] for i in g if i < len(nodes)).values()]
+  return max(1, min(per_node, default=1))
+
+
 def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
-               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float] | None:
-  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes, wire bytes exchanged with other
-  nodes, per device) of one collective instruction (its -start for an async one); None for a group of one, which
-  moves nothing."""
+               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float, float] | None:
+  """((kind, mesh axes, crosses nodes), group size, and per device: buffer bytes, wire bytes, those exchanged with
+  other nodes, those its link carries (over `nics_per_member` across nodes)) of one collective instruction (its
+  -start for an async one); None for a group of one, which moves nothing."""
   kind = _kind(instr.opcode)
   num_partitions = len(nodes)
   groups = replica_groups(instr.attrs, num_partitions)
@@ -376,7 +389,8 @@ def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
   axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
   crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
   buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
-  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes)
+  per_link = wire / nics_per_member(kind, groups, nodes) if crosses else wire
+  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes), per_link
 
 
 def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
@@ -387,7 +401,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
   (MaxText/plan/schedule.py `_Walk.branches`); a conditional not named counts every branch (an upper bound)."""
   comps, entry = parse_module(text)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
-      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
+      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "link_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
   flops = [0.0]
   pipeline_loops: list[dict[str, Any]] = []
@@ -403,12 +417,13 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
         described = collective(instr, mesh_shape, nodes, notes)
         if described is None:
           continue  # a group of one moves nothing
-        (kind, axes, crosses), n, buffer, wire, inter_node = described
+        (kind, axes, crosses), n, buffer, wire, inter_node, per_link = described
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult
         row["wire_bytes"] += wire * mult
         row["inter_node_bytes"] += inter_node * mult
+        row["link_bytes"] += per_link * mult
         row["group_size"] = max(row["group_size"], n)
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult
