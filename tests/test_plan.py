@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, run_train
 from MaxText.config import parallelism
-from MaxText.plan import aot, gpu_target, hardware, hlo_inventory, planner as plan
+from MaxText.plan import aot, gpu_target, hardware, hlo_inventory, memory_report, planner as plan
 from MaxText import config as fork_config
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
@@ -438,5 +438,5 @@ def test_largest_buffers_are_the_device_memory_spaces(tmp_path):
       "    3.00GiB(100%);    1.00GiB;   2147483648;                1; bf16[512,1048576]\n"
       "Memory Space: cmem (color=5)\nTotal bytes: 93415538688 (87.00GiB)\n"
       "   87.00GiB(100%);   87.00GiB;            0;                8; 8×bf16[58,393216,2048]\n")
-  rows = hlo_inventory.largest_buffers(tmp_path)
+  rows = memory_report.largest_buffers(tmp_path)
   assert [r["size"] for r in rows] == ["2.00GiB", "1.00GiB"] and rows[0]["values"] == 2

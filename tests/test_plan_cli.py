@@ -31,7 +31,7 @@ def test_help_lists_the_options_and_every_exit_code(capsys):
     assert option in out, option
   for code, meaning in plan_cli.EXIT_CODES.items():
     assert f"\n  {code:>3}  {meaning}\n" in out, code
-  assert sorted(plan_cli.EXIT_CODES) == [0, 1, 2, 130, 143]
+  assert sorted(plan_cli.EXIT_CODES) == [0, 1, 2, 9, 130, 143]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -67,9 +67,11 @@ def test_an_all_gather_with_nothing_between_is_exposed():
 
 
 def test_a_transfer_longer_than_the_work_between_is_exposed_for_the_difference():
-  t = _estimate(_gather_module(between=DOT, after=""), nodes=[0, 0, 1, 1])  # crosses nodes: InfiniBand, 100x slower
-  assert t.collectives_s == pytest.approx(100 * GATHER_S) and 100 * GATHER_S > DOT_S
-  assert t.exposed_s == pytest.approx(100 * GATHER_S - DOT_S) and t.step_s == pytest.approx(100 * GATHER_S)
+  # Crosses nodes: InfiniBand, 100x slower a NIC, and each node's two members send over their two NICs.
+  t = _estimate(_gather_module(between=DOT, after=""), nodes=[0, 0, 1, 1])
+  over_ib = 100 * GATHER_S / 2
+  assert t.collectives_s == pytest.approx(over_ib) and over_ib > DOT_S
+  assert t.exposed_s == pytest.approx(over_ib - DOT_S) and t.step_s == pytest.approx(over_ib)
 
 
 def test_a_sync_collective_blocks_the_stream():
@@ -139,8 +141,8 @@ def test_a_while_loop_runs_its_body_trip_count_times():
 def test_a_loop_without_known_trip_count_takes_its_conditions_bound():
   t = _estimate(LOOP.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""))
   assert t.gemm_s == pytest.approx(7 * DOT_S) and t.notes == [
-      "while loop loop: no known trip count; its condition cond bounds the induction variable at 7 (init 0, step 1): "
-      "counted 7 times"]
+      "while loop loop: no known trip count; its condition cond bounds the induction variable at 7 (init 0 from the "
+      "while's init, step 1): counted 7 times"]
   t = _estimate(LOOP.replace(', backend_config={"known_trip_count":{"n":"5"}}', "").replace("direction=LT", "direction=NE"))
   assert t.gemm_s == pytest.approx(DOT_S) and "counted once" in t.notes[0]
 

@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's MaxText when run as a script
 from MaxText.moe import time_split  # noqa: E402
 from MaxText.moe.time_split import CONTROL_FLOW  # noqa: E402
-from MaxText.plan.hlo_inventory import largest_buffers  # noqa: E402  # shared with the planner
+from MaxText.plan.memory_report import largest_buffers  # noqa: E402  # shared with the planner
 
 # The rules are MaxText/moe/time_split.py's, shared with the live split
 # (moe_profile_every_n_steps); here dispatch and combine stay one column.

@@ -28,6 +28,9 @@ Bad input (one line naming the key, exit 2): a mesh that does not multiply to
 the GPU count, experts that do not split over EP, a config upstream or the
 compiler rejects. SIGINT (Ctrl-C) and SIGTERM end the compile child and remove
 the temporary folders (/tmp/maxtext-plan-*), with one line: exit 130 or 143.
+A plan whose one account is violated (MaxText/plan/account.py: the rows against
+the walk, the loops against the config's microbatches) is printed and written
+whole, then exits 9 with one line: its figures are not to be trusted.
 """
 
 from __future__ import annotations
@@ -45,12 +48,16 @@ from MaxText.config import command_line
 from MaxText.plan import planner, search
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
+# Past the train step's codes (MaxText/config/command_line.py, 0-8), so no number means two things across the entry points.
+EXIT_INVARIANT = 9
 EXIT_CODES = {
     command_line.EXIT_OK: "planned (the report printed), or --help",
     command_line.EXIT_ERROR: "anything unexpected (a traceback on stderr)",
     command_line.EXIT_CONFIG: "bad config or option, or a compile that failed or ran past --timeout: one `plan error:` line",
     command_line.EXIT_ABORTED: "Ctrl-C (SIGINT): the compile child stopped and the temporary folder removed, one line",
     EXIT_TERMINATED: "SIGTERM: the same",
+    EXIT_INVARIANT: "planned, but the one account is violated (rows against the walk, loops against the microbatches): "
+                    "the report and --json are written, each violation named; one line",
 }
 
 
@@ -163,6 +170,10 @@ def _main(args: list[str]) -> int:
   if json_path:
     planner.write_json(report, json_path)
     planner.log(f"wrote {json_path}")
+  violations = (report.get("account") or {}).get("violations", [])  # a plan only lowered has no account
+  if violations:
+    print(f"maxtext-moe: plan invariant violated ({len(violations)}): {violations[0]}", file=sys.stderr, flush=True)
+    return EXIT_INVARIANT
   return command_line.EXIT_OK
 
 

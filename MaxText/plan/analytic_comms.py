@@ -15,7 +15,7 @@ as hlo_inventory.py counts them):
                         grad_dtype: wire 2 g (d - 1) / d
   EP dispatch + combine the all-to-all over `expert`, per MoE layer and microbatch: 4 passes (dispatch, combine and
                         their transposes) + 2 where remat recomputes the layer's forward (remat_policy full or
-                        custom). The dropless minimum sends T K rows of D (T tokens a device, top-K); a2a_padded's
+                        custom); hierarchical's stage 1 + 1 (its combine's exchange is not recomputed: 5). The dropless minimum sends T K rows of D (T tokens a device, top-K); a2a_padded's
                         buffer n C rows, C = ceil(f T K / n); hierarchical's stage 1 (between nodes) N C1 rows against
                         T P (P = min(K, N, M) nodes a token), stage 2 (inside a node) L C2 rows against T K;
                         ragged_a2a sends the minimum. Wire (m - 1) / m of the rows, m the exchange's group.
@@ -108,6 +108,12 @@ def _dispatch(rows: dict, layout: dict[str, Any], mesh_shape: dict[str, int]) ->
   passes = per_layer * layout["moe_layers"] * layout["microbatches"]
   what = f"{backend}: {per_layer} passes x {layout['moe_layers']} MoE layers x {layout['microbatches']} microbatches"
   if backend == "hierarchical":
+    # Between nodes, remat's recompute re-runs the dispatch's exchange but not the combine's: the combine's last
+    # exchange feeds `collect`, whose backward needs only its maps (MaxText/moe/dispatch/hierarchical.py), so XLA
+    # drops it: 5 passes. Inside a node the combine's exchange feeds `weighted_collect`, which keeps its rows for
+    # the weights' gradient: recomputed, 6 as a2a_padded.
+    between = 5 if layout["recompute"] else 4
+    passes1 = between * layout["moe_layers"] * layout["microbatches"]
     big_n = max(1, layout["ep_nodes"])
     local = n // big_n
     p = min(k, big_n, layout["node_limit"] or big_n)
@@ -115,8 +121,9 @@ def _dispatch(rows: dict, layout: dict[str, Any], mesh_shape: dict[str, int]) ->
     c1 = min(t, math.ceil(f * t * p / big_n))
     c2 = min(big_n * c1 * min(k, layout["num_experts"] // n), math.ceil(f * t * k / local))
     if big_n > 1:
-      _row(rows, ("all-to-all", ("expert",), True), f"{what}, stage 1 (between nodes)",
-           passes * big_n * c1 * row * (big_n - 1) / big_n, passes * t * p * row * (big_n - 1) / big_n)
+      _row(rows, ("all-to-all", ("expert",), True), f"{what.replace(f'{per_layer} passes', f'{between} passes')}, "
+           "stage 1 (between nodes)", passes1 * big_n * c1 * row * (big_n - 1) / big_n,
+           passes1 * t * p * row * (big_n - 1) / big_n)
     if local > 1:
       _row(rows, ("all-to-all", ("expert",), False), f"{what}, stage 2 (inside a node)",
            passes * local * c2 * row * (local - 1) / local, passes * t * k * row * (local - 1) / local)

@@ -412,13 +412,13 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   the estimate off it: MaxText/plan/planner.py)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText.plan import bubble, hardware, hlo_inventory  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import bubble, hardware, memory_report  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:
     Path(hlo_path).write_text(hlo)
   dumps = re.findall(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))  # XLA takes the last one
-  buffers = hlo_inventory.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
+  buffers = memory_report.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
   recompute, recompute_note = hardware.recompute_flops(step.config)
   nodes = device_nodes(step.mesh, topology)

@@ -11,9 +11,11 @@ into a step time, with these:
   collectives wire bytes per device / the link's bandwidth (NVLink inside a
               node, InfiniBand across), per kind where a kind was measured;
               host offload's copies at PCIe's
-Simplification, an upper bound on time: a collective whose group spans nodes
-moves all its wire bytes at InfiniBand rate (NCCL's hierarchical algorithms
-send only part across).
+A collective whose group spans nodes moves its wire bytes over InfiniBand: a
+ring (all-gather, reduce-scatter, all-reduce) at the rate of its members' NICs
+on a node together (one NIC a GPU; hlo_inventory.nics_per_member), an
+all-to-all or a permute at its own NIC's. Simplification: the ring's hops
+inside a node are not the bound (NVLink is faster than the NICs they share).
 """
 
 from __future__ import annotations
@@ -187,9 +189,15 @@ def link_bytes(gpu: Gpu, kind: str, crosses_nodes: bool) -> Figure:
   return gpu.nvlink_bytes
 
 
+def _microbatches(config) -> int:
+  """Microbatches a step: per_device_batch_size is one microbatch's (upstream's global batch to train on and its
+  TFLOP count both multiply by gradient_accumulation_steps)."""
+  return int(getattr(config, "gradient_accumulation_steps", 1) or 1)
+
+
 def _routed_forward_flops(config) -> float:
-  """The routed experts' three GEMMs (wi_0, wi_1, wo) per device, forward only."""
-  tokens = config.per_device_batch_size * config.max_target_length
+  """The routed experts' three GEMMs (wi_0, wi_1, wo) per device a step (every microbatch), forward only."""
+  tokens = config.per_device_batch_size * config.max_target_length * _microbatches(config)
   moe_layers = config.num_decoder_layers - getattr(config, "first_num_dense_layers", 0)
   return 2 * tokens * config.num_experts_per_tok * 3 * config.emb_dim * config.moe_mlp_dim * moe_layers
 
@@ -228,7 +236,8 @@ def recompute_flops(config) -> tuple[float, str]:
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
   total = maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0] * 1e12
-  head = 2 * tokens * config.emb_dim * config.vocab_size * 3  # forward + backward, never rematerialized
+  # Forward + backward, never rematerialized; every microbatch, as MaxText's count (its total multiplies by them).
+  head = 2 * tokens * _microbatches(config) * config.emb_dim * config.vocab_size * 3
   flops = (total - head) / 3
   note = f"remat_policy={policy}: the decoder layers' forward again"
   if getattr(config, "num_experts", 1) > 1 and _experts_saved(config):

@@ -9,7 +9,9 @@ or those the schedule's walk took: MaxText/plan/account.py), and returns
   collectives   one row per (kind, mesh axes, crosses nodes): count per step,
                 bytes (the collective's full buffer, see below) and wire bytes
                 (what each device sends over its link with a ring/pairwise
-                algorithm, the figure link bandwidth divides)
+                algorithm) and link bytes (what one link carries: a ring across
+                nodes spreads a member's wire bytes over its members' NICs on a
+                node, nics_per_member; the figure link bandwidth divides)
   hlo_dot_flops FLOPs of the dots and cuBLAS GEMM calls the HLO shows, per
                 device; kernels opaque to XLA (Mosaic GPU, cuDNN attention)
                 are not in it
@@ -37,12 +39,10 @@ nodes, one inside them) are two rows of that axis, told apart by crosses_nodes.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import re
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,7 @@ class Instr:
   opcode: str
   operands: list[str]
   attrs: str
+  computation: str = ""  # the computation it is in
 
 
 @dataclasses.dataclass
@@ -87,6 +88,7 @@ class Computation:
   instrs: list[Instr]
   shapes: dict[str, str]  # name -> type text, parameters included
   constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants, name -> value
+  index: dict[str, Instr] = dataclasses.field(default_factory=dict)  # its instructions by name
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -115,10 +117,11 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
     if match:
       name, type_text, opcode, rest = match.groups()
       operand_text, attrs = _split_call(rest)
-      instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs)
+      instr = Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operand_text), attrs, current.name)
       if opcode == "constant" and re.fullmatch(r"[su]\d+\[\]\S*", type_text) and re.fullmatch(r"-?\d+", operand_text):
         current.constants[name] = int(operand_text)
       current.instrs.append(instr)
+      current.index[name] = instr
       current.shapes[name] = type_text
   return comps, entry
 
@@ -164,25 +167,55 @@ def loop_trips(instr: Instr, comps: dict[str, Computation]) -> Trips:
   if bound is None:
     return Trips(1, "once", f"while loop {instr.name}: no known trip count and no readable bound in {condition}: "
                  "its body counted once")
-  init, step = _induction(instr)
+  init, step, source = _induction(instr, comps, condition)
   if step <= 0:
     return Trips(1, "once", f"while loop {instr.name}: no known trip count and its induction variable steps by {step}: "
                  "its body counted once")
   count = max(0, math.ceil((bound - init) / step))
   return Trips(count, "bound", f"while loop {instr.name}: no known trip count; its condition {condition} bounds "
-               f"the induction variable at {bound} (init {init}, step {step}): counted {count} times")
+               f"the induction variable at {bound} (init {init} {source}, step {step}): counted {count} times")
 
 
-def _induction(instr: Instr) -> tuple[int, int]:
-  """(init, step) of a while loop's induction variable: XLA's known_init_step, else the dynamic variable at the
-  known induction variable's tuple index (the gradient-accumulation loop after XLA peeled its first microbatch:
-  init 1), else (0, 1)."""
+def _induction(instr: Instr, comps: dict[str, Computation], condition: str) -> tuple[int, int, str]:
+  """(init, step, where the init came from) of a while loop's induction variable: XLA's known_init_step; else the
+  variable at the known induction variable's tuple index (or the one tuple element its condition reads): the init
+  and step XLA gives for it, else the value the while's init tuple holds there, followed through copies to a
+  constant (the gradient-accumulation loop after XLA peeled a microbatch before it enters at copy(constant 1):
+  assuming 0 counted a microbatch too many); else 0 and 1, assumed."""
   known = re.search(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"', instr.attrs)
   if known:
-    return int(known[1]), int(known[2])
+    return int(known[1]), int(known[2]), "from XLA"
   index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', instr.attrs)
-  dynamic = index and re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"' % index[1], instr.attrs)
-  return (int(dynamic[1]), int(dynamic[2])) if dynamic else (0, 1)
+  index = int(index[1]) if index else _condition_index(comps, condition)
+  if index is None:
+    return 0, 1, "assumed"
+  dynamic = re.search(r'\{"tuple_index":"%d","init":"(-?\d+)","step":"(-?\d+)"' % index, instr.attrs)
+  if dynamic:
+    return int(dynamic[1]), int(dynamic[2]), "from XLA"
+  init = _init_element(instr, comps, index)
+  return (0, 1, "assumed") if init is None else (init, 1, "from the while's init")
+
+
+def _condition_index(comps: dict[str, Computation], condition: str) -> int | None:
+  """The tuple element a loop's condition reads, where it reads one."""
+  comp = comps.get(condition)
+  read = {re.search(r"index=(\d+)", i.attrs)[1] for i in comp.instrs if i.opcode == "get-tuple-element"} if comp else set()
+  return int(read.pop()) if len(read) == 1 else None
+
+
+def _init_element(instr: Instr, comps: dict[str, Computation], index: int) -> int | None:
+  """The integer constant element `index` of a while's init tuple holds, through copies, bitcasts and converts."""
+  comp = comps.get(instr.computation)
+  init = comp.index.get(instr.operands[0]) if comp and instr.operands else None
+  if init is None or init.opcode != "tuple" or index >= len(init.operands):
+    return None
+  name = init.operands[index]
+  while name not in comp.constants:
+    source = comp.index.get(name)
+    if source is None or source.opcode not in ("copy", "bitcast", "convert") or not source.operands:
+      return None
+    name = source.operands[0]
+  return comp.constants[name]
 
 
 def _condition_bound(comps: dict[str, Computation], name: str) -> int | None:
@@ -264,11 +297,16 @@ def _result_bytes(kind: str, instr: Instr, n: int) -> float:
   """The collective's result bytes. Async -start ops return (operands, results[, sync flags])
   tuples: in + out = out (n + 1) / n for a gather over n, out (n + 1) for a reduce-scatter
   (its operand is n times its result: counting it made the 128 x H100 plan's reduce-scatters
-  1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all; all-reduce-start returns its
-  results only."""
-  total = sum(dtype_bytes(d) * math.prod(s) for d, s in arrays(instr.type_text) if s)
+  1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all. An all-reduce-start is printed
+  either with its results alone (a tuple of them where several arrays are reduced together) or,
+  like the others, with its operands and results (and u32 sync flags): an array for each operand
+  twice is the latter, and its transfer is half of it."""
+  shaped = [(d, s) for d, s in arrays(instr.type_text) if s]
+  total = sum(dtype_bytes(d) * math.prod(s) for d, s in shaped)
   if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
     return total
+  if kind == "all-reduce":
+    return total / 2 if len(shaped) == 2 * len(instr.operands) else total
   if kind in ("collective-permute", "all-to-all"):
     return total / 2
   if kind == "all-gather":
@@ -321,11 +359,22 @@ def _dot_flops(instr: Instr, comp: Computation) -> float:
   return 2.0 * math.prod(out[0][1]) * k
 
 
+def nics_per_member(kind: str, groups: list[list[int]], nodes: list[int]) -> int:
+  """The NICs one member's wire bytes share across nodes. A ring (all-gather, reduce-scatter, all-reduce) leaves a
+  node once per pass, and NCCL runs a ring on each NIC of the group's members there (one NIC a GPU, HGX/DGX): a
+  group with c members a node moves a member's wire bytes at c NICs' rate (pricing it at one read 8x slow). An
+  all-to-all or a permute sends each member's own bytes over its own NIC: 1. The fewest on any node bound it."""
+  if kind not in ("all-gather", "reduce-scatter", "all-reduce"):
+    return 1
+  per_node = [c for g in groups for c in Counter(nodes[i] for i in g if i < len(nodes)).values()]
+  return max(1, min(per_node, default=1))
+
+
 def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
-               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float] | None:
-  """((kind, mesh axes, crosses nodes), group size, buffer bytes, wire bytes, wire bytes exchanged with other
-  nodes, per device) of one collective instruction (its -start for an async one); None for a group of one, which
-  moves nothing."""
+               notes: set[str]) -> tuple[tuple[str, tuple[str, ...], bool], int, float, float, float, float] | None:
+  """((kind, mesh axes, crosses nodes), group size, and per device: buffer bytes, wire bytes, those exchanged with
+  other nodes, those its link carries (over `nics_per_member` across nodes)) of one collective instruction (its
+  -start for an async one); None for a group of one, which moves nothing."""
   kind = _kind(instr.opcode)
   num_partitions = len(nodes)
   groups = replica_groups(instr.attrs, num_partitions)
@@ -338,7 +387,8 @@ def collective(instr: Instr, mesh_shape: dict[str, int], nodes: list[int],
   axes = group_axes(groups, mesh_shape) if kind != "collective-permute" or groups else ()
   crosses = any(len({nodes[i] for i in g if i < len(nodes)}) > 1 for g in groups)
   buffer, wire = _sizes(kind, _result_bytes(kind, instr, n), n)
-  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes)
+  per_link = wire / nics_per_member(kind, groups, nodes) if crosses else wire
+  return (kind, axes, crosses), n, buffer, wire, wire * off_node_share(kind, groups, nodes), per_link
 
 
 def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
@@ -349,7 +399,7 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
   (MaxText/plan/schedule.py `_Walk.branches`); a conditional not named counts every branch (an upper bound)."""
   comps, entry = parse_module(text)
   rows: dict[tuple[str, tuple[str, ...], bool], dict[str, float]] = defaultdict(
-      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "group_size": 0})
+      lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "inter_node_bytes": 0.0, "link_bytes": 0.0, "group_size": 0})
   notes: set[str] = set()
   flops = [0.0]
   pipeline_loops: list[dict[str, Any]] = []
@@ -365,12 +415,13 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
         described = collective(instr, mesh_shape, nodes, notes)
         if described is None:
           continue  # a group of one moves nothing
-        (kind, axes, crosses), n, buffer, wire, inter_node = described
+        (kind, axes, crosses), n, buffer, wire, inter_node, per_link = described
         row = rows[(kind, axes, crosses)]
         row["count"] += mult
         row["bytes"] += buffer * mult
         row["wire_bytes"] += wire * mult
         row["inter_node_bytes"] += inter_node * mult
+        row["link_bytes"] += per_link * mult
         row["group_size"] = max(row["group_size"], n)
       elif instr.opcode == "dot" or (instr.opcode == "custom-call" and re.search(r"cublas.*(gemm|matmul)", instr.attrs)):
         flops[0] += _dot_flops(instr, comp) * mult
@@ -422,33 +473,6 @@ def _permutes_over(comps: dict[str, Computation], name: str, axis: str, mesh_sha
                                        for c in _called(instr)):
       return True
   return False
-
-
-def largest_buffers(run_dir: Path, module: str = "jit_train_step", n: int = 5) -> list[dict]:
-  """The n largest slices of the step's device-memory buffer assignment, from XLA's memory-usage report
-  (`*<module>*after_optimizations-memory-usage-report.txt`, written with every HLO dump): size, and the
-  shapes of the values that share the slice over the step. Only the report's default memory space (HBM):
-  its other sections are host memory (offloaded activations, "cmem (color=5)")."""
-  paths = sorted(glob.glob(str(run_dir / "**" / f"*{module}*after_optimizations-memory-usage-report.txt"),
-                           recursive=True))
-  if not paths:
-    return []
-  rows, device_space = [], True
-  for line in Path(paths[-1]).read_text().splitlines():
-    if line.startswith("Memory Space:"):
-      device_space = "(color=0)" in line
-      continue
-    fields = [f.strip() for f in line.split(";")]
-    # "<cumulative>(<share>); <size>; <offset>; <used_by_n_values>; <shapes>"
-    if device_space and len(fields) == 5 and fields[2].isdigit():
-      rows.append({"size": fields[1], "bytes": _bytes(fields[1]), "values": int(fields[3]), "shapes": fields[4]})
-  return sorted(rows, key=lambda r: -r["bytes"])[:n]
-
-
-def _bytes(text: str) -> float:
-  units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-  match = re.fullmatch(r"([\d.]+)\s*([KMGT]?i?B)", text)
-  return float(match.group(1)) * units[match.group(2)] if match else 0.0
 
 
 if __name__ == "__main__":  # python -m MaxText.plan.hlo_inventory HLO.txt '{"fsdp": 4}'

@@ -252,7 +252,9 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
       "nodes": child["nodes"], "collectives": rows, "inter_node_bytes": inventory["inter_node_bytes"],
       "layout_comms": layout_comms(child, run.fork.gpus_per_node, rows, inventory["inventory_notes"]),
-      "inventory_notes": inventory["inventory_notes"], "account": account.check(rows, terms.rows, estimate),
+      "inventory_notes": inventory["inventory_notes"],
+      "account": account.check(rows, terms.rows, estimate, account.microbatches(
+          module.comps, module.entry, (child.get("layout") or {}).get("microbatches")), pipeline),
       "largest_buffers": child.get("largest_buffers", []),
       "pipeline": pipeline,
       "estimate": estimate,

@@ -12,7 +12,8 @@ Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/har
   attention    cuDNN flash attention: FLOPs from Q, K, V and the mask, at its own rate
   memory-bound every other fusion and op (norms, softmax, routing, optimizer, elementwise, copies,
                gathers): bytes read and written at XLA's HBM rate
-  collectives  wire bytes (hlo_inventory.collective) at their link's rate; host offload copies at PCIe's
+  collectives  wire bytes (hlo_inventory.collective) at their link's rate, a ring across nodes at its members' NICs
+               on a node together (hlo_inventory.nics_per_member); host offload copies at PCIe's
 The walk, a critical path: ops on the compute stream run one after another in schedule order. An async
 collective (`*-start`/`*-done`, or `async-start` wrapping one) runs on its link's stream from its start,
 after that link's previous transfer; its done waits for it, and the wait is the exposed part. A sync
@@ -227,9 +228,9 @@ class _Walk:
     described = self.module.described[inner.name]
     if described is None:
       return
-    key, _, _, wire, _ = described
+    key, _, _, _, _, per_link = described
     link = "ib" if key[2] else "nvlink"
-    seconds = wire / hardware.link_bytes(self.gpu, key[0], key[2]).value
+    seconds = per_link / hardware.link_bytes(self.gpu, key[0], key[2]).value
     self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
 
   def _host_copy(self, instr: Instr, state: _State) -> None:
