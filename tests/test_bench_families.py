@@ -13,6 +13,7 @@ from conftest import REPO, load_script
 sys.path.insert(0, str(REPO / "tools"))  # bench_families imports bench_train as a sibling script
 families = load_script("bench_families", "tools/bench_families.py")
 bench_gmm = load_script("bench_gmm", "tools/bench_gmm.py")
+bench_train = load_script("bench_train", "tools/bench_train.py")
 
 
 @pytest.mark.parametrize("family", sorted(families.FAMILY_CONFIGS))
@@ -80,3 +81,10 @@ def test_scaling_efficiency_is_the_one_gpu_step_over_the_meshs_and_ours_is_held_
   assert rows[2]["ours_over_upstream"] == pytest.approx(2.0) and rows[0]["ours_over_upstream"] == pytest.approx(1.5)
   assert rows[2]["estimate_over_measured"] == pytest.approx(0.8)
   assert rows[4]["efficiency"] is None and "not run (budget)" in scaling.format_table(rows)
+
+
+def test_a_variant_past_its_time_limit_names_the_limit_and_how_far_it_got():
+  """A fresh machine's first compile autotunes for minutes: the table says the limit beside the variant it cut."""
+  assert bench_train.timeout_note(110, ["compiling the train step..."]) == "ran past --timeout 110 s (still compiling)"
+  tail = ["[progress] step 3/10 (30%): loss 9.1, 0.78 s", "[progress] step 4/10 (40%): loss 9.0, 0.78 s"]
+  assert bench_train.timeout_note(300, tail) == "ran past --timeout 300 s (reached step 4/10 (40%))"

@@ -119,7 +119,8 @@ def main() -> int:
   ap.add_argument("--families", default="all", help=f"comma-separated, or all: {', '.join(FAMILY_CONFIGS)}")
   ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="bench_train.py variants, comma-separated")
   ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+  ap.add_argument("--timeout", type=int, default=300,
+                  help="seconds per variant, compile included (a fresh machine's first compile autotunes: allow 150+)")
   ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (see above)")
   ap.add_argument("--out", default="outputs/bench_families")
   ap.add_argument("--configs", default=None,

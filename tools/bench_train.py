@@ -195,7 +195,18 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     tail = log_path.read_text(errors="replace").strip().splitlines()[-200:]
     oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in tail)
     row["error"] = "out of memory" if oom else (tail[-1][:160] if tail else "no output")
+    if returncode == "timeout":
+      row["error"] = timeout_note(args.timeout, tail)
   return row
+
+
+def timeout_note(limit_s: int, tail: list[str]) -> str:
+  """What a variant cut by --timeout had reached: its limit beside the last step it trained, or that it was still
+  compiling (a fresh machine's first compile autotunes every GEMM: 100-150 s for the proxy on an H200)."""
+  steps = [line for line in tail if line.startswith("[progress] step")]
+  reached = steps[-1].split(":")[0].replace("[progress] ", "reached ") if steps else "still compiling"
+  return f"ran past --timeout {limit_s} s ({reached})"
+
 
 
 def steady_stats(row: dict, warmup: int) -> dict:
@@ -283,7 +294,8 @@ def main() -> int:
                       help=f"comma-separated, from: {', '.join(VARIANTS)}")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--out", default="outputs/bench_train")
-  parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+  parser.add_argument("--timeout", type=int, default=900,
+                      help="seconds per variant, compile included (a fresh machine's first compile autotunes: allow 150+)")
   parser.add_argument("--tokens-per-step", type=int, default=16384,
                       help="global tokens per step (batch x seq); only used when a run's summary lacks MaxText's "
                            "tokens/s/device")
