@@ -1,0 +1,158 @@
+"""The routed experts enter the block split as they lie on the mesh, and their gradient leaves it reduce-scattered.
+
+Upstream's logical rules split the expert weights over the expert axis and, on their embed dim, over fsdp
+(("exp", "embed_moe", "mlp_moe") -> P("expert", "fsdp", None)). The block takes them so (Sharding.wi_spec,
+wo_spec) and gathers them inside its shard_map, so that the backward reduce-scatters dW over fsdp and sums the
+shard alone over data. Entered whole (P("expert")), dW was all-reduced at its full size over data x fsdp in
+every microbatch.
+
+On 8 simulated CPU devices, each test in a pytest process of its own (the device count is fixed before JAX
+starts): every dispatch backend that runs on CPU, FP8 experts, and the pipeline's vmap over stages, against the
+block on one device (loss and every gradient, float32) and, for the gradient program, on its compiled HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import MANY_CPU_THREADS, in_own_process
+from MaxText.moe import block, dispatch, routing
+from moe_reference import assert_close, dense_ffn, make_params
+
+EXPERTS, HIDDEN, MLP, TOP_K = 4, 8, 6, 2
+TOKENS = 32  # 4 per device
+# Upstream's wi ("exp", "embed_moe", "mlp_moe") and wo ("exp", "mlp_moe", "embed_moe") under its default rules.
+WI_SPEC, WO_SPEC = P("expert", "fsdp", None), P("expert", None, "fsdp")
+MESH_AXES = ("data", "fsdp", "expert")
+# (dispatch backend, (data, fsdp, expert), the backend's own options)
+CASES = [
+    ("local", (2, 4, 1), {}),
+    ("ring", (2, 2, 2), {}),
+    ("a2a_padded", (2, 2, 2), {"capacity_factor": 2.0}),
+    ("hierarchical", (1, 2, 4), {"nodes": 2, "capacity_factor": 4.0}),
+    ("ragged_a2a", (2, 2, 2), {}),  # its exchange emulated by all_to_all (XLA:CPU has no ragged one)
+]
+
+
+def _mesh(shape):
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _cfg(gmm_backend="xla", fp8_dispatch=False):
+  router = routing.RouterConfig(num_experts=EXPERTS, top_k=TOP_K, routed_scaling_factor=2.5)
+  return block.BlockConfig(router=router, gmm_backend=gmm_backend, dtype=jnp.float32, fp8_dispatch=fp8_dispatch)
+
+
+def _dispatcher(backend, mesh, options):
+  if backend == "ragged_a2a":
+    # ep_check sets a device count when imported: only once JAX's backend is up with this process's 8 devices.
+    assert len(jax.devices()) == 8
+    from ep_check import emulated_ragged_all_to_all  # pylint: disable=import-outside-toplevel
+
+    options = {**options, "exchange_impl": emulated_ragged_all_to_all}
+  ep = mesh.shape["expert"]
+  return dispatch.make(backend, num_experts=EXPERTS, axis_name="expert" if ep > 1 else None, ep_size=ep, **options)
+
+
+def _sharding(mesh, split=True):
+  """Tokens over every axis; the weights split as upstream lays them out (split) or whole but for EP (main's)."""
+  ep = mesh.shape["expert"] > 1
+  specs = {"wi_spec": WI_SPEC, "wo_spec": WO_SPEC} if split else {}
+  if not ep and split:
+    specs = {"wi_spec": P(None, "fsdp", None), "wo_spec": P(None, None, "fsdp")}
+  return block.Sharding(mesh=mesh, token_axes=MESH_AXES, expert_axis="expert" if ep else None, **specs)
+
+
+def _params():
+  x, router, ex = make_params(jax.random.key(0), tokens=TOKENS, hidden=HIDDEN, experts=EXPERTS, mlp=MLP)
+  probe = jax.random.normal(jax.random.key(5), x.shape)
+  return x, router.kernel_DE, ex, probe
+
+
+def _loss(cfg, disp, sharding, probe):
+  def loss(x, kernel_DE, ex):
+    y, _, overflow = block.moe_block(x, block.Router(kernel_DE, None), ex, cfg, disp, sharding)
+    return jnp.sum(y.astype(jnp.float32) * probe), overflow
+  return loss
+
+
+def _grad_fn(loss, sharding=None):
+  """jit of (loss, overflow), (dx, dkernel, dExperts); on a mesh the weights and their gradients lie as the
+  Sharding says, as the train step's parameters and their gradients do."""
+  f = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  if sharding is None:
+    return jax.jit(f)
+  mesh, exp = sharding.mesh, block._expert_specs(_params()[2], sharding)  # pylint: disable=protected-access
+  ex_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), exp)
+  rep = NamedSharding(mesh, P())
+  return jax.jit(f, in_shardings=(rep, rep, ex_sharding), out_shardings=((rep, rep), (rep, rep, ex_sharding)))
+
+
+def _one_device(cfg):
+  x, kernel, ex, probe = _params()
+  return _grad_fn(_loss(cfg, dispatch.make("local", num_experts=EXPERTS), None, probe))(x, kernel, ex)
+
+
+def _on_mesh(cfg, backend, shape, options, split=True):
+  """((loss, overflow), grads) and the compiled gradient program's HLO text."""
+  mesh = _mesh(shape)
+  sharding = _sharding(mesh, split)
+  x, kernel, ex, probe = _params()
+  f = _grad_fn(_loss(cfg, _dispatcher(backend, mesh, options), sharding, probe), sharding)
+  return f(x, kernel, ex), f.lower(x, kernel, ex).compile().as_text()
+
+
+def _collectives(hlo: str, op: str) -> list[tuple[str, frozenset[str]]]:
+  """(result shape, mesh axes of its replica groups, those of size 1 left out) of each `op` (all-reduce,
+  reduce-scatter) in compiled HLO; a combined op gives one entry per tuple element. XLA prints the groups as
+  mesh['data'=2,'fsdp'=2,'expert'=2] {'fsdp'}."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(rf"= (.*?) {op}(?:-start)?\(.*replica_groups=mesh\[([^]]*)\] \{{([^}}]*)\}}", line)
+    if m:
+      size = {name: int(n) for name, n in re.findall(r"'(\w+)'=(\d+)", m.group(2))}
+      axes = frozenset(a for a in re.findall(r"'(\w+)'", m.group(3)) if size[a] > 1)
+      found += [(shape, axes) for shape in re.findall(r"[a-z0-9]+\[[0-9,]*\]", m.group(1))]
+  return found
+
+
+def _dw_shapes(shape, fsdp: int) -> list[str]:
+  """The local experts' dW of w0, w1 and wo, their embed dim split fsdp ways (1: whole, what main all-reduced)."""
+  local, d = EXPERTS // shape[2], HIDDEN // fsdp
+  return sorted([f"f32[{local},{d},{MLP}]", f"f32[{local},{d},{MLP}]", f"f32[{local},{MLP},{d}]"])
+
+
+def assert_dw_reduce_scattered(hlo: str, shape) -> None:
+  """No all-reduce of a whole dW; each dW reduce-scattered over fsdp, then its shard alone summed over data."""
+  data, fsdp, _ = shape
+  all_reduces, reduce_scatters = _collectives(hlo, "all-reduce"), _collectives(hlo, "reduce-scatter")
+  whole, shard = _dw_shapes(shape, 1), _dw_shapes(shape, fsdp)
+  assert [(s, axes) for s, axes in all_reduces if s in whole] == [], all_reduces
+  assert sorted(s for s, axes in reduce_scatters if axes == {"fsdp"} and s in shard) == shard, reduce_scatters
+  if data > 1:
+    assert sorted(s for s, axes in all_reduces if axes == {"data"} and s in shard) == shard, all_reduces
+
+
+@pytest.mark.parametrize("backend, shape, options", CASES, ids=[c[0] for c in CASES])
+def test_split_experts_match_one_device_and_reduce_scatter_their_gradient(request, backend, shape, options):
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  cfg = _cfg()
+  (want_val, _), want = _one_device(cfg)
+  ((val, overflow), got), hlo = _on_mesh(cfg, backend, shape, options)
+  assert not overflow
+  assert_close(val, want_val, what="loss")
+  for name, g, w in zip(("x", "router kernel", "experts"), got, want):
+    jax.tree.map(lambda g, w, name=name: assert_close(g, w, what=f"d{name}"), g, w)
+  # and against the float32 dense reference, as every block test does
+  x, kernel, ex, probe = _params()
+  r = routing.route(x, kernel, None, cfg.router)
+  assert_close(val, jnp.sum(dense_ffn(x, r.ids_TK, r.weights_TK, ex) * probe), what="dense loss")
+  assert_dw_reduce_scattered(hlo, shape)
