@@ -123,17 +123,18 @@ def _collectives(hlo: str, op: str) -> list[tuple[str, frozenset[str]]]:
   return found
 
 
-def _dw_shapes(shape, fsdp: int) -> list[str]:
-  """The local experts' dW of w0, w1 and wo, their embed dim split fsdp ways (1: whole, what main all-reduced)."""
+def _dw_shapes(shape, fsdp: int, lead: str = "") -> list[str]:
+  """The local experts' dW of w0, w1 and wo, their embed dim split fsdp ways (1: whole, what main all-reduced);
+  lead: dims before E (the vmapped stage's "1,")."""
   local, d = EXPERTS // shape[2], HIDDEN // fsdp
-  return sorted([f"f32[{local},{d},{MLP}]", f"f32[{local},{d},{MLP}]", f"f32[{local},{MLP},{d}]"])
+  return sorted([f"f32[{lead}{local},{d},{MLP}]", f"f32[{lead}{local},{d},{MLP}]", f"f32[{lead}{local},{MLP},{d}]"])
 
 
-def assert_dw_reduce_scattered(hlo: str, shape) -> None:
+def assert_dw_reduce_scattered(hlo: str, shape, lead: str = "") -> None:
   """No all-reduce of a whole dW; each dW reduce-scattered over fsdp, then its shard alone summed over data."""
   data, fsdp, _ = shape
   all_reduces, reduce_scatters = _collectives(hlo, "all-reduce"), _collectives(hlo, "reduce-scatter")
-  whole, shard = _dw_shapes(shape, 1), _dw_shapes(shape, fsdp)
+  whole, shard = _dw_shapes(shape, 1, lead), _dw_shapes(shape, fsdp, lead)
   assert [(s, axes) for s, axes in all_reduces if s in whole] == [], all_reduces
   assert sorted(s for s, axes in reduce_scatters if axes == {"fsdp"} and s in shard) == shard, reduce_scatters
   if data > 1:
@@ -156,3 +157,89 @@ def test_split_experts_match_one_device_and_reduce_scatter_their_gradient(reques
   r = routing.route(x, kernel, None, cfg.router)
   assert_close(val, jnp.sum(dense_ffn(x, r.ids_TK, r.weights_TK, ex) * probe), what="dense loss")
   assert_dw_reduce_scattered(hlo, shape)
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["fp8_experts", "fp8_experts_and_dispatch"])
+def test_fp8_experts_split_match_one_device_and_reduce_scatter_their_gradient(request, fp8_dispatch):
+  """moe_fp8's CPU backend (xla_fp8) on a2a_padded, data 2 x fsdp 2 x expert 2. The forward's and dlhs's tiles and
+  the weights' blocks are the one-device ones (the blocks are cut from the gathered weight), so the loss and the
+  token and router gradients are the one-device ones. dW's 128-row tiles are cut from each token shard's rows of
+  a group, so on a mesh dW is another quantization of the same sum (tests/test_ep.py): it is held instead to the
+  same mesh with the weights entered whole, which quantizes the same tiles and differs only in where it sums."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  backend, shape, options = CASES[2]
+  cfg = _cfg("xla_fp8", fp8_dispatch)
+  (want_val, _), want = _one_device(cfg)
+  ((val, overflow), got), hlo = _on_mesh(cfg, backend, shape, options)
+  (_, whole) = _on_mesh(cfg, backend, shape, options, split=False)[0]
+  assert not overflow
+  assert_close(val, want_val, what="loss")
+  assert_close(got[0], want[0], what="dx")
+  assert_close(got[1], want[1], what="drouter kernel")
+  jax.tree.map(lambda g, w: assert_close(g, w, what="dExperts vs the weights entered whole"), got[2], whole[2])
+  assert_dw_reduce_scattered(hlo, shape)
+
+
+# Tokens over fsdp and expert only: the weights' "tensor" split (upstream's mlp_moe) is over an axis every token
+# shard of which holds the same tokens.
+TENSOR_AXES, TENSOR_SHAPE = ("fsdp", "tensor", "expert"), (2, 2, 2)
+
+
+def test_a_split_over_an_axis_the_tokens_are_not_split_on_is_gathered_too(request):
+  """wi P("expert", "fsdp", "tensor"), wo P("expert", "tensor", "fsdp"): the tensor split is gathered as the
+  checked shard_map needs it (all_gather_invariant: the output is the same on every tensor shard), and the
+  gradient is the one-device one, each tensor shard keeping its slice of dW."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  cfg = _cfg()
+  (want_val, _), want = _one_device(cfg)
+  mesh = jax.make_mesh(TENSOR_SHAPE, TENSOR_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  sharding = block.Sharding(mesh=mesh, token_axes=("fsdp", "expert"), expert_axis="expert",
+                            wi_spec=P("expert", "fsdp", "tensor"), wo_spec=P("expert", "tensor", "fsdp"))
+  x, kernel, ex, probe = _params()
+  f = _grad_fn(_loss(cfg, _dispatcher("ring", mesh, {}), sharding, probe), sharding)
+  (val, overflow), got = f(x, kernel, ex)
+  assert not overflow
+  assert_close(val, want_val, what="loss")
+  jax.tree.map(lambda g, w: assert_close(g, w, what="grads"), got, want)
+  all_reduces = _collectives(f.lower(x, kernel, ex).compile().as_text(), "all-reduce")
+  assert [(s, axes) for s, axes in all_reduces if s in _dw_shapes((1, 2, 2), 1)] == [], all_reduces
+
+
+def test_under_the_pipelines_vmap_split_experts_match_one_device(request):
+  """The pipeline's layout (patches/pipeline_v3.py): a vmap over stages (spmd_axis_name "stage") around the block,
+  whose shard_map runs unchecked and leaves the stage axis to the vmap; each stage's weights split over expert and
+  fsdp. Every gradient equals each stage's block on one device, and dW is reduce-scattered, not all-reduced."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  stages, cfg = 2, _cfg()
+  mesh = jax.make_mesh((stages, 2, 2), ("stage", "fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  sharding = block.Sharding(mesh=mesh, token_axes=("fsdp", "expert"), expert_axis="expert", vmapped_axis="stage",
+                            wi_spec=WI_SPEC, wo_spec=WO_SPEC)
+  keys = jax.random.split(jax.random.key(0), stages)
+  params = [make_params(k, tokens=TOKENS // stages, hidden=HIDDEN, experts=EXPERTS, mlp=MLP) for k in keys]
+  x_STD, kernel_SDE, ex_S = jax.tree.map(lambda *a: jnp.stack(a), *[(x, r.kernel_DE, ex) for x, r, ex in params])
+  probe_STD = jax.random.normal(jax.random.key(5), x_STD.shape)
+
+  def stage_loss(disp, sharding):
+    def one(x, kernel, ex, probe):
+      y, _, _ = block.moe_block(x, block.Router(kernel, None), ex, cfg, disp, sharding)
+      return jnp.sum(y * probe)
+    return one
+
+  one_device = jax.jit(jax.grad(stage_loss(dispatch.make("local", num_experts=EXPERTS), None), argnums=(0, 1, 2)))
+  want = [one_device(x_STD[s], kernel_SDE[s], jax.tree.map(lambda a, s=s: a[s], ex_S), probe_STD[s])
+          for s in range(stages)]
+  want = jax.tree.map(lambda *a: jnp.stack(a), *want)
+
+  per_stage = jax.vmap(stage_loss(_dispatcher("ring", mesh, {}), sharding), spmd_axis_name="stage")
+  ex_specs = block._expert_specs(ex_S, sharding)  # pylint: disable=protected-access
+  ex_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, P("stage", *spec)), ex_specs)
+  f = jax.jit(jax.grad(lambda *a: jnp.sum(per_stage(*a)), argnums=(0, 1, 2)),
+              in_shardings=(NamedSharding(mesh, P("stage")),) * 2 + (ex_sharding, NamedSharding(mesh, P("stage"))),
+              out_shardings=(NamedSharding(mesh, P("stage")),) * 2 + (ex_sharding,))
+  got = f(x_STD, kernel_SDE, ex_S, probe_STD)
+  jax.tree.map(lambda g, w: assert_close(g, w, what="grads"), got, want)
+  # no data axis here; each stage's dW (the vmap's dim of 1 leading) reduce-scattered over fsdp
+  assert_dw_reduce_scattered(f.lower(x_STD, kernel_SDE, ex_S, probe_STD).compile().as_text(), (1, 2, 2), lead="1,")

@@ -346,9 +346,9 @@ def _gathered(experts: Experts, specs: Experts, sharding: Sharding, dtype) -> Ex
   """Inside the shard_map: each weight whole but for its expert split, in the compute dtype (the cast is exact
   either side of the gather; before it, a bf16 gather moves half a float32 one's bytes).
 
-  Over a token axis the gather is all_gather, whose transpose reduce-scatters dW; over an axis the tokens are
-  not split on (the checked shard_map types the output invariant there) all_gather_invariant, whose transpose
-  takes this shard's slice of a dW that every shard holds whole. The weights are first typed varying over the
+  Over a token axis the gather is typed varying, and its transpose reduce-scatters dW; over an axis the tokens
+  are not split on (the checked shard_map's output is invariant there) invariant, and its transpose takes this
+  shard's slice of a dW that every shard holds whole. The weights are first typed varying over the
   token axes they are not split on (data), so that dW's sum over those (vary's transpose, a psum) comes after
   the reduce-scatter, on the shard. Unchecked (under a vmap) the shard_map's transpose does those sums itself.
   """
@@ -362,8 +362,8 @@ def _gathered(experts: Experts, specs: Experts, sharding: Sharding, dtype) -> Ex
     for dim, entry in enumerate(spec):
       axes = _axes_of(entry)[1:] if dim == 0 and sharding.expert_axis else _axes_of(entry)
       for axis in reversed(axes):  # the minor axis first: the tiles land in the spec's major-to-minor order
-        all_gather = jax.lax.all_gather if axis in token_axes or not checked else jax.lax.all_gather_invariant
-        w = all_gather(w, axis, axis=dim, tiled=True)
+        to = "varying" if axis in token_axes or not checked else "invarying"
+        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True, to=to)
     return w
 
   return dataclasses.replace(experts, w0_EDF=gather(experts.w0_EDF, specs.w0_EDF),
