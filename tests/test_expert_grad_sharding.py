@@ -13,8 +13,10 @@ block on one device (loss and every gradient, float32) and, for the gradient pro
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import MANY_CPU_THREADS, in_own_process
+from conftest import MANY_CPU_THREADS, REPO, in_own_process
 from MaxText.moe import block, dispatch, routing
 from moe_reference import assert_close, dense_ffn, make_params
 
@@ -243,3 +245,28 @@ def test_under_the_pipelines_vmap_split_experts_match_one_device(request):
   jax.tree.map(lambda g, w: assert_close(g, w, what="grads"), got, want)
   # no data axis here; each stage's dW (the vmap's dim of 1 leading) reduce-scattered over fsdp
   assert_dw_reduce_scattered(f.lower(x_STD, kernel_SDE, ex_S, probe_STD).compile().as_text(), (1, 2, 2), lead="1,")
+
+
+@pytest.mark.slow  # lowers the whole train step (as tests/test_overflow.py's does)
+def test_the_train_step_takes_the_experts_split_and_reduce_scatters_their_gradient(tmp_path):
+  """patches/routed_moe.py hands the block the weights' specs from upstream's logical rules: in the tiny DeepSeek
+  train step on data 2 x fsdp 2 x expert 2, lowered for CUDA, the block's shard_map takes wi_0/wi_1 as
+  [expert, fsdp, -] and wo as [expert, -, fsdp], gathers them over fsdp inside, and the backward reduce-scatters
+  their gradient over fsdp; no all-reduce over fsdp is left (main summed each whole dW over data x fsdp)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  proc = subprocess.run([sys.executable, str(REPO / "tests/lower_train_step.py"), "configs/deepseek3-tiny.yml",
+                         "steps=1", "enable_checkpointing=false", f"base_output_directory={tmp_path}", "moe_block=ours",
+                         "moe_gmm_backend=xla", "base_num_decoder_layers=4", "max_target_length=64",
+                         "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
+                         "moe_dispatch_backend=ring"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  hlo = proc.stdout
+  wi, wo = '<@mesh, [{"expert"}, {"fsdp"}, {}]>', '<@mesh, [{"expert"}, {}, {"fsdp"}]>'
+  assert f"{wi}, {wi}, {wo}]" in hlo  # the block's shard_map's last in-specs: w0, w1, wo
+  ops = re.findall(r'"stablehlo\.(all_gather|reduce_scatter|all_reduce)"[^\n]*?axes = \[([^]]*)\]', hlo)
+  over = lambda op, axes: sum(o == op and re.findall(r'name = "(\w+)"', a) == axes for o, a in ops)  # noqa: E731
+  # w0, w1 and wo gathered in the forward (and again by the remat of the backward); their dW reduce-scattered
+  assert over("all_gather", ["fsdp"]) >= 3 and over("reduce_scatter", ["fsdp"]) == 3, ops
+  assert [a for o, a in ops if o == "all_reduce" and "fsdp" in a] == [], ops
