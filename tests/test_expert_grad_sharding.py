@@ -13,6 +13,7 @@ block on one device (loss and every gradient, float32) and, for the gradient pro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -270,3 +271,22 @@ def test_the_train_step_takes_the_experts_split_and_reduce_scatters_their_gradie
   # w0, w1 and wo gathered in the forward (and again by the remat of the backward); their dW reduce-scattered
   assert over("all_gather", ["fsdp"]) >= 3 and over("reduce_scatter", ["fsdp"]) == 3, ops
   assert [a for o, a in ops if o == "all_reduce" and "fsdp" in a] == [], ops
+
+
+@pytest.mark.parametrize("gmm_backend", ["mgpu", "mgpu_fp8"])
+def test_gpu_kernels_gradient_traces_with_the_weights_split(request, gmm_backend):
+  """The GPU grouped GEMMs' outputs carry no varying manual axes (MaxText/moe/vma.py types them): the block's
+  gradient with the weights gathered inside the shard_map traces with them, as a GPU run traces it (tracing checks
+  every value's type; the kernels are never run), on every CPU dispatch backend (mgpu_fp8 as moe_fp8 runs it, with
+  the FP8 dispatch)."""
+  if not in_own_process(request, MANY_CPU_THREADS):
+    return
+  from MaxText.moe.gmm.mgpu import bf16 as mgpu  # pylint: disable=import-outside-toplevel
+
+  mgpu.unavailable_reason = lambda: None  # its kernels (and mgpu_fp8's) are only traced here
+  cfg = dataclasses.replace(_cfg(gmm_backend, gmm_backend == "mgpu_fp8"), dtype=jnp.bfloat16)
+  x, kernel, ex, probe = _params()
+  for backend, shape, options in CASES:
+    sharding = _sharding(_mesh(shape))
+    loss = _loss(cfg, _dispatcher(backend, sharding.mesh, options), sharding, probe)
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).trace(x, kernel, ex)
