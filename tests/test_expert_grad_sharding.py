@@ -254,23 +254,52 @@ def test_the_train_step_takes_the_experts_split_and_reduce_scatters_their_gradie
   train step on data 2 x fsdp 2 x expert 2, lowered for CUDA, the block's shard_map takes wi_0/wi_1 as
   [expert, fsdp, -] and wo as [expert, -, fsdp], gathers them over fsdp inside, and the backward reduce-scatters
   their gradient over fsdp; no all-reduce over fsdp is left (main summed each whole dW over data x fsdp)."""
+  hlo = _lowered_train_step(tmp_path, "base_num_decoder_layers=4", "ici_data_parallelism=2",
+                            "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "moe_dispatch_backend=ring")
+  wi, wo = '<@mesh, [{"expert"}, {"fsdp"}, {}]>', '<@mesh, [{"expert"}, {}, {"fsdp"}]>'
+  assert f"{wi}, {wi}, {wo}]" in hlo  # the block's shard_map's last in-specs: w0, w1, wo
+  ops = _collectives_lowered(hlo)
+  over = lambda op, axes: sum(o == op and a == axes for o, a in ops)  # noqa: E731
+  # w0, w1 and wo gathered in the forward (and again by the remat of the backward); their dW reduce-scattered
+  assert over("all_gather", ["fsdp"]) >= 3 and over("reduce_scatter", ["fsdp"]) == 3, ops
+  assert [a for o, a in ops if o == "all_reduce" and "fsdp" in a] == [], ops
+
+
+@pytest.mark.slow  # lowers the whole train step
+@pytest.mark.parametrize("ag_once", [False, True])
+def test_under_the_pipeline_the_experts_enter_as_the_stage_holds_them(tmp_path, ag_once):
+  """PP 2 x EP 2 x FSDP 2 (tests/test_pipeline.py's pp2_ep2_fsdp2), lowered for CUDA: in the stages our block
+  takes wi_0/wi_1 split over fsdp and gathers them itself, unless upstream's pipeline_fsdp_ag_once has gathered a
+  stage's weights over fsdp before its loop: then they enter without fsdp, and the block gathers nothing over it."""
+  hlo = _lowered_train_step(tmp_path, "base_num_decoder_layers=5", "first_num_dense_layers=1",
+                            "per_device_batch_size=2", "ici_pipeline_parallelism=2", "ici_expert_parallelism=2",
+                            "ici_fsdp_parallelism=2", "num_pipeline_microbatches=2", "num_layers_per_pipeline_stage=2",
+                            "scan_layers_per_stage=true", f"pipeline_fsdp_ag_once={str(ag_once).lower()}")
+  # the vmap over stages batches the block's shard_map: its in-specs gain the stage dim
+  wi_split, wi_whole = '<@mesh, [{"stage"}, {"expert"}, {"fsdp"}, {}]>', '<@mesh, [{"stage"}, {"expert"}, {}, {}]>'
+  gathers_over_fsdp = [o for o, a in _collectives_lowered(hlo) if o == "all_gather" and a == ["fsdp"]]
+  if ag_once:
+    assert wi_split not in hlo and wi_whole in hlo and gathers_over_fsdp == []
+  else:
+    assert wi_split in hlo and gathers_over_fsdp
+
+
+def _lowered_train_step(tmp_path, *args: str) -> str:
+  """The tiny DeepSeek train step with our block on 8 simulated devices, lowered for CUDA (StableHLO)."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   proc = subprocess.run([sys.executable, str(REPO / "tests/lower_train_step.py"), "configs/deepseek3-tiny.yml",
                          "steps=1", "enable_checkpointing=false", f"base_output_directory={tmp_path}", "moe_block=ours",
-                         "moe_gmm_backend=xla", "base_num_decoder_layers=4", "max_target_length=64",
-                         "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
-                         "moe_dispatch_backend=ring"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                        check=False)
+                         "moe_gmm_backend=xla", "max_target_length=64", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  hlo = proc.stdout
-  wi, wo = '<@mesh, [{"expert"}, {"fsdp"}, {}]>', '<@mesh, [{"expert"}, {}, {"fsdp"}]>'
-  assert f"{wi}, {wi}, {wo}]" in hlo  # the block's shard_map's last in-specs: w0, w1, wo
+  return proc.stdout
+
+
+def _collectives_lowered(hlo: str) -> list[tuple[str, list[str]]]:
+  """(op, mesh axes of its groups) of each all_gather, reduce_scatter and all_reduce in StableHLO text."""
   ops = re.findall(r'"stablehlo\.(all_gather|reduce_scatter|all_reduce)"[^\n]*?axes = \[([^]]*)\]', hlo)
-  over = lambda op, axes: sum(o == op and re.findall(r'name = "(\w+)"', a) == axes for o, a in ops)  # noqa: E731
-  # w0, w1 and wo gathered in the forward (and again by the remat of the backward); their dW reduce-scattered
-  assert over("all_gather", ["fsdp"]) >= 3 and over("reduce_scatter", ["fsdp"]) == 3, ops
-  assert [a for o, a in ops if o == "all_reduce" and "fsdp" in a] == [], ops
+  return [(op, re.findall(r'name = "(\w+)"', axes)) for op, axes in ops]
 
 
 @pytest.mark.parametrize("gmm_backend", ["mgpu", "mgpu_fp8"])
