@@ -123,7 +123,21 @@ def _sharding(layer, num_tokens: int, ep_size: int):
     raise ValueError(f"moe_block=ours with expert parallelism {ep_size} needs the tokens ({num_tokens}) split over "
                      f"the '{expert_axis}' mesh axis; make the batch divisible by it")
   return block.Sharding(mesh=mesh, token_axes=tuple(axes), expert_axis=expert_axis if ep_size > 1 else None,
-                        vmapped_axis=vmapped)
+                        vmapped_axis=vmapped, wi_spec=_weight_spec(layer, layer.wi_kernel_axes, vmapped),
+                        wo_spec=_weight_spec(layer, layer.wo_kernel_axes, vmapped))
+
+
+def _weight_spec(layer, logical_axes, vmapped):
+  """How an expert weight lies on the mesh: its logical axes under the rules (the block takes it so split and
+  gathers it itself, so that its gradient is reduce-scattered). In a pipeline that gathers the weights over fsdp
+  once before its loop (pipeline_fsdp_ag_once: upstream drops fsdp and fsdp_transpose from their specs), without
+  those: taken split, they would be gathered again in every call."""
+  spec = layer._logical_to_mesh_axes(logical_axes)  # pylint: disable=protected-access
+  if not (vmapped and layer.config.pipeline_fsdp_ag_once):
+    return spec
+  axes_of = lambda d: () if d is None else (d,) if isinstance(d, str) else tuple(d)  # noqa: E731
+  return jax.sharding.PartitionSpec(*(tuple(a for a in axes_of(d) if a not in ("fsdp", "fsdp_transpose")) or None
+                                      for d in spec))
 
 
 def _aux_outputs(layer, r, batch: int):

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.moe import fp8_dispatch
 from MaxText.moe import routing as routing_lib
+from MaxText.moe import vma
 from MaxText.moe.dispatch import Dispatcher
 from MaxText.moe.gmm import gmm
 
@@ -278,12 +279,18 @@ class Sharding:
       value that already varies over it; jnp.searchsorted is such a loop). Unchecked, the shard_map's
       transpose sums the cotangents of inputs replicated over an axis (the experts' weights over the token
       axes) at its boundary, where the checked one does it inside gmm's VJP (MaxText/moe/vma.py): the same sum.
+    wi_spec, wo_spec: how w0_EDF and w1_EDF, and wo_EFD, lie on the mesh (the logical axis rules' specs, e.g.
+      P("expert", "fsdp", None)); None: split over the expert axis only. They enter the shard_map so split and
+      are gathered inside it (`_gathered`), so that the backward reduce-scatters dW over those axes: entered
+      whole, every shard's dW was all-reduced over the token axes at its full size.
   """
 
   mesh: jax.sharding.Mesh
   token_axes: Sequence[str]
   expert_axis: str | None = None
   vmapped_axis: str | None = None
+  wi_spec: P | None = None
+  wo_spec: P | None = None
 
 
 def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockConfig,
@@ -303,8 +310,10 @@ def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts,
   pin = lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(sharding.mesh, tok))  # noqa: E731
   with jax.named_scope("dispatch"):
     x_PRD, meta = dispatcher.dispatch(pin(x_TD.astype(cfg.dtype)), pin(ids_TK), pin(weights_TK))
-  ffn = lambda x_1RD, meta_1, e: expert_ffn(x_1RD[0], meta_1, e, cfg)[None]  # noqa: E731
   exp = _expert_specs(experts, sharding)
+  def ffn(x_1RD, meta_1, e):
+    return expert_ffn(x_1RD[0], meta_1, _gathered(e, exp, sharding, cfg.dtype), cfg)[None]
+
   y_PRD = jax.shard_map(ffn, mesh=sharding.mesh, in_specs=(tok, tok, exp), out_specs=tok)(x_PRD, meta, experts)
   with jax.named_scope("combine"):
     y_TD = dispatcher.combine(y_PRD, weights_TK, meta)
@@ -312,8 +321,53 @@ def global_view_dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts,
 
 
 def _expert_specs(experts: Experts, sharding: Sharding) -> Experts:
-  """Every expert tensor (weights and biases) split over the expert axis by its leading E dim."""
-  return jax.tree.map(lambda _: P(sharding.expert_axis), experts)
+  """The expert tensors' in-specs: the weights as they lie (Sharding.wi_spec, wo_spec), the biases (small) split
+  over the expert axis by their leading E dim only."""
+  specs = jax.tree.map(lambda _: P(sharding.expert_axis), experts)
+  return dataclasses.replace(specs, w0_EDF=_weight_spec(sharding.wi_spec, sharding),
+                             w1_EDF=_weight_spec(sharding.wi_spec, sharding),
+                             wo_EFD=_weight_spec(sharding.wo_spec, sharding))
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _weight_spec(spec: P | None, sharding: Sharding) -> P:
+  """A weight's in-spec: the expert axis leads its E dim (the dispatch hands each expert shard its own experts),
+  then the other axes its layout splits E over; its other dims as they lie. The vmap's axis is the vmap's."""
+  dims = [_axes_of(entry) for entry in (spec or P())] or [()]
+  keep = lambda axes: tuple(a for a in axes if a not in (sharding.expert_axis, sharding.vmapped_axis))  # noqa: E731
+  dims = [(*_axes_of(sharding.expert_axis), *keep(dims[0])), *map(keep, dims[1:])]
+  return P(*(axes or None for axes in dims))
+
+
+def _gathered(experts: Experts, specs: Experts, sharding: Sharding, dtype) -> Experts:
+  """Inside the shard_map: each weight whole but for its expert split, in the compute dtype (the cast is exact
+  either side of the gather; before it, a bf16 gather moves half a float32 one's bytes).
+
+  Over a token axis the gather is typed varying, and its transpose reduce-scatters dW; over an axis the tokens
+  are not split on (the checked shard_map's output is invariant there) invariant, and its transpose takes this
+  shard's slice of a dW that every shard holds whole. The weights are first typed varying over the
+  token axes they are not split on (data), so that dW's sum over those (vary's transpose, a psum) comes after
+  the reduce-scatter, on the shard. Unchecked (under a vmap) the shard_map's transpose does those sums itself.
+  """
+  checked = sharding.vmapped_axis is None
+  token_axes = frozenset(sharding.token_axes)
+
+  def gather(w, spec: P):
+    w = w.astype(dtype)
+    if checked:
+      w = vma.vary(w, token_axes)
+    for dim, entry in enumerate(spec):
+      axes = _axes_of(entry)[1:] if dim == 0 and sharding.expert_axis else _axes_of(entry)
+      for axis in reversed(axes):  # the minor axis first: the tiles land in the spec's major-to-minor order
+        to = "varying" if axis in token_axes or not checked else "invarying"
+        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True, to=to)
+    return w
+
+  return dataclasses.replace(experts, w0_EDF=gather(experts.w0_EDF, specs.w0_EDF),
+                             w1_EDF=gather(experts.w1_EDF, specs.w1_EDF), wo_EFD=gather(experts.wo_EFD, specs.wo_EFD))
 
 
 def moe_block(x_TD, router: Router, experts: Experts, cfg: BlockConfig, dispatcher: Dispatcher,
@@ -346,6 +400,8 @@ def moe_block_with_buffer(x_TD, router: Router, experts: Experts, cfg: BlockConf
   if sharding is not None:
     tok = P(tuple(sharding.token_axes) or None)
     exp = _expert_specs(experts, sharding)
+    gathered = lambda e: _gathered(e, exp, sharding, cfg.dtype)  # noqa: E731
+    body = lambda x, ids, w, e: chunked(x, ids, w, gathered(e), cfg, dispatcher)  # noqa: E731
     # One overflow flag per device (per stage: the pipeline's vmap adds its own axis).
     every_shard = P(tuple(a for a in sharding.mesh.axis_names if a != sharding.vmapped_axis))
     body = jax.shard_map(body, mesh=sharding.mesh, in_specs=(tok, tok, tok, exp),

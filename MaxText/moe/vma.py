@@ -31,8 +31,9 @@ def axes(x) -> frozenset[str]:
   return frozenset().union(*(jax.typeof(leaf).manual_axis_type.varying for leaf in leaves))
 
 
-def _vary(x, over: frozenset[str]):
-  missing = tuple(sorted(over - axes(x)))
+def vary(x, over):
+  """x typed as varying over the axes `over` too (a cast, no data movement; its transpose is a psum over them)."""
+  missing = tuple(sorted(frozenset(over) - axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -43,12 +44,12 @@ def like_operands(out, *operands):
   wherever they do, whatever type the kernel's primitive gave it.
   """
   over = axes(operands)
-  return jax.tree.map(lambda leaf: _vary(leaf, over), out)
+  return jax.tree.map(lambda leaf: vary(leaf, over), out)
 
 
 def stamp(x):
   """A zero-size residual that remembers x's type: `like_primal(ct, stamp(x))` without keeping x alive."""
-  return jax.tree.map(lambda leaf: _vary(jax.numpy.zeros((0,), leaf.dtype), axes(leaf)), x)
+  return jax.tree.map(lambda leaf: vary(jax.numpy.zeros((0,), leaf.dtype), axes(leaf)), x)
 
 
 def like_primal(ct, primal):
@@ -66,6 +67,6 @@ def like_primal(ct, primal):
     extra = tuple(sorted(axes(c) - want))
     if extra:
       c = jax.lax.psum(c, extra)
-    return _vary(c, want)
+    return vary(c, want)
 
   return jax.tree.map(one, ct, primal, is_leaf=lambda x: x is None)
