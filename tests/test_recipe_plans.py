@@ -41,7 +41,10 @@ def test_the_header_block_and_the_row_say_every_axis_the_precision_and_the_plan(
   assert ("# Memory: 67.47 GiB a GPU of 72.00 usable: fits, marginal (compile-only has read up to 9% low: confirm "
           "with --mock)") in summary.header_lines(marginal, "p.json")
   assert "# Estimate: step 134.2 s, 116.5 TFLOP/s/GPU (collectives 119 s, 96.7 s of them exposed)" in lines
-  assert summary.table_row(_summary(), "x").endswith("| 57.85 of 72.00 | 134.2 s | 116.5 | abc1234 · 2026-12-05 |")
+  # 1 x 4096 tokens x 15 microbatches a GPU in 134.19 s: 458 tokens/s/GPU.
+  assert summary.table_row(_summary(), "x") == (
+      "| x | expert 8 in a node; fsdp 16 across nodes | fp32 master, FP8 experts; hierarchical, capacity 1.5, "
+      "node-limited routing | 458 | 116.5 | 57.85 of 72.00 | 134.2 s | abc1234 · 2026-12-05 |")
   # tools/replan_recipes.py puts the block under a recipe's first line, and replaces it the next time.
   replan = load_script("replan_recipes", "tools/replan_recipes.py")
   recipe = tmp_path / "x-128xh100.yml"

@@ -6,7 +6,7 @@
 
 configs/recipes/plans/<recipe>.json holds each shipped recipe's summary, written by tools/replan_recipes.py from a
 real plan; tests/test_recipe_plans.py checks every recipe's header block (between HEADER_BEGIN and HEADER_END) is
-exactly `header_lines` of its summary, and each BENCHMARKS.md "Planned recipes" row is `table_row`.
+exactly `header_lines` of its summary, and each recipe's row in BENCHMARKS.md's system tables is `table_row`.
 """
 
 from __future__ import annotations
@@ -148,10 +148,29 @@ def _verdict(m: dict[str, Any]) -> str:
   return "fits, marginal (compile-only has read up to 9% low: confirm with --mock)" if m.get("marginal") else "fits"
 
 
+def short_layout(s: dict[str, Any]) -> str:
+  """The axes that split, inside a node and across nodes: 'expert 8 in a node; fsdp 64 x data 2 across nodes'."""
+  ici = " x ".join(f"{axis} {a['ici']}" for axis, a in s["axes"].items() if a["ici"] > 1) or "nothing"
+  dcn = " x ".join(f"{axis} {a['dcn']}" for axis, a in s["axes"].items() if a["dcn"] > 1)
+  return f"{ici} in a node" + (f"; {dcn} across nodes" if dcn else "")
+
+
+def short_precision(s: dict[str, Any]) -> str:
+  p = s["precision"]
+  experts = ", FP8 experts" if p["routed_experts"] != "none" else ""
+  return f"{_SHORT.get(p['weights'], p['weights'])} master{experts}"
+
+
+def tokens_per_s_per_gpu(s: dict[str, Any]) -> float:
+  b = s["batch"]
+  return b["per_device_batch_size"] * b["max_target_length"] * b["gradient_accumulation_steps"] / s["step_s"]
+
+
 def table_row(s: dict[str, Any], name: str) -> str:
-  """The BENCHMARKS.md "Planned recipes" row."""
+  """A BENCHMARKS.md system table's row (tools/replan_recipes.py --table prints them)."""
   m = s["memory"]
   marginal = ", marginal" if m.get("marginal") else ""
-  return (f"| {name} | {layout_text(s)} | {precision_text(s)} | {batch_text(s)} | {dispatch_text(s)} | "
-          f"{m['device_gib']:.2f} of {m['usable_gib']:.2f}{marginal} | {s['step_s']:.4g} s | {s['tflops_per_gpu']:.1f} | "
+  return (f"| {name} | {short_layout(s)} | {short_precision(s)}; {dispatch_text(s)} | "
+          f"{tokens_per_s_per_gpu(s):,.0f} | {s['tflops_per_gpu']:.1f} | "
+          f"{m['device_gib']:.2f} of {m['usable_gib']:.2f}{marginal} | {s['step_s']:.4g} s | "
           f"{s['planned_at']['commit']} · {s['planned_at']['date']} |")
