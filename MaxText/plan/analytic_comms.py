@@ -202,9 +202,14 @@ def _cause(row: dict[str, Any], rows: list[dict[str, Any]], layout: dict[str, An
             "all-reduces a step (an all-reduce sends twice a reduce-scatter's bytes)")
   absorbed = sum(row.get("parts", {}).get(",".join(a), 0.0) for a in whole) if row["kind"] == "all-reduce" else 0.0
   rest = row["wire_bytes"] - absorbed
-  if micro > 1 and row["kind"] == "all-reduce" and rest > 0 and _near(row["compiled_wire_bytes"] / rest, micro):
-    return (f"microbatches: reduced in each of the {micro} microbatches, the arithmetic once a step"
-            + (f"; {_size(absorbed)} of it reduced whole (above)" if absorbed else ""))
+  # The compute dtype's bytes over the gradient's: a gradient reduced inside the microbatch loop moves in the
+  # compute dtype (bf16) where the arithmetic's once-a-step reduction moves the accumulated grad_dtype (fp32).
+  narrower = _itemsize(layout.get("dtype")) / _itemsize(layout.get("grad_dtype"))
+  for factor, how in ((micro, ""), (micro * narrower, f" in {layout.get('dtype')}")):
+    if micro > 1 and row["kind"] == "all-reduce" and rest > 0 and _near(row["compiled_wire_bytes"] / rest, factor):
+      return (f"microbatches: reduced in each of the {micro} microbatches{how}, the arithmetic once a step "
+              f"({_size(row['compiled_wire_bytes'])} in {row['compiled_count']} all-reduces against {_size(rest)})"
+              + (f"; {_size(absorbed)} of it reduced whole (above)" if absorbed else ""))
   if row["kind"] == "all-gather" and ratio is not None and OFF_BY < ratio <= 1.75:
     return "remat recompute: gathered again for the backward's recompute (3 a microbatch, the arithmetic 2)"
   if row["kind"] in ("all-gather", "reduce-scatter", "all-reduce") and ratio is not None and 1.75 < ratio <= 2.5:
@@ -219,6 +224,10 @@ def _cause(row: dict[str, Any], rows: list[dict[str, Any]], layout: dict[str, An
   if any("counted once" in n for n in loop_notes):
     return "loop counting: a loop without a known trip count or readable bound, counted once"
   return "unexplained"
+
+
+def _itemsize(dtype: str | None) -> float:
+  return {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype or "", 4)
 
 
 def _fsdp_axes(row: dict[str, Any]) -> tuple[str, ...]:
