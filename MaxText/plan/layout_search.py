@@ -229,8 +229,7 @@ def overrides(s: Shape, l: Layout) -> dict[str, Any]:
 
 def changed(run: fork_config.RunConfig, keys: dict[str, Any]) -> dict[str, Any]:
   """Only the keys whose value differs from the run's own."""
-  merged = {**parallelism.mesh_axes(run.upstream, "ici_"), **parallelism.mesh_axes(run.upstream, "dcn_"),
-            **run.upstream, **run.fork.model_dump()}
+  merged = {**parallelism.upstream_base(), **run.upstream, **run.fork.model_dump()}
   return {k: v for k, v in keys.items() if merged.get(k) != v}
 
 
