@@ -181,7 +181,8 @@ def _main(args: list[str]) -> int:
       return search.main(args, timeout_s, json_path, heartbeat_s)
     if options.search_layouts:
       top = _count("--top", options.top, layout_search.TOP, least=1)
-      return layout_search.main(args, top, _count("--compile", options.compile, 0), timeout_s, json_path, heartbeat_s)
+      return layout_search.main(args, top, _count("--compile", options.compile, 0), timeout_s, json_path, heartbeat_s,
+                                mode="mock" if options.mock else "cpu" if options.cpu else "auto")
     report = planner.plan(args, timeout_s, hlo_path, mode="mock" if options.mock else "cpu" if options.cpu else "auto",
                           heartbeat_s=heartbeat_s)
   except ValueError as e:  # ConfigError, PlanError, a bad option

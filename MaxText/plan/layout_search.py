@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import logging
 from typing import Any, Callable, Iterator
 
 from MaxText import config as fork_config
@@ -68,16 +67,20 @@ def _validation_keys(num_gpus: int) -> list[str]:
 
 def validate(args: list[str], num_gpus: int) -> tuple[fork_config.RunConfig, Any]:
   """The real loader on a run's arguments: ConfigError (one line naming the key) where any check refuses it."""
+  import patches  # pylint: disable=import-outside-toplevel
+  from patches import config_errors  # pylint: disable=import-outside-toplevel
+
   run = fork_config.load([*args, *_validation_keys(num_gpus)])
   plan.check_layout(run, num_gpus)
   run = xla_presets.with_upstream_defaults(run, xla_presets.compose_for(run, {}))
-  absl = logging.getLogger("absl")
-  level = absl.level
-  absl.setLevel(logging.CRITICAL)  # upstream logs its own banner for an error we report in one line
+  applied = config_errors.SEAM.applied
+  # Upstream's own handler logs a banner, writes /dev/termination-log and may exit; ours lets the error through
+  patches.apply_module(config_errors)
   try:
     return run, environment.validate_with_upstream(run)
   finally:
-    absl.setLevel(level)
+    if not applied:
+      patches.undo_module(config_errors)
 
 
 def compiled_summary(run: fork_config.RunConfig) -> dict[str, Any] | None:
@@ -295,7 +298,7 @@ def line(run: fork_config.RunConfig, r: Ranked) -> str:
 
 
 def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float = plan.DEFAULT_TIMEOUT_S,
-         json_path: str | None = None, heartbeat_s: float = plan.HEARTBEAT_S) -> int:
+         json_path: str | None = None, heartbeat_s: float = plan.HEARTBEAT_S, mode: str = "auto") -> int:
   run, s = shape_of(args)
   own = run_layout(run)
   layouts, refused = enumerate_layouts(s, own, s.gpu.fp8_grouped_flops is not None)
@@ -324,7 +327,7 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
     keys = args_of(changed(run, r.keys))
     plan.log(f"search-layouts: planning {i} of {compile_n}: {' '.join(keys)}")
     try:
-      report = plan.plan([*args, *keys], timeout_s, heartbeat_s=heartbeat_s)
+      report = plan.plan([*args, *keys], timeout_s, mode=mode, heartbeat_s=heartbeat_s)
     except ValueError as e:
       print(f"  {i:2d}  compiler refused: {e}")
       results[i - 1]["compiled"] = {"error": str(e)}
