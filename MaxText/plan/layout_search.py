@@ -138,7 +138,7 @@ def planner_fraction(run: fork_config.RunConfig) -> float:
 
 
 def run_layout(run: fork_config.RunConfig) -> Layout:
-  """The run's own layout in the class (None-safe: a mesh outside it maps to its nearest reading)."""
+  """The run's own layout read into the class (ICI fsdp, where a run has it, counted with DCN fsdp)."""
   ici, dcn = parallelism.mesh_axes(run.upstream, "ici_"), parallelism.mesh_axes(run.upstream, "dcn_")
   up = run.upstream
   return Layout(stages=dcn["dcn_pipeline_parallelism"], repeats=max(1, int(up.get("num_pipeline_repeats", 1))),
@@ -302,12 +302,12 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
   run, s = shape_of(args)
   own = run_layout(run)
   layouts, refused = enumerate_layouts(s, own, s.gpu.fp8_grouped_flops is not None)
+  enumerated = len(layouts) + sum(refused.values())
   ranked, over = rank(s, layouts)
   best = loader_pass(args, s.gpus, ranked, max(top, compile_n), refused)
   own_e = layout_cost.estimate(s, own)
   print(f"\n== layouts of {run.config_path.name}: {s.gpus} x {s.gpu.name}, {s.gpus_per_node} a node; "
-        f"{len(layouts) + sum(refused.values()) - sum(v for k, v in refused.items() if k.startswith('loader'))} "
-        f"enumerated, {over} over {s.usable_bytes / 2**30:.1f} GiB, {len(ranked)} ranked")
+        f"{enumerated} enumerated, {over} over {s.usable_bytes / 2**30:.1f} GiB, {len(ranked)} ranked")
   for reason, n in refused.most_common():
     print(f"  refused {n:5d}: {reason}")
   print(f"  arithmetic (MaxText/plan/layout_cost.py): nothing overlapped; memory-bound work {s.memory_bound_from}; "
