@@ -45,7 +45,7 @@ from typing import Any
 
 from MaxText import config as fork_config
 from MaxText.config import command_line
-from MaxText.plan import planner, search
+from MaxText.plan import layout_search, planner, search
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 # Past the train step's codes (MaxText/config/command_line.py, 0-8), so no number means two things across the entry points.
@@ -77,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
                  "that every sharding fits its array, no GPU compiler")
   p.add_argument("--search", action="store_true", help="try other layouts in the same GPU count and rank those that "
                  "fit (MaxText/plan/search.py)")
+  p.add_argument("--search-layouts", action="store_true", help="enumerate pipeline x EP x FSDP/data x ZeRO-1 x batch x "
+                 "remat x FP8 layouts of the same GPU count and rank them by arithmetic, no compile "
+                 "(MaxText/plan/layout_search.py)")
+  p.add_argument("--top", metavar="N", help=f"--search-layouts: print the best N (default {layout_search.TOP})")
+  p.add_argument("--compile", metavar="N", help="--search-layouts: plan the best N for real, printed beside their "
+                 "arithmetic (default 0)")
   p.add_argument("-h", "--help", action="store_true", help="this text")
   return p
 
@@ -105,6 +111,14 @@ def _seconds(flag: str, value: str) -> float:
   if not seconds >= 0:
     raise fork_config.ConfigError(f"{flag} {value}: give seconds, a number >= 0")
   return seconds
+
+
+def _count(flag: str, value: str | None, default: int, least: int = 0) -> int:
+  if value is None:
+    return default
+  if not value.isdigit() or int(value) < least:
+    raise fork_config.ConfigError(f"{flag} {value}: give a whole number >= {least}")
+  return int(value)
 
 
 def _output(flag: str, value: str | None) -> str | None:
@@ -159,8 +173,16 @@ def _main(args: list[str]) -> int:
       raise fork_config.ConfigError("--mock and --cpu exclude each other")
     timeout_s = planner.DEFAULT_TIMEOUT_S if options.timeout is None else _seconds("--timeout", options.timeout)
     heartbeat_s = planner.HEARTBEAT_S if options.heartbeat is None else _seconds("--heartbeat", options.heartbeat)
+    if options.search and options.search_layouts:
+      raise fork_config.ConfigError("--search and --search-layouts exclude each other")
+    if (options.top or options.compile) and not options.search_layouts:
+      raise fork_config.ConfigError("--top and --compile go with --search-layouts")
     if options.search:
       return search.main(args, timeout_s, json_path, heartbeat_s)
+    if options.search_layouts:
+      top = _count("--top", options.top, layout_search.TOP, least=1)
+      return layout_search.main(args, top, _count("--compile", options.compile, 0), timeout_s, json_path, heartbeat_s,
+                                mode="mock" if options.mock else "cpu" if options.cpu else "auto")
     report = planner.plan(args, timeout_s, hlo_path, mode="mock" if options.mock else "cpu" if options.cpu else "auto",
                           heartbeat_s=heartbeat_s)
   except ValueError as e:  # ConfigError, PlanError, a bad option
