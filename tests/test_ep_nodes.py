@@ -178,6 +178,7 @@ def test_node_limited_routing_ties_the_groups_to_the_ep_nodes():
   assert "the nodes a token's experts" in refused("n_routing_groups=-1", "topk_routing_group=-1")
 
 
+@pytest.mark.slow  # a run's start in a child, 20 s: the slow tier (scripts/test.sh --all, CI) runs it
 def test_overlap_chunks_that_do_not_divide_the_tokens_stop_with_one_line_and_exit_2(tmp_path):
   """Checked on upstream's resolved config, before anything compiles (the node-limit mismatch above is refused
   while our keys load, as the other key clashes are)."""

@@ -21,7 +21,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -35,13 +34,16 @@ TOKENS = 32  # 4 per device
 WI_SPEC, WO_SPEC = P("expert", "fsdp", None), P("expert", None, "fsdp")
 MESH_AXES = ("data", "fsdp", "expert")
 # (dispatch backend, (data, fsdp, expert), the backend's own options)
-CASES = [
+BACKENDS = [
     ("local", (2, 4, 1), {}),
     ("ring", (2, 2, 2), {}),
     ("a2a_padded", (2, 2, 2), {"capacity_factor": 2.0}),
     ("hierarchical", (1, 2, 4), {"nodes": 2, "capacity_factor": 4.0}),
     ("ragged_a2a", (2, 2, 2), {}),  # its exchange emulated by all_to_all (XLA:CPU has no ragged one)
 ]
+# The fast tier runs local and a2a_padded (20 s each, in a process of their own); the slow tier every backend.
+CASES = [pytest.param(*case, id=case[0], marks=() if case[0] in ("local", "a2a_padded") else pytest.mark.slow)
+         for case in BACKENDS]
 
 
 def _mesh(shape):
@@ -144,7 +146,7 @@ def assert_dw_reduce_scattered(hlo: str, shape, lead: str = "") -> None:
     assert sorted(s for s, axes in all_reduces if axes == {"data"} and s in shard) == shard, all_reduces
 
 
-@pytest.mark.parametrize("backend, shape, options", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("backend, shape, options", CASES)
 def test_split_experts_match_one_device_and_reduce_scatter_their_gradient(request, backend, shape, options):
   if not in_own_process(request, MANY_CPU_THREADS):
     return
@@ -162,6 +164,7 @@ def test_split_experts_match_one_device_and_reduce_scatter_their_gradient(reques
   assert_dw_reduce_scattered(hlo, shape)
 
 
+@pytest.mark.slow  # two processes of 20 s: the slow tier (CI) runs them
 @pytest.mark.parametrize("fp8_dispatch", [False, True], ids=["fp8_experts", "fp8_experts_and_dispatch"])
 def test_fp8_experts_split_match_one_device_and_reduce_scatter_their_gradient(request, fp8_dispatch):
   """moe_fp8's CPU backend (xla_fp8) on a2a_padded, data 2 x fsdp 2 x expert 2. The forward's and dlhs's tiles and
@@ -171,7 +174,7 @@ def test_fp8_experts_split_match_one_device_and_reduce_scatter_their_gradient(re
   same mesh with the weights entered whole, which quantizes the same tiles and differs only in where it sums."""
   if not in_own_process(request, MANY_CPU_THREADS):
     return
-  backend, shape, options = CASES[2]
+  backend, shape, options = BACKENDS[2]
   cfg = _cfg("xla_fp8", fp8_dispatch)
   (want_val, _), want = _one_device(cfg)
   ((val, overflow), got), hlo = _on_mesh(cfg, backend, shape, options)
@@ -210,6 +213,7 @@ def test_a_split_over_an_axis_the_tokens_are_not_split_on_is_gathered_too(reques
   assert [(s, axes) for s, axes in all_reduces if s in _dw_shapes((1, 2, 2), 1)] == [], all_reduces
 
 
+@pytest.mark.slow  # 25 s in a process of its own: the slow tier (scripts/test.sh --all, CI) runs it
 def test_under_the_pipelines_vmap_split_experts_match_one_device(request):
   """The pipeline's layout (patches/pipeline_v3.py): a vmap over stages (spmd_axis_name "stage") around the block,
   whose shard_map runs unchecked and leaves the stage axis to the vmap; each stage's weights split over expert and
@@ -302,6 +306,7 @@ def _collectives_lowered(hlo: str) -> list[tuple[str, list[str]]]:
   return [(op, re.findall(r'name = "(\w+)"', axes)) for op, axes in ops]
 
 
+@pytest.mark.slow  # interpreted Mosaic kernels, 40 s each: the slow tier (CI) runs them
 @pytest.mark.parametrize("gmm_backend", ["mgpu", "mgpu_fp8"])
 def test_gpu_kernels_gradient_traces_with_the_weights_split(request, gmm_backend):
   """The GPU grouped GEMMs' outputs carry no varying manual axes (MaxText/moe/vma.py types them): the block's
@@ -315,7 +320,7 @@ def test_gpu_kernels_gradient_traces_with_the_weights_split(request, gmm_backend
   mgpu.unavailable_reason = lambda: None  # its kernels (and mgpu_fp8's) are only traced here
   cfg = dataclasses.replace(_cfg(gmm_backend, gmm_backend == "mgpu_fp8"), dtype=jnp.bfloat16)
   x, kernel, ex, probe = _params()
-  for backend, shape, options in CASES:
+  for backend, shape, options in BACKENDS:
     sharding = _sharding(_mesh(shape))
     loss = _loss(cfg, _dispatcher(backend, sharding.mesh, options), sharding, probe)
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).trace(x, kernel, ex)

@@ -128,7 +128,7 @@ def _rel(a, b):
   return float(np.linalg.norm(flat(a) - flat(b)) / np.linalg.norm(flat(b)))
 
 
-@pytest.mark.parametrize("bias", ["balanced", "one_hot_expert"])
+@pytest.mark.parametrize("bias", ["balanced", pytest.param("one_hot_expert", marks=pytest.mark.slow)])
 def test_fp8_dispatch_is_the_fp8_block_with_dw_from_the_moved_tiles(bias):
   """Against the FP8 block that quantizes after the dispatch, its combine's cotangent quantized where it is
   (QuantizedCotangentCombine): the same loss and router gradient, exactly, and the same token gradient to
@@ -163,6 +163,7 @@ def test_fp8_dispatch_needs_an_fp8_grouped_gemm():
     _loss_and_grads(dataclasses.replace(_cfg(True), gmm_backend="xla"), jnp.zeros((8,)))
 
 
+@pytest.mark.slow  # 35 s on two cores: the slow tier (scripts/test.sh --all, CI) runs it
 def test_the_output_combines_backward_hands_wo_fp8_tiles_and_keeps_the_weights_gradient():
   """fp8_dispatch.expert_output_combine alone: the forward is wo's grouped GEMM and the bf16 combine, bit for
   bit; the weights' gradient is the bf16 combine's, from the cotangent unquantized; wo's dlhs and dW are its

@@ -142,7 +142,7 @@ def test_requantize_kernel_interpreted_is_bit_for_bit_the_dequantized_rows_quant
   assert not np.isnan(np.asarray(got_q, np.float32)).any()
 
 
-@pytest.mark.parametrize("k", [128, 384], ids=["toy_width_padded", "three_blocks"])
+@pytest.mark.parametrize("k", [pytest.param(128, marks=pytest.mark.slow), 384], ids=["toy_width_padded", "three_blocks"])
 def test_dw_given_the_tiles_multiplies_the_bytes_it_would_quantize_from_their_values(monkeypatch, k):
   """mgpu_fp8_tgmm.tgmm with lhs_tiles or dout_tiles hands the product kernel the same operands as with the
   operand = their values in bf16, also where K under a tile is padded to 256 (the tiles' columns too) and N

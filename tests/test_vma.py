@@ -51,6 +51,7 @@ def test_like_primal_sums_over_axes_the_primal_does_not_vary_over():
   np.testing.assert_array_equal(cast, 2 * np.ones(4))
 
 
+@pytest.mark.slow  # 50 s of interpreted Mosaic kernels on CPU: the slow tier (scripts/test.sh --all, CI) runs it
 def test_mgpu_kernels_in_shard_map_interpreted_match_float32_reference(monkeypatch):
   """The crash's own setting: rows split over a mesh axis, weights shared, Pallas kernel outputs.
   Fails without vma typing ("manual axis types do not match"); with it, forward, dlhs and dW

@@ -149,6 +149,7 @@ def test_real_plan_is_closed_under_requires_dist(real):
         assert image[dep] is None or wh._meets(image[dep], req), f"{name} needs {req}, image has {image[dep]}"
 
 
+@pytest.mark.slow  # imports the whole training chain in a child, 30 s: the slow tier (scripts/test.sh --all, CI) runs it
 def test_left_out_packages_are_never_imported_by_the_training_chain():
   """The manifest's not_carried list is only safe if loading MaxText.train never imports them."""
   manifest = wh.load_manifest()
