@@ -191,3 +191,20 @@ def test_a_data_all_reduce_in_every_microbatch_in_the_compute_dtype_is_named_not
   (row,) = [r for r in analytic_comms.compare(rows, compiled, layout) if r["kind"] == "all-reduce" and r["axes"] == ["data"]]
   assert row["cause"].startswith("microbatches: reduced in each of the 15 microbatches in bfloat16, the arithmetic once")
   assert "886 all-reduces" in row["cause"]
+
+
+def test_an_embedding_kept_on_its_vocab_shards_is_named_not_unexplained():
+  """Kimi-K2's proxy on 8 GPUs, EP 8 (the plan of 4af13c5): its gradient reduce-scatter over expert moved 3,275 MiB
+  where the arithmetic, which reduce-scatters every weight whole, says 5,235: the difference is one [vocab, emb]
+  table, the embedding's, whose lookup and scatter-add stay on its vocab shard."""
+  from MaxText.plan import analytic_comms
+
+  groups = [{"routed": False, "elements": 787808256, "axes": ["expert"], "scanned": True},
+            {"routed": False, "elements": 2348810240, "axes": ["expert"], "scanned": False},
+            {"routed": True, "elements": 33822867456, "axes": ["expert"], "scanned": True}]
+  layout = {**LAYOUT, "groups": groups, "microbatches": 1}
+  row = {"kind": "reduce-scatter", "axes": ["expert"], "wire_bytes": 5234.8 * 2**20,
+         "compiled_wire_bytes": 3274.8 * 2**20, "compiled_count": 9, "ratio": 3274.8 / 5234.8}
+  cause = analytic_comms._cause(row, [row], layout, [])  # pylint: disable=protected-access
+  assert cause.startswith("the embedding stays on its vocab shards") and "1.914 GiB" in cause
+  assert analytic_comms._cause(dict(row, compiled_wire_bytes=1000.0 * 2**20, ratio=0.19), [row], layout, []) == "unexplained"  # pylint: disable=protected-access

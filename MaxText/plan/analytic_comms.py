@@ -221,9 +221,23 @@ def _cause(row: dict[str, Any], rows: list[dict[str, Any]], layout: dict[str, An
       return (f"reduced whole: an all-reduce over {','.join(row['axes'])} in place of the reduce-scatter over "
               f"{','.join(fsdp)} ({scattered[0]['wire_bytes'] / 2**30:.4g} GiB by the arithmetic) and the data "
               "all-reduce")
+  if row["kind"] in ("all-gather", "reduce-scatter") and ratio is not None and ratio < 1 / OFF_BY:
+    table = _one_vocab_table_wire(row, layout)
+    if table and _near(row["compiled_wire_bytes"] / (row["wire_bytes"] - table), 1.0):
+      return (f"the embedding stays on its vocab shards: its lookup and gradient run where the table lies (activations "
+              f"reduced instead), the arithmetic moves the table whole ({_size(table)} of {_size(row['wire_bytes'])})")
   if any("counted once" in n for n in loop_notes):
     return "loop counting: a loop without a known trip count or readable bound, counted once"
   return "unexplained"
+
+
+def _one_vocab_table_wire(row: dict[str, Any], layout: dict[str, Any]) -> float:
+  """The share of a gather's or gradient reduce-scatter's arithmetic that one [vocab, emb] table makes (the
+  weights outside the layer scan: the embedding and the output head, one table each), or 0."""
+  groups = [g for g in layout.get("groups", []) if not g["routed"] and tuple(g["axes"]) == tuple(row["axes"])]
+  outside = sum(g["elements"] for g in groups if not g.get("scanned", True))
+  total = sum(g["elements"] for g in groups)
+  return row["wire_bytes"] * (outside / 2) / total if outside and total else 0.0
 
 
 def _itemsize(dtype: str | None) -> float:
