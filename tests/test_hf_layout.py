@@ -136,6 +136,16 @@ def test_export_refuses_an_existing_output(tmp_path, capsys):
   assert code == BAD_INPUT and "already exists" in err
 
 
+@pytest.mark.parametrize("size", ["nan", "inf", "0", "-1"])
+def test_export_refuses_a_shard_size_that_is_not_a_positive_number(size, tmp_path, capsys):
+  # The run exists, so that the size (not a missing checkpoint) is what stops it: checked before anything is read.
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), "--shard-size", size, capsys=capsys)
+  assert code == BAD_INPUT and err.count("\n") == 0, err
+  assert err.startswith(f"export_hf: --shard-size {float(size)}: ") and "finite number above 0" in err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
 # Tiny family configs (configs/<name>-tiny.yml) that no layout takes, and the reason each gives.
 NO_LAYOUT = {
     "gpt-oss": "config key 'decoder_block' = 'gpt_oss': no Hugging Face layout for it yet",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import shutil
 import sys
@@ -104,14 +105,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("out_dir", type=Path)
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
   p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the written tensors")
-  p.add_argument("--shard-size", type=float, default=5.0, help="largest shard in GB (default 5)")
+  p.add_argument("--shard-size", type=float, default=5.0, help="largest shard in GB (default 5, more than 0)")
   return p.parse_args(argv)
+
+
+def shard_bytes(gb: float) -> int:
+  """--shard-size in bytes; BadInput for one that plans no shards (0, negative) or none at all (nan, inf, which
+  argparse's float() accepts and int() would crash on)."""
+  if not (math.isfinite(gb) and gb > 0):
+    raise BadInput(f"--shard-size {gb}: the largest shard in GB must be a finite number above 0 (e.g. 5)")
+  return max(1, int(gb * 1e9))
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   try:
-    done = export(args.run_dir, args.out_dir, args.step, args.dtype, int(args.shard_size * 1e9))
+    done = export(args.run_dir, args.out_dir, args.step, args.dtype, shard_bytes(args.shard_size))
   except HFError as e:
     print(f"export_hf: {e}", file=sys.stderr, flush=True)
     return e.code
