@@ -4,7 +4,8 @@
 directory of another architecture, a config whose widths disagree with the weights, an output that already exists;
 6 the output could not be written (its temporary directory is removed); 7 no such checkpoint: a run without
 checkpoints, a step that does not exist or was never completed; 8 damaged input: a checkpoint that fails the check a
-resume makes (unreadable, non-finite, or not the bytes its digests were taken from), missing or unreadable shards.
+resume makes (unreadable, non-finite, or not the bytes its digests were taken from), missing or unreadable shards,
+a shard whose header does not parse or fit its file.
 """
 
 from __future__ import annotations

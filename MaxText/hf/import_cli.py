@@ -39,7 +39,8 @@ def log(msg: str) -> None:
 
 
 def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
-  """(config.json, family module, tensor reader); BadInput for another architecture, Damaged for missing shards."""
+  """(config.json, family module, tensor reader); BadInput for another architecture, Damaged for missing shards or
+  one whose header does not parse or fit its file."""
   try:
     hf = json.loads((hf_dir / "config.json").read_text())
   except FileNotFoundError:
@@ -60,6 +61,8 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
     if not (hf_dir / shard).is_file():
       named = sum(1 for s in reader.weight_map.values() if s == shard)
       raise Damaged(f"{hf_dir}/{shard} is missing ({named} tensors of the index are in it)")
+  for name in reader.names():  # headers only (Damaged if garbled): found before the model is built, not after
+    reader.info(name)
   return hf, FAMILIES[arch], reader
 
 
