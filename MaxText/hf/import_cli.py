@@ -69,7 +69,7 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
 def run_config(hf: dict[str, Any], family, args: list[str]) -> fork_config.RunConfig:
   if args and "=" not in args[0]:
     return fork_config.load(args)
-  derived = [f"{k}={json.dumps(v)}" for k, v in family.maxtext_keys(hf).items()]
+  derived = [f"{k}={fork_config.cli_value(v)}" for k, v in family.maxtext_keys(hf).items()]
   return fork_config.load([family.DEFAULT_CONFIG, *derived, *args])
 
 
