@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors
+from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
 from MaxText.hf.errors import BadInput, HFError, NotWritten
 
 DTYPES = {"bf16": ("BF16", "bfloat16"), "f32": ("F32", "float32")}
@@ -70,8 +69,8 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
     raise BadInput(f"the checkpoint holds {'/'.join(left[0])} ({len(left)} arrays in all) that the "
                    f"{family.ARCHITECTURE} layout has no place for: not exported, rather than dropped")
   st_dtype, name = DTYPES[dtype]
-  tmp = out_dir.with_name(out_dir.name + ".tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
+  tmp = stop.tmp_dir(out_dir)
+  stop.remove_partial(out_dir)
   start = time.perf_counter()
   try:
     tmp.mkdir(parents=True)
@@ -88,10 +87,10 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
       raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")
     tmp.rename(out_dir)
   except OSError as e:
-    shutil.rmtree(tmp, ignore_errors=True)
+    stop.remove_partial(out_dir)
     raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:  # stop.Stopped (a signal) among them
+    stop.remove_partial(out_dir)
     raise
   files = sorted(out_dir.glob("*.safetensors"))
   return {"step": ckpt.step, "tensors": len(pieces), "shards": len(files),
@@ -120,7 +119,8 @@ def shard_bytes(gb: float) -> int:
 def main(argv: list[str] | None = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   try:
-    done = export(args.run_dir, args.out_dir, args.step, args.dtype, shard_bytes(args.shard_size))
+    with stop.on_signals("export_hf", args.out_dir):
+      done = export(args.run_dir, args.out_dir, args.step, args.dtype, shard_bytes(args.shard_size))
   except HFError as e:
     print(f"export_hf: {e}", file=sys.stderr, flush=True)
     return e.code
