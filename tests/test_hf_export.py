@@ -273,12 +273,6 @@ def test_import_refuses_bad_input_in_one_line_and_writes_nothing(trained, tmp_pa
     assert proc.returncode == code and line.startswith("import_hf: ") and words in line, (name, proc.stderr[-2000:])
     assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.tmp").exists()
   shard = next((tmp_path / "hf").glob("*.safetensors"))
-  raw = bytearray(shard.read_bytes())
-  raw[raw.index(b'"shape"') + 2] = 0xFF  # one byte of a real export's header: no longer UTF-8
-  shard.write_bytes(bytes(raw))
-  proc = hf_helpers.import_(tmp_path / "hf", tmp_path / "garbled")
-  line = proc.stderr.strip().splitlines()[-1]
-  assert proc.returncode == DAMAGED and line.startswith(f"import_hf: {shard}'s header is not UTF-8 JSON"), proc.stderr
   shard.rename(shard.with_suffix(".gone"))
   proc = hf_helpers.import_(tmp_path / "hf", tmp_path / "missing")
   assert proc.returncode == DAMAGED and f"{shard.name} is missing (" in proc.stderr.strip().splitlines()[-1]
