@@ -139,6 +139,8 @@ def no_space_reason(e: BaseException) -> str | None:
     if isinstance(e, OSError) and e.errno in NO_SPACE:
       return f"{e.strerror} ({e.filename})" if e.filename else str(e.strerror)
     text = str(e)
+    if "RESOURCE_EXHAUSTED" in text and "out of memory" in text.lower():
+      return None  # XLA's allocator (host or device) shares tensorstore's status code: memory, not storage
     for words in NO_SPACE_WORDS:
       if words in text:
         return "no space left on the device" if words == "RESOURCE_EXHAUSTED" else words

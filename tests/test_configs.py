@@ -84,6 +84,38 @@ def test_unknown_key_in_a_config_is_rejected(tmp_path):
     fork_config.load([str(bad)])
 
 
+NAME = "tiny-🚀-训练"  # an emoji (outside the BMP: JSON writes it as a surrogate pair) and CJK (inside it)
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_unicode_in_a_value_reaches_the_config_and_upstream_intact(where, upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
+  if where == "yaml":
+    path = tmp_path / "named.yml"
+    path.write_text(f"base_config: deepseek3-tiny.yml\nrun_name: {NAME}\n", encoding="utf-8")
+    run = fork_config.load([str(path), f"base_output_directory={tmp_path}"])
+  else:
+    run = fork_config.load(["configs/deepseek3-tiny.yml", f"run_name={NAME}", f"base_output_directory={tmp_path}"])
+  assert run.upstream["run_name"] == NAME and run.run_dir == tmp_path / NAME
+  argv = run.upstream_argv()
+  assert all(a.isascii() for a in argv)
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  config = pyconfig.initialize(argv)  # upstream parses its argv with OmegaConf.from_cli, as a run's does
+  assert config.run_name == NAME and config.jax_cache_dir == str(tmp_path / NAME / "jax_cache")
+
+
+@pytest.mark.parametrize("value", [NAME, "nel\x85", "🚀\x85\u2028", "\\ud83d\\ude80 as typed", "\\\U0001F600", "é\x7f\x9f"])
+def test_cli_value_is_read_back_exactly_by_omegaconfs_command_line_parser(value):
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  assert omegaconf.OmegaConf.from_cli([f"k={fork_config.cli_value(value)}"])["k"] == value
+
+
+def test_an_override_that_is_not_utf8_is_one_line():
+  with pytest.raises(fork_config.ConfigError, match=r"override 'run_name=a\\udcff' is not UTF-8 text"):
+    fork_config.load(["configs/deepseek3-tiny.yml", b"run_name=a\xff".decode("utf-8", "surrogateescape")])
+
+
 @pytest.mark.parametrize("path", MODELS, ids=_id)
 def test_model_files_hold_architecture_only(path):
   keys = [k for k in yaml.safe_load(path.read_text()) if k != "base_config"]

@@ -16,7 +16,7 @@ import pytest
 
 from MaxText.checkpoints import records as checkpoint_records
 from MaxText.hf import export_cli as export_hf
-from MaxText.hf import checkpoint, layout, safetensors
+from MaxText.hf import checkpoint, errors, layout, safetensors
 from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 
 
@@ -111,6 +111,44 @@ def test_safetensors_shards_read_back_by_the_safetensors_library(tmp_path):
     assert np.array_equal(loaded[name], x.astype(bf16)) and np.array_equal(reader.read(name), x.astype(bf16))
 
 
+def _damage(raw: bytes, n: int, how: str) -> bytes:
+  """One shard's bytes (8-byte length, n bytes of header, data) damaged one way."""
+  header = raw[8:8 + n]
+  return {
+      "one byte not UTF-8": raw[:8] + header.replace(b'"shape"', b'"sh\xffpe"') + raw[8 + n:],
+      "not JSON": raw[:8] + header.replace(b":", b";", 1) + raw[8 + n:],
+      "an unknown dtype": raw[:8] + header.replace(b'"BF16"', b'"BX16"', 1) + raw[8 + n:],
+      "offsets past the file": raw[:-4],
+      "a header longer than the file": raw[:8 + n // 2],
+      "empty": b"",
+      "a tensor the index places there missing": raw[:8] + header.replace(b'"t1"', b'"u1"') + raw[8 + n:],
+  }[how]
+
+
+@pytest.mark.parametrize("how", ["one byte not UTF-8", "not JSON", "an unknown dtype", "offsets past the file",
+                                 "a header longer than the file", "empty", "a tensor the index places there missing"])
+def test_a_garbled_safetensors_header_is_damaged_input_naming_the_file(how, tmp_path, capsys):
+  from MaxText.hf import import_cli as import_hf  # pylint: disable=import-outside-toplevel
+
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  tensors = {f"t{i}": np.full((2, 3), i, np.float32) for i in range(2)}
+  safetensors.write(hf, [(n, x.shape) for n, x in tensors.items()], lambda i: tensors[f"t{i}"],
+                    np.dtype(ml_dtypes.bfloat16), max_shard_bytes=1 << 20)
+  shard = hf / json.loads((hf / safetensors.INDEX).read_text())["weight_map"]["t1"]
+  raw = shard.read_bytes()
+  shard.write_bytes(_damage(raw, int.from_bytes(raw[:8], "little"), how))
+  with pytest.raises(errors.Damaged) as e:  # the reader, as the import's fill() calls it
+    safetensors.Reader(hf).info("t1")
+  assert str(e.value).startswith(str(shard)) and "\n" not in str(e.value)
+  # The import finds it from the headers alone, before it builds a model from config.json.
+  (hf / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
+  assert import_hf.main([str(hf), str(tmp_path / "out")]) == DAMAGED
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"import_hf: {shard}") and err.count("\n") == 0, err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
 def _export(tmp_path: Path, *args: str, capsys) -> tuple[int, str]:
   code = export_hf.main([*args])
   return code, capsys.readouterr().err.strip()
@@ -134,6 +172,16 @@ def test_export_refuses_an_existing_output(tmp_path, capsys):
   (tmp_path / "run" / "checkpoints").mkdir(parents=True)
   code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), capsys=capsys)
   assert code == BAD_INPUT and "already exists" in err
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "0", "-1"])
+def test_export_refuses_a_shard_size_that_is_not_a_positive_number(size, tmp_path, capsys):
+  # The run exists, so that the size (not a missing checkpoint) is what stops it: checked before anything is read.
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  code, err = _export(tmp_path, str(tmp_path / "run"), str(tmp_path / "out"), "--shard-size", size, capsys=capsys)
+  assert code == BAD_INPUT and err.count("\n") == 0, err
+  assert err.startswith(f"export_hf: --shard-size {float(size)}: ") and "finite number above 0" in err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
 
 # Tiny family configs (configs/<name>-tiny.yml) that no layout takes, and the reason each gives.

@@ -439,6 +439,48 @@ def test_exit_codes_are_documented():
     assert f"| {value} |" in readme, value
 
 
+# A child under a 4 GiB address-space limit asks XLA's CPU client (the host's memory), then numpy, for 64 GB.
+_HOST_OOM_CHILD = """
+import json, resource
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import jax, jax.numpy as jnp, numpy as np
+said = {}
+try:
+  jax.jit(lambda: jnp.ones((16_000_000_000,), jnp.float32))().block_until_ready()
+except Exception as e:
+  said["xla"] = [type(e).__name__, str(e)]
+try:
+  np.ones((16_000_000_000,), np.float32)
+except MemoryError as e:
+  said["numpy"] = [type(e).__name__, str(e)]
+print(json.dumps(said))
+"""
+
+
+def test_out_of_host_memory_is_one_line_not_a_full_disk():
+  """A real allocation past the host's limit: XLA's CPU wording and numpy's are out of memory (exit 7, one line
+  naming the figure), and neither is taken for a full disk (tensorstore's storage errors share RESOURCE_EXHAUSTED;
+  the loop's storage check ran first and said exit 6, 'no space left on the device')."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from MaxText.run import disk_full  # pylint: disable=import-outside-toplevel
+
+  proc = subprocess.run([sys.executable, "-c", _HOST_OOM_CHILD], env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        capture_output=True, text=True, timeout=120, check=False)
+  said = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert said["xla"][0] == "JaxRuntimeError" and said["numpy"][0] == "MemoryError", said
+  errors = {"xla": jax.errors.JaxRuntimeError(said["xla"][1]), "numpy": MemoryError(said["numpy"][1])}
+  try:  # as the loop meets it: upstream's or orbax's wrapper around XLA's error
+    raise RuntimeError("train step failed") from errors["xla"]
+  except RuntimeError as wrapped:
+    errors["wrapped"] = wrapped
+  for name, error in errors.items():
+    line = train.out_of_memory_line(error, None)
+    assert line is not None and line.startswith("out of host memory: ") and "\n" not in line, (name, line)
+    assert "64000000000 bytes" in line or "59.6 GiB" in line, (name, line)
+    assert not disk_full.is_storage_failure(error), name
+  assert disk_full.is_storage_failure(ValueError('RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database'))
+
+
 def test_out_of_device_memory_is_one_line_naming_xlas_figure():
   """An H200 that cannot hold the step (the shape of XLA's error there: RESOURCE_EXHAUSTED from the allocator):
   exit 7 with one line, not upstream's traceback; any other runtime error is left alone."""

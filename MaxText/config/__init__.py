@@ -6,10 +6,10 @@ The names every caller uses are re-exported here: `from MaxText import config; c
 """
 
 from MaxText.config.keys import ConfigError, ForkConfig, upstream_configs_dir, upstream_fields
-from MaxText.config.loader import (DEFAULT_CONFIG, REPO_CONFIGS, RunConfig, load, load_yaml_chain, parse_overrides,
-                                 resolve_config_path)
+from MaxText.config.loader import (DEFAULT_CONFIG, REPO_CONFIGS, RunConfig, cli_value, load, load_yaml_chain,
+                                 parse_overrides, resolve_config_path)
 from MaxText.config.moe_keys import MOE_GMM_UPSTREAM_KEYS, UPSTREAM_V3_ROUTER_MODEL_PREFIXES
 
-__all__ = ["ConfigError", "DEFAULT_CONFIG", "ForkConfig", "MOE_GMM_UPSTREAM_KEYS", "REPO_CONFIGS", "RunConfig", "load",
+__all__ = ["ConfigError", "DEFAULT_CONFIG", "cli_value", "ForkConfig", "MOE_GMM_UPSTREAM_KEYS", "REPO_CONFIGS", "RunConfig", "load",
            "load_yaml_chain", "parse_overrides", "resolve_config_path", "UPSTREAM_V3_ROUTER_MODEL_PREFIXES",
            "upstream_configs_dir", "upstream_fields"]

@@ -15,7 +15,7 @@ EXIT_UPSTREAM = 3  # the installed maxtext is not the one our patches were writt
 EXIT_NONFINITE = 4  # the state went non-finite; it was not saved (the last checkpoint is finite)
 EXIT_LOCKED = 5  # another live job holds the run directory
 EXIT_SAVE_FAILED = 6  # a checkpoint could not be written (disk full, unwritable); the last good one is kept
-EXIT_OUT_OF_MEMORY = 7  # the train step does not fit in device memory (XLA's RESOURCE_EXHAUSTED)
+EXIT_OUT_OF_MEMORY = 7  # an allocation failed: device or host memory (XLA's RESOURCE_EXHAUSTED, numpy's MemoryError)
 EXIT_MOE_OVERFLOW = 8  # a bounded MoE dispatch buffer dropped rows (on_overflow=error); that step was not saved
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1/SIGINT: checkpoint saved at the next step boundary (EX_TEMPFAIL: rerun)
 EXIT_ABORTED = 130  # a second SIGINT: stopped at once, nothing saved since the last checkpoint
@@ -30,7 +30,7 @@ EXIT_CODES = {
     EXIT_NONFINITE: "the state went non-finite (step, arrays, loss named); not saved, the last checkpoint is finite",
     EXIT_LOCKED: "another live job holds the run directory (host, pid, start time named)",
     EXIT_SAVE_FAILED: "the run's storage refused a write (full, read-only); the last complete checkpoint is kept",
-    EXIT_OUT_OF_MEMORY: "the train step does not fit in device memory (XLA's figure named)",
+    EXIT_OUT_OF_MEMORY: "the train step does not fit in device memory, or the run in the host's (the figure named)",
     EXIT_MOE_OVERFLOW: "a bounded MoE dispatch buffer dropped rows; that step was not saved",
     EXIT_PREEMPTED: "stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving the step in flight: run again to resume",
     EXIT_ABORTED: "a second Ctrl-C: stopped at once, nothing saved since the last checkpoint",

@@ -15,6 +15,7 @@ import datetime
 import difflib
 import json
 import os
+import re
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +63,31 @@ class RunConfig:
 
     Keys go on the command line (not into a YAML) so that upstream treats them
     as overrides: its model config (`model_name`) must not override them back.
-    JSON is valid YAML flow syntax, so values survive OmegaConf's CLI parser.
     """
     return ["maxtext-moe", str(upstream_configs_dir() / "base.yml")] + [
-        f"{k}={json.dumps(v)}" for k, v in self.upstream.items()
+        f"{k}={cli_value(v)}" for k, v in self.upstream.items()
     ]
+
+
+# A JSON escape sequence; groups 1 and 2 are set when it is a UTF-16 surrogate pair (a character outside the BMP).
+_JSON_ESCAPE = re.compile(r"\\(?:u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})|u[0-9a-f]{4}|.)")
+
+
+def cli_value(value: Any) -> str:
+  """value as OmegaConf's CLI parser (YAML) reads back exactly: JSON, which is YAML flow syntax, in ASCII.
+
+  ASCII, because YAML takes a literal NEL (U+0085) in a quoted string for a line break and refuses C1 controls;
+  but JSON escapes a character outside the BMP (an emoji) as a surrogate pair, which YAML refuses (a ScannerError
+  traceback), so each pair becomes YAML's own \\UXXXXXXXX escape. An escaped backslash is matched as one escape,
+  so a literal "\\ud83d" in a value is left as it is."""
+
+  def one(m: re.Match) -> str:
+    if not m.group(1):
+      return m.group(0)
+    high, low = int(m.group(1), 16), int(m.group(2), 16)
+    return f"\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
+
+  return _JSON_ESCAPE.sub(one, json.dumps(value))
 
 
 def _resolve_base(name: str, relative_to: Path) -> Path | None:
@@ -132,6 +153,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
   for arg in args:
     if "=" not in arg or arg.startswith("="):
       raise ConfigError(f"override '{arg}' is not of the form key=value")
+    try:
+      arg.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, which Python's argv carries as lone surrogates
+      raise ConfigError(f"override {ascii(arg)} is not UTF-8 text") from None
   try:
     cli = omegaconf.OmegaConf.from_cli(list(args))
   except omegaconf.errors.OmegaConfBaseException as e:

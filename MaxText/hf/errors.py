@@ -4,7 +4,9 @@
 directory of another architecture, a config whose widths disagree with the weights, an output that already exists;
 6 the output could not be written (its temporary directory is removed); 7 no such checkpoint: a run without
 checkpoints, a step that does not exist or was never completed; 8 damaged input: a checkpoint that fails the check a
-resume makes (unreadable, non-finite, or not the bytes its digests were taken from), missing or unreadable shards.
+resume makes (unreadable, non-finite, or not the bytes its digests were taken from), missing or unreadable shards,
+a shard whose header does not parse or fit its file; 130 stopped by SIGINT (Ctrl-C), 143 stopped by SIGTERM (a
+scheduler's stop): OUT_DIR.tmp and orbax's temporary folders next to it removed (MaxText/hf/stop.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ BAD_INPUT = 2
 NOT_WRITTEN = 6
 NO_CHECKPOINT = 7
 DAMAGED = 8
+INTERRUPTED = 130  # SIGINT: 128 + 2, as a shell reports a process Ctrl-C ended
+TERMINATED = 143  # SIGTERM: 128 + 15
 
 
 class HFError(Exception):

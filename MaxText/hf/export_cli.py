@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors
+from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
 from MaxText.hf.errors import BadInput, HFError, NotWritten
 
 DTYPES = {"bf16": ("BF16", "bfloat16"), "f32": ("F32", "float32")}
@@ -69,8 +69,8 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
     raise BadInput(f"the checkpoint holds {'/'.join(left[0])} ({len(left)} arrays in all) that the "
                    f"{family.ARCHITECTURE} layout has no place for: not exported, rather than dropped")
   st_dtype, name = DTYPES[dtype]
-  tmp = out_dir.with_name(out_dir.name + ".tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
+  tmp = stop.tmp_dir(out_dir)
+  stop.remove_partial(out_dir)
   start = time.perf_counter()
   try:
     tmp.mkdir(parents=True)
@@ -87,10 +87,10 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
       raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")
     tmp.rename(out_dir)
   except OSError as e:
-    shutil.rmtree(tmp, ignore_errors=True)
+    stop.remove_partial(out_dir)
     raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:  # stop.Stopped (a signal) among them
+    stop.remove_partial(out_dir)
     raise
   files = sorted(out_dir.glob("*.safetensors"))
   return {"step": ckpt.step, "tensors": len(pieces), "shards": len(files),
@@ -104,14 +104,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("out_dir", type=Path)
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
   p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the written tensors")
-  p.add_argument("--shard-size", type=float, default=5.0, help="largest shard in GB (default 5)")
+  p.add_argument("--shard-size", type=float, default=5.0, help="largest shard in GB (default 5, more than 0)")
   return p.parse_args(argv)
+
+
+def shard_bytes(gb: float) -> int:
+  """--shard-size in bytes; BadInput for one that plans no shards (0, negative) or none at all (nan, inf, which
+  argparse's float() accepts and int() would crash on)."""
+  if not (math.isfinite(gb) and gb > 0):
+    raise BadInput(f"--shard-size {gb}: the largest shard in GB must be a finite number above 0 (e.g. 5)")
+  return max(1, int(gb * 1e9))
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   try:
-    done = export(args.run_dir, args.out_dir, args.step, args.dtype, int(args.shard_size * 1e9))
+    with stop.on_signals("export_hf", args.out_dir):
+      done = export(args.run_dir, args.out_dir, args.step, args.dtype, shard_bytes(args.shard_size))
   except HFError as e:
     print(f"export_hf: {e}", file=sys.stderr, flush=True)
     return e.code

@@ -15,7 +15,6 @@ writes a tree); it is written to OUT_DIR.tmp and renamed when complete. Exit cod
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 
 import patches
 from MaxText import config as fork_config
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors
+from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
 from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
 
 # config.json's architecture -> what lays it out (pieces, maxtext_keys, DEFAULT_CONFIG)
@@ -39,7 +38,8 @@ def log(msg: str) -> None:
 
 
 def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
-  """(config.json, family module, tensor reader); BadInput for another architecture, Damaged for missing shards."""
+  """(config.json, family module, tensor reader); BadInput for another architecture, Damaged for missing shards or
+  one whose header does not parse or fit its file."""
   try:
     hf = json.loads((hf_dir / "config.json").read_text())
   except FileNotFoundError:
@@ -60,13 +60,15 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
     if not (hf_dir / shard).is_file():
       named = sum(1 for s in reader.weight_map.values() if s == shard)
       raise Damaged(f"{hf_dir}/{shard} is missing ({named} tensors of the index are in it)")
+  for name in reader.names():  # headers only (Damaged if garbled): found before the model is built, not after
+    reader.info(name)
   return hf, FAMILIES[arch], reader
 
 
 def run_config(hf: dict[str, Any], family, args: list[str]) -> fork_config.RunConfig:
   if args and "=" not in args[0]:
     return fork_config.load(args)
-  derived = [f"{k}={json.dumps(v)}" for k, v in family.maxtext_keys(hf).items()]
+  derived = [f"{k}={fork_config.cli_value(v)}" for k, v in family.maxtext_keys(hf).items()]
   return fork_config.load([family.DEFAULT_CONFIG, *derived, *args])
 
 
@@ -167,18 +169,18 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
                    "config and the weights describe different models")
   start = time.perf_counter()
   arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
-  tmp = out_dir.with_name(out_dir.name + ".tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
+  tmp = stop.tmp_dir(out_dir)
+  stop.remove_partial(out_dir)
   try:
     save(arrays, tmp)
     keys = {k: v for k, v in run.upstream.items() if k in family.maxtext_keys(hf)}
     (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "model_keys": keys}, indent=1))
     tmp.rename(out_dir)
   except OSError as e:
-    shutil.rmtree(tmp, ignore_errors=True)
+    stop.remove_partial(out_dir)
     raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:  # stop.Stopped (a signal) among them
+    stop.remove_partial(out_dir)
     raise
   return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
           "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if args[:1] in (["-h"], ["--help"]) else 2
   hf_dir, out_dir = Path(args[0]), Path(args[1])
   try:
-    done = import_(hf_dir, out_dir, args[2:])
+    with stop.on_signals("import_hf", out_dir):
+      done = import_(hf_dir, out_dir, args[2:])
   except HFError as e:
     print(f"import_hf: {e}", file=sys.stderr, flush=True)
     return e.code

@@ -10,12 +10,15 @@ transformers' sharded checkpoints do.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
+
+from MaxText.hf.errors import Damaged
 
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
           "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
@@ -75,23 +78,27 @@ def write(out_dir: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], produce
 
 
 class Reader:
-  """The tensors of an HF directory (sharded with an index, or one model.safetensors), read one at a time."""
+  """The tensors of an HF directory (sharded with an index, or one model.safetensors), read one at a time.
+
+  A shard whose header does not parse or does not fit its file (bad UTF-8 or JSON, an unknown dtype, offsets past
+  its end, an empty or truncated file) raises Damaged naming the file, before any tensor of it is read."""
 
   def __init__(self, hf_dir: Path):
     self.dir = hf_dir
+    self._headers: dict[str, dict] = {}
     index = hf_dir / INDEX
     if index.is_file():
       self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
     elif (hf_dir / "model.safetensors").is_file():
-      self.weight_map = {name: "model.safetensors" for name in self._header("model.safetensors") if name != "__metadata__"}
+      self.weight_map = {name: "model.safetensors" for name in self.header("model.safetensors")}
     else:
       raise FileNotFoundError(f"{hf_dir} has neither {INDEX} nor model.safetensors")
-    self._headers: dict[str, dict] = {}
 
-  def _header(self, shard: str) -> dict:
-    with open(self.dir / shard, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      return json.loads(f.read(n))
+  def header(self, shard: str) -> dict[str, dict]:
+    """{name: {dtype, shape, data_offsets}} of one shard (its __metadata__ left out), checked against its file."""
+    if shard not in self._headers:
+      self._headers[shard] = _checked_header(self.dir / shard)
+    return self._headers[shard]
 
   def shards(self) -> list[str]:
     return sorted(set(self.weight_map.values()))
@@ -101,9 +108,9 @@ class Reader:
 
   def info(self, name: str) -> dict:
     shard = self.weight_map[name]
-    if shard not in self._headers:
-      self._headers[shard] = self._header(shard)
-    return self._headers[shard][name]
+    if name not in self.header(shard):
+      raise Damaged(f"{self.dir / shard} has no tensor {name}, which {INDEX} places in it")
+    return self.header(shard)[name]
 
   def read(self, name: str) -> np.ndarray:
     shard, info = self.weight_map[name], self.info(name)
@@ -115,3 +122,51 @@ class Reader:
     if len(data) != end - begin:
       raise ValueError(f"{shard} is truncated: {name} needs bytes {begin}..{end} of its data")
     return np.frombuffer(data, DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _checked_header(path: Path) -> dict[str, dict]:
+  """The header of the safetensors file at path; Damaged naming the file and what is wrong with it."""
+  try:
+    with open(path, "rb") as f:
+      size = os.fstat(f.fileno()).st_size
+      if size < 8:
+        raise Damaged(f"{path} is {size} bytes: too short for a safetensors header")
+      (n,) = struct.unpack("<Q", f.read(8))
+      if n > size - 8:
+        raise Damaged(f"{path}'s header claims {n} bytes but the file holds {size - 8} after its length")
+      raw = f.read(n)
+  except OSError as e:
+    raise Damaged(f"{path} cannot be read: {e.strerror or e}") from None
+  try:
+    header = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError, as JSON's errors are
+  except ValueError as e:
+    raise Damaged(f"{path}'s header is not UTF-8 JSON: {' '.join(str(e).split())[:120]}") from None
+  if not isinstance(header, dict):
+    raise Damaged(f"{path}'s header is a JSON {type(header).__name__}, not an object of tensors")
+  header.pop("__metadata__", None)
+  data = size - 8 - n
+  for name, info in header.items():
+    why = _entry_problem(info, data)
+    if why:
+      raise Damaged(f"{path}: tensor {name!r} {why}")
+  return header
+
+
+def _entry_problem(info: object, data_bytes: int) -> str | None:
+  """What is wrong with one header entry, given the bytes of data after the header; None when it reads."""
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+    return "lacks dtype, shape or data_offsets"
+  if info["dtype"] not in DTYPES:
+    return f"has dtype {info['dtype']!r}, not one of {', '.join(sorted(DTYPES))}"
+  shape, offsets = info["shape"], info["data_offsets"]
+  if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    return f"has shape {shape!r}, not a list of sizes"
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+          and 0 <= offsets[0] <= offsets[1]):
+    return f"has data_offsets {offsets!r}, not [begin, end]"
+  nbytes = int(np.prod(shape)) * DTYPES[info["dtype"]].itemsize
+  if offsets[1] - offsets[0] != nbytes:
+    return f"is {info['dtype']} {shape}, {nbytes} bytes, but its data_offsets {offsets} span {offsets[1] - offsets[0]}"
+  if offsets[1] > data_bytes:
+    return f"ends at byte {offsets[1]} of data, past the file's {data_bytes}: the file is truncated"
+  return None

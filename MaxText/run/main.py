@@ -88,16 +88,43 @@ def main(argv: list[str] | None = None) -> int:
   return command_line.EXIT_PREEMPTED if summary.get("stopped") else command_line.EXIT_OK
 
 
+# How XLA says an allocation failed (the PjRt status code, then the allocator's words):
+#   GPU (BFC allocator): "RESOURCE_EXHAUSTED: Out of memory while trying to allocate N bytes."
+#   CPU (PjRt CPU client, host memory): "RESOURCE_EXHAUSTED: Out of memory allocating N bytes."
+# and numpy on the host: MemoryError("Unable to allocate 510. GiB for an array with shape ...").
+HOST_WORDS = "Out of memory allocating"
+
+
 def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> str | None:
-  """XLA running out of device memory (RESOURCE_EXHAUSTED, at the compile or at a step) as one line naming XLA's
-  figure and what to change; None for any other error."""
-  text = str(e)
-  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+  """An allocation that failed (XLA's RESOURCE_EXHAUSTED on a device or on the host, or numpy's MemoryError), at
+  the compile or at a step, as one line naming the figure and what to change; None for any other error. The
+  cause chain is searched: a wrapper's message (orbax's, upstream's) need not repeat XLA's."""
+  found = _allocation_failure(e)
+  if found is None:
     return None
-  said = next((" ".join(line.split()) for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)[:240]
+  said = next((" ".join(line.split()) for line in found.splitlines() if line.strip()), found)[:240]
   config = run.config_path if run is not None else "CONFIG"
+  if HOST_WORDS in said or not said.startswith("RESOURCE_EXHAUSTED"):  # the CPU client's words, or numpy's
+    return (f"out of host memory: {said}; the step, its state or its data does not fit in this machine's memory (or "
+            f"the job's limit, `ulimit -v`): scripts/plan.sh {config} (with the same key=value overrides) shows what "
+            "the step needs; lower per_device_batch_size, or set remat_policy=full, or give the job more memory")
   return (f"out of device memory: {said}; scripts/plan.sh {config} (with the same key=value overrides) shows what "
           "the step needs: lower per_device_batch_size, or set remat_policy=full or xla_presets=[host_offload]")
+
+
+def _allocation_failure(e: BaseException) -> str | None:
+  """The text of the first error in e's cause chain that is a failed allocation: its RESOURCE_EXHAUSTED line on,
+  or a MemoryError's message."""
+  seen: set[int] = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    text = str(e)
+    if isinstance(e, MemoryError):
+      return text or "MemoryError (no figure given)"
+    if "RESOURCE_EXHAUSTED" in text and "memory" in text.lower():
+      return text[text.index("RESOURCE_EXHAUSTED"):]
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def _exit_now(code: int, message: str) -> None:

@@ -1,0 +1,82 @@
+"""SIGTERM (a scheduler's stop) and SIGINT (Ctrl-C) for export_hf and import_hf: one line, exit 143 / 130, and
+nothing half-written left: OUT_DIR.tmp and orbax's temporary folders next to it are removed.
+
+The first signal raises Stopped in the main thread, so that the writer's own clean-up runs as for any failure; a
+second one (a clean-up that hangs) removes the same paths and ends the process at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Iterator, NoReturn
+
+from MaxText.hf.errors import INTERRUPTED, TERMINATED
+
+CODES = {signal.SIGTERM: TERMINATED, signal.SIGINT: INTERRUPTED}
+
+
+class Stopped(BaseException):
+  """A signal, raised wherever the main thread was. A BaseException (as KeyboardInterrupt is), so that no
+  `except Exception` on the way (the checkpoint reader turns any read failure into Damaged) takes it for an error."""
+
+  def __init__(self, signum: int):
+    self.name = signal.Signals(signum).name
+    self.code = CODES[signum]
+    super().__init__(self.name)
+
+
+def partial(out_dir: Path) -> list[Path]:
+  """What a write to out_dir leaves when cut short: OUT_DIR.tmp, and orbax's `OUT_DIR.tmp.orbax-checkpoint-tmp-*`
+  (import's checkpoint is written there first and renamed)."""
+  tmp = tmp_dir(out_dir)
+  return [tmp, *tmp.parent.glob(f"{tmp.name}.orbax-checkpoint-tmp*")]
+
+
+def tmp_dir(out_dir: Path) -> Path:
+  return out_dir.with_name(out_dir.name + ".tmp")
+
+
+def remove_partial(out_dir: Path) -> None:
+  for path in partial(out_dir):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def on_signals(prog: str, out_dir: Path) -> Iterator[None]:
+  """While inside, SIGTERM or SIGINT ends the process with one line and 128 + the signal, the partial output
+  removed (exit_stopped); the previous handlers after, so that a caller in the same process (a test) keeps its
+  own. Signal handlers can only be set from the main thread, where the CLIs run."""
+  stopped: list[int] = []
+
+  def handler(signum, _frame):
+    if stopped:
+      exit_stopped(prog, Stopped(signum), out_dir)
+    stopped.append(signum)
+    raise Stopped(signum)
+
+  previous = {s: signal.signal(s, handler) for s in CODES}
+  try:
+    yield
+  except Stopped as e:  # the writer's own clean-up has run on the way out
+    exit_stopped(prog, e, out_dir)
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def exit_stopped(prog: str, e: Stopped, out_dir: Path) -> NoReturn:
+  """Removes the partial output, says so in one line, and ends the process without waiting for writer threads
+  (orbax's, mid-write, would go on writing into the folder just removed, and recreate it)."""
+  remove_partial(out_dir)
+  what = f"{out_dir} was complete and is kept" if out_dir.exists() else f"{out_dir} not written"
+  os.write(2, f"{prog}: stopped by {e.name}; {what}, {tmp_dir(out_dir)} removed\n".encode())
+  try:
+    sys.stdout.flush()
+  except Exception:  # pylint: disable=broad-except
+    pass  # a write the signal interrupted: its bytes are lost with the process either way
+  os._exit(e.code)  # pylint: disable=protected-access
