@@ -9,6 +9,7 @@ Pallas' Mosaic-GPU interpreter inside shard_map, forward and gradients against a
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
