@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
-from MaxText.hf.errors import BadInput, HFError, NotWritten
+from MaxText.hf.errors import BadInput, HFError
 
 DTYPES = {"bf16": ("BF16", "bfloat16"), "f32": ("F32", "float32")}
 # decoder_block -> the module that lays that family out (pieces(shapes, config), hf_config(config, dtype))
@@ -69,10 +69,8 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
     raise BadInput(f"the checkpoint holds {'/'.join(left[0])} ({len(left)} arrays in all) that the "
                    f"{family.ARCHITECTURE} layout has no place for: not exported, rather than dropped")
   st_dtype, name = DTYPES[dtype]
-  tmp = stop.tmp_dir(out_dir)
-  stop.remove_partial(out_dir)
   start = time.perf_counter()
-  try:
+  with stop.writing(out_dir) as tmp:
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(family.hf_config(config, name), indent=2) + "\n")
 
@@ -85,13 +83,6 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
     ckpt.verdict()
     if ckpt.unread():
       raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")
-    tmp.rename(out_dir)
-  except OSError as e:
-    stop.remove_partial(out_dir)
-    raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:  # stop.Stopped (a signal) among them
-    stop.remove_partial(out_dir)
-    raise
   files = sorted(out_dir.glob("*.safetensors"))
   return {"step": ckpt.step, "tensors": len(pieces), "shards": len(files),
           "bytes": sum(f.stat().st_size for f in files), "seconds": time.perf_counter() - start,

@@ -26,7 +26,7 @@ import numpy as np
 import patches
 from MaxText import config as fork_config
 from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
-from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
+from MaxText.hf.errors import BadInput, Damaged, HFError
 
 # config.json's architecture -> what lays it out (pieces, maxtext_keys, DEFAULT_CONFIG)
 FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
@@ -169,19 +169,10 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
                    "config and the weights describe different models")
   start = time.perf_counter()
   arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
-  tmp = stop.tmp_dir(out_dir)
-  stop.remove_partial(out_dir)
-  try:
+  with stop.writing(out_dir) as tmp:
     save(arrays, tmp)
     keys = {k: v for k, v in run.upstream.items() if k in family.maxtext_keys(hf)}
     (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "model_keys": keys}, indent=1))
-    tmp.rename(out_dir)
-  except OSError as e:
-    stop.remove_partial(out_dir)
-    raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:  # stop.Stopped (a signal) among them
-    stop.remove_partial(out_dir)
-    raise
   return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
           "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, NoReturn
 
-from MaxText.hf.errors import INTERRUPTED, TERMINATED
+from MaxText.hf.errors import INTERRUPTED, TERMINATED, NotWritten
 
 CODES = {signal.SIGTERM: TERMINATED, signal.SIGINT: INTERRUPTED}
 
@@ -44,6 +44,22 @@ def tmp_dir(out_dir: Path) -> Path:
 def remove_partial(out_dir: Path) -> None:
   for path in partial(out_dir):
     shutil.rmtree(path, ignore_errors=True)
+
+@contextlib.contextmanager
+def writing(out_dir: Path) -> Iterator[Path]:
+  """OUT_DIR.tmp to write into, renamed to out_dir when the block ends. A write the disk refuses is NotWritten
+  (exit 6), and whatever ends the block early (that, any error, a signal's Stopped) removes the partial output."""
+  tmp = tmp_dir(out_dir)
+  remove_partial(out_dir)
+  try:
+    yield tmp
+    tmp.rename(out_dir)
+  except OSError as e:
+    remove_partial(out_dir)
+    raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
+  except BaseException:
+    remove_partial(out_dir)
+    raise
 
 
 @contextlib.contextmanager
