@@ -26,6 +26,8 @@ def _kind(path: Path) -> set[str]:
   kinds = {"all"}
   if "recipes" in path.parts:
     kinds |= {"recipe", "full"}
+    if path.stem != "deepseek3-671b-common":
+      kinds.add("cluster")  # a recipe with its mesh (the common file has none: node-limited routing needs EP nodes)
   elif name in ("deepseek3-671b.yml", "deepseek3-671b-yarn.yml"):
     kinds.add("full")
   if "yarn" not in name:
@@ -74,7 +76,9 @@ PUBLISHED = [
     ("§4.2 max sequence length 4K", "max_target_length", 4096, "recipe"),
     ("our path in the recipes (not the paper)", "moe_block", "ours", "recipe"),
     ("our path in the recipes (not the paper)", "moe_gmm_backend", "auto", "recipe"),
-    ("our path in the recipes (not the paper)", "moe_dispatch_backend", "auto", "recipe"),
+    ("our path in the recipes (not the paper): EP across nodes in two exchanges", "moe_dispatch_backend", "hierarchical",
+     "recipe"),
+    ("§2.1.2 node-limited routing: a token's experts on at most M = 4 nodes", "moe_node_limited_routing", True, "cluster"),
 ]
 
 

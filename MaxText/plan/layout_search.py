@@ -148,7 +148,9 @@ def run_layout(run: fork_config.RunConfig) -> Layout:
                 batch=int(up.get("per_device_batch_size", 1)), accum=int(up.get("gradient_accumulation_steps", 1)),
                 fp8=run.fork.moe_fp8 != "none",
                 dispatch="hierarchical" if run.fork.moe_dispatch_backend == "hierarchical" else "a2a_padded",
-                node_limited=run.fork.moe_node_limited_routing)
+                node_limited=run.fork.moe_node_limited_routing,
+                # as the class writes it: node-limited layouts name their capacity, the others take the run's (0)
+                hierarchical_capacity=run.fork.moe_hierarchical_capacity_factor if run.fork.moe_node_limited_routing else 0.0)
 
 
 def _divisors(n: int) -> list[int]:
