@@ -1,7 +1,7 @@
 """Where a compiled FP8 step quantizes: the fusions of its HLO text that write e4m3 values, and the Mosaic GPU
 kernels that do (kind `mosaic`: the one-pass quantization kernels, `MaxText/moe/gmm/mgpu/fp8_quant_kernels.py`).
 
-    python3 tools/hlo_fp8_passes.py plan.hlo       # from `python -m MaxText.plan ... moe_fp8=blockwise --hlo plan.hlo`
+    python3 tests/hlo_fp8_passes.py plan.hlo       # from `python -m MaxText.plan ... moe_fp8=blockwise --hlo plan.hlo`
 
 One line per (fusion kind, e4m3 output type, what reads into it, where jax emitted it), with a count.
 "Reads" names the producers that are not plain values: `mpmd_map` is a Mosaic GPU kernel's output (the

@@ -33,7 +33,7 @@ rate for materialized rows. Taking wo's dy as the moved tiles removed two such p
 requantization: -8.5 ms
 predicted, about -2 measured (bench_train, 100 steps). Those passes fuse the gather and read the compact token rows,
 and the tiles they replace are still materialized by XLA's gather (byte-wide then, ~0.8 TB/s; in uint32 words since
-2ca37d2, ~1.66 TB/s, tools/bench_packed_gather.py): so the account overstates what removing a gathered pass saves,
+2ca37d2, ~1.66 TB/s, tools/bench_packed_gather.py at 2b6d1c1): so the account overstates what removing a gathered pass saves,
 by roughly 2x.
 """
 

@@ -14,7 +14,7 @@ flipped bit anywhere changes the first sum (it moves by 2^k times an odd weight,
 It is computed in the same pass as the finite check the guard already made before each save (one
 variadic reduction per array, which reads it once), and again on the restored arrays
 (patches/checkpoint_restore.py). That pass is faster than the finite check alone was
-(tools/bench_checkpoint_digest.py, BENCHMARKS.md "Reliability").
+(tools/bench_checkpoint_digest.py at 9df0284, which measured it).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _as_bits(x):
 def _digest_and_nonfinite(x):
   """uint32[3]: sum(bits * (2i + 1)) and sum(bits ^ (i * golden)), both mod 2^32, and the count of non-finite
   elements, in one variadic reduction: one read of the array (three separate sums read it three times, 30x
-  slower on CPU: tools/bench_checkpoint_digest.py)."""
+  slower on CPU: tools/bench_checkpoint_digest.py at 9df0284)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 

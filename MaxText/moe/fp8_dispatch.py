@@ -44,7 +44,7 @@ from MaxText.moe.gmm.fp8_quant import BLOCK, RowTiles
 
 # The packed rows' word, for dispatchers that exchange rows between devices. XLA gathers a row of words as that many
 # elements, 4 to a GPU thread: the packed rows' gather on the H200 ([131,072, 7,392] bytes) took 1.245 ms in uint8,
-# 0.583 in uint32 (tools/bench_packed_gather.py; BENCHMARKS.md "Dispatch and expert parallelism"). In the whole compiled
+# 0.583 in uint32 (tools/bench_packed_gather.py at 2b6d1c1, BENCHMARKS.md's D3 at 1bc5e82). In the whole compiled
 # step, uint32 words alone had XLA gather the forward's rows in a transposed layout: the kernel's transposed scales
 # ([K'/128, M]) chose the layout of the one gather that carried them (an optimization barrier did not
 # change it). `_moved_tiles` pins the moved rows row-major (a layout constraint), so the scales are transposed

@@ -298,7 +298,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, group_offset=0, transpose_rhs=False, 
 def quantize_weight(rhs_GKN) -> fp8_quant.WeightBlocks:
   """The weight's blocks, once for the forward and dlhs (gmm's custom VJP), in both layouts from one pass over the
   bf16 weight (`mgpu_fp8_quant.quantize_weight_blocks_both`), where XLA's amax, quantize and transpose read it
-  twice and the e4m3 blocks once more (the expert FFN's compiled HLO, tools/hlo_ffn_fp8.py)."""
+  twice and the e4m3 blocks once more (the expert FFN's compiled HLO, tools/hlo_ffn_fp8.py at 2b6d1c1)."""
   q_GKN, q_GNK, scale_GKbNb = mgpu_fp8_quant.quantize_weight_blocks_both(fp8_quant.pad_weight(rhs_GKN))
   return fp8_quant.WeightBlocks(q_GKN, scale_GKbNb, q_GNK)
 

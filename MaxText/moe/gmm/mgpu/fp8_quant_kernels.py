@@ -212,7 +212,7 @@ def quantize_row_tiles(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
 #
 # `fp8_quant.quantize_weight_blocks` and the forward's transposed copy, in one pass. XLA compiles the pair to an
 # amax pass over the bf16 weight, a quantizing pass that reads it again, and a transpose of the e4m3 blocks (the
-# FFN's compiled HLO, tools/hlo_ffn_fp8.py): per weight 2 + 3 + 2 bytes a value, where this reads 2 and writes 2. Each
+# FFN's compiled HLO, tools/hlo_ffn_fp8.py at 2b6d1c1): per weight 2 + 3 + 2 bytes a value, where this reads 2 and writes 2. Each
 # [128, 128] block is loaded once by TMA; one warpgroup takes its amax (each row's, then the rows' across warps),
 # scales, converts, and stores the block as is and transposed. `fp8.quantize_weight` calls it for the forward.
 #
