@@ -4,6 +4,7 @@
 #
 #   docker run --gpus all --rm maxtext-moe            # or: bash docker/smoke.sh
 #   SMOKE_STEPS=3 SMOKE_OUT=/tmp/smoke SMOKE_NO_TE=1 bash docker/smoke.sh
+#   SMOKE_DEVICE=cpu bash docker/smoke.sh                # no GPU: the CPU items only
 #
 # Items:
 #   pins        docker/check_image.py: manifest versions, TE release series, our MaxText
@@ -13,9 +14,14 @@
 #               summary must hold SMOKE_STEPS steps and a finite final loss
 # SMOKE_NO_TE=1 drops the TE requirement (a GPU node set up from the wheelhouse has none);
 # SMOKE_SELFTEST=0 leaves the self-test out (it is run on its own, say).
+# SMOKE_DEVICE=cpu (the Dockerfile's smoke-cpu stage, a machine without a GPU): the GPU items
+# print "SKIP ... (skipped: no GPU)", never PASS, and train-tiny runs on the CPU (the tiny
+# config's own hardware), through our MoE block all the same.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps="${SMOKE_STEPS:-3}"
+device="${SMOKE_DEVICE:-gpu}"
+case "$device" in gpu|cpu) ;; *) echo "smoke: SMOKE_DEVICE=$device: must be gpu or cpu" >&2; exit 2 ;; esac
 out="${SMOKE_OUT:-$(mktemp -d /tmp/maxtext-moe-smoke.XXXXXX)}"
 mkdir -p "$out"
 # Run from the log folder: `python3 -m MaxText` must find the installed package,
@@ -36,13 +42,19 @@ item() {  # item NAME COMMAND...: runs it, logs to $out/NAME.log, prints PASS/FA
 
 te_flag=(); [ "${SMOKE_NO_TE:-0}" = 1 ] && te_flag=(--no-te)
 item pins "$py" "$root/docker/check_image.py" "${te_flag[@]}"
-item gpu "$py" -c 'import jax; b = jax.default_backend(); print(b, jax.devices()); assert b == "gpu", b'
+if [ "$device" = gpu ]; then
+  item gpu "$py" -c 'import jax; b = jax.default_backend(); print(b, jax.devices()); assert b == "gpu", b'
+else
+  echo "SKIP gpu (skipped: no GPU; SMOKE_DEVICE=cpu)"
+fi
 
 # The GPU items need a GPU: without one they are not run (the gpu FAIL above
 # already fails the smoke test), rather than crawling through GPU-sized cases on CPU.
-gpu_ok=1; [[ " ${failed[*]} " == *" gpu "* ]] && gpu_ok=0
+gpu_ok=1; [[ " ${failed[*]} " == *" gpu "* ]] || [ "$device" = cpu ] && gpu_ok=0
 
-if [ "$gpu_ok" = 0 ]; then
+if [ "$device" = cpu ]; then
+  echo "SKIP selftest (skipped: no GPU)"
+elif [ "$gpu_ok" = 0 ]; then
   echo "SKIP selftest (no GPU)"
 elif [ "${SMOKE_SELFTEST:-1}" = 0 ]; then
   echo "SKIP selftest (SMOKE_SELFTEST=0)"
@@ -57,7 +69,8 @@ fi
 # 128 tokens, which the tiny MLA head sizes don't suit). One process, so no
 # jax.distributed (the config already skips it). Synthetic data, no downloads.
 train_tiny() {
-  "$py" -m MaxText.train "$root/configs/deepseek3-tiny.yml" hardware=gpu attention=dot_product \
+  local on_gpu=(hardware=gpu attention=dot_product); [ "$device" = cpu ] && on_gpu=()
+  "$py" -m MaxText.train "$root/configs/deepseek3-tiny.yml" "${on_gpu[@]}" \
     steps="$steps" checkpoint_period="$steps" base_output_directory="$out/runs" run_name=tiny || return 1
   "$py" - "$out/runs/tiny/summary.json" "$steps" <<'PY'
 import json, math, sys
@@ -67,7 +80,7 @@ assert math.isfinite(s["final_loss"]), s["final_loss"]
 print(f"steps {s['steps_completed']}, final loss {s['final_loss']:.4f}, median step {s['median_step_time_s']}")
 PY
 }
-if [ "$gpu_ok" = 1 ]; then
+if [ "$gpu_ok" = 1 ] || [ "$device" = cpu ]; then
   item train-tiny train_tiny
   tail -n 1 "$out/train-tiny.log"
 else

@@ -3,35 +3,60 @@
 # manifest's versions, optionally exported as an enroot .sqsh for SLURM + pyxis.
 #
 #   scripts/build_container.sh [--engine docker|podman] [--base IMAGE] [--offline]
+#                              [--standin] [--smoke-cpu] [--isolation chroot|oci] [--no-cache]
 #                              [--sqsh FILE] [--push] [--dry-run]
 #
 #   --engine   docker (buildx) or podman; default: the first one whose engine answers
 #   --base     base image (default: docker/manifest.yaml's base_image)
+#   --standin  on the CPU stand-in for the NGC base (scripts/standin_base.sh, made first if
+#              absent; podman), with --smoke-cpu: for a machine that cannot pull the NGC base
+#   --smoke-cpu  then build the Dockerfile's smoke-cpu stage: docker/smoke.sh with
+#              SMOKE_DEVICE=cpu (the pins, 3 steps of the tiny config on the CPU; the GPU
+#              items "skipped: no GPU") on a builder where `run` is not possible
+#   --no-cache  rebuild every layer (so that check_image and the smoke run and print again)
+#   --isolation  podman's RUN isolation; default: chroot where /sys/fs/cgroup is not cgroup v2
+#              (podman's OCI isolation refuses v1 and hybrid hierarchies), else oci
 #   --offline  air-gapped: install from ./wheelhouse instead of an index (build it on a
 #              connected machine first: scripts/wheelhouse --image none --no-size-cap)
 #   --sqsh     also write an enroot squashfs image (needs enroot)
 #   --push     push the tags after building (docker buildx --push / podman push)
 #   --dry-run  print the commands, run nothing (no engine needed)
 #
-# Tags: maxtext-moe:<version>-maxtext<maxtext>-jax<jax> and maxtext-moe:latest.
+# Tags: maxtext-moe:<version>-maxtext<maxtext>-jax<jax> and maxtext-moe:latest (on the
+# stand-in: maxtext-moe-standin:..., so it is never taken for the real image).
+# Exit 2: a bad argument; 1: no engine, or the build failed (its cause in one line
+# where it is known: a full disk, a base without Python 3.12); the smoke's own
+# PASS/FAIL/SKIP lines are printed as they come.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 manifest="$repo/docker/manifest.yaml"
-die() { echo "build_container: error: $*" >&2; exit 1; }
+die() { echo "build_container: error: $1" >&2; exit "${2:-1}"; }
 
-engine="" base="" wheels=online sqsh="" push=0 dry=0
+engine="" base="" wheels=online sqsh="" push=0 dry=0 standin=0 smoke=0 isolation="" no_cache=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --engine) engine="${2:?--engine needs docker or podman}"; shift 2 ;;
     --base) base="${2:?--base needs an image}"; shift 2 ;;
+    --standin) standin=1 smoke=1; shift ;;
+    --smoke-cpu) smoke=1; shift ;;
+    --isolation) isolation="${2:?--isolation needs chroot or oci}"; shift 2 ;;
     --offline) wheels=offline; shift ;;
+    --no-cache) no_cache=(--no-cache); shift ;;
     --sqsh) sqsh="${2:?--sqsh needs a file name}"; shift 2 ;;
     --push) push=1; shift ;;
     --dry-run) dry=1; shift ;;
     -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument: $1 (see --help)" ;;
+    *) die "unknown argument: $1 (see --help)" 2 ;;
   esac
 done
+case "$engine" in ""|docker|podman) ;; *) die "--engine $engine: must be docker or podman" 2 ;; esac
+case "$isolation" in ""|chroot|oci) ;; *) die "--isolation $isolation: must be chroot or oci" 2 ;; esac
+[ -n "$isolation" ] && [ "$engine" = docker ] && die "--isolation is podman's; docker buildx has none" 2
+if [ "$standin" = 1 ]; then
+  [ -z "$base" ] || die "--standin and --base both name the base; give one" 2
+  [ "$engine" != docker ] || die "--standin builds with podman (its base is a local podman image)" 2
+  engine=podman
+fi
 
 # Manifest values, read with a plain-shell parser: the keys used here are
 # simple `key: value` lines (tests/test_manifest.py checks this parse against PyYAML).
@@ -48,8 +73,11 @@ manifest_value() {  # manifest_value SECTION KEY  (SECTION "" for top-level keys
 pyproject_version() { sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -n1; }
 
 digest="$(manifest_value base_image digest)"
+standin_tag="$(manifest_value "" standin_base):bookworm-py3.12-jax$(manifest_value pins jax)"  # standin_base.sh's
+[ "$standin" = 1 ] && base="$standin_tag"
 base="${base:-$(manifest_value base_image repository):$(manifest_value base_image tag)${digest:+@$digest}}"
 name="$(manifest_value "" image_name)"
+[ "$standin" = 1 ] && name="$name-standin"
 tag="$(pyproject_version)-maxtext$(manifest_value pins maxtext)-jax$(manifest_value pins jax)"
 [ -n "$name" ] && [ "$tag" != "-maxtext-jax" ] || die "could not read versions from $manifest"
 [ "$wheels" = offline ] && ! compgen -G "$repo/wheelhouse/*.whl" >/dev/null \
@@ -79,17 +107,44 @@ if [ "$dry" = 0 ]; then
 fi
 [ -n "$engine" ] || engine=docker
 
-args=(-f "$repo/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" --build-arg "WHEELS=$wheels"
-      -t "$name:$tag" -t "$name:latest" "$repo")
+if [ "$engine" = podman ] && [ -z "$isolation" ]; then
+  isolation=oci; [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] || isolation=chroot
+fi
+args=(-f "$repo/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" --build-arg "WHEELS=$wheels")
 case "$engine" in
   docker) build=(docker buildx build --load "${args[@]}") ;;
-  podman) build=(podman build --format docker "${args[@]}") ;;
-  *) die "unknown engine '$engine' (docker or podman)" ;;
+  podman) build=(podman build --format docker --isolation="$isolation" "${args[@]}") ;;
 esac
 
 run() { echo "+ $*"; [ "$dry" = 1 ] || "$@"; }
-echo "build_container: $name:$tag from $base (wheels: $wheels, engine: $engine)"
-run "${build[@]}"
+# A build's output goes to the terminal and to a log, from which a failure's known cause is
+# told in one line: the Dockerfile's own "maxtext-moe: ..." lines, scripts/wheelhouse's and
+# docker/check_image.py's, or a full disk.
+log="$(mktemp "${TMPDIR:-/tmp}/build_container.XXXXXX")"
+trap 'rm -f "$log"' EXIT
+build_step() {  # build_step WHAT ARGS...: the engine's build, and one line if it fails
+  local what="$1"; shift
+  echo "+ ${build[*]} $* $repo"
+  [ "$dry" = 1 ] && return 0
+  if "${build[@]}" "$@" "$repo" 2>&1 | tee "$log"; then return 0; fi
+  # Lines our steps print at a line's start (the engine echoes each RUN's text, which holds them too).
+  local cause; cause="$(grep -E '^(maxtext-moe|wheelhouse|check_image): ' "$log" | tail -n1 || true)"
+  grep -qi 'no space left on device' "$log" \
+    && cause="no space left on device (the engine's storage: $( [ "$engine" = podman ] && podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo "docker's data-root"))"
+  die "$what failed${cause:+: $cause}"
+}
+if [ "$standin" = 1 ] && [ "$dry" = 0 ] && ! podman image exists "$base"; then
+  echo "build_container: the stand-in base $base is absent: scripts/standin_base.sh"
+  "$repo/scripts/standin_base.sh" --tag "$base" || die "scripts/standin_base.sh failed"
+fi
+echo "build_container: $name:$tag from $base (wheels: $wheels, engine: $engine${isolation:+, isolation: $isolation})"
+build_step "the image's build" "${no_cache[@]}" --target runtime -t "$name:$tag" -t "$name:latest"
+if [ "$smoke" = 1 ]; then
+  # The smoke-cpu stage reuses the layers just built (after --no-cache they are new, so the smoke runs again);
+  # its RUN is the smoke, printed as it runs.
+  build_step "the CPU smoke test" --target smoke-cpu -t "$name-smoke-cpu:$tag"
+  [ "$dry" = 1 ] || echo "build_container: CPU smoke passed in the image (the GPU items: skipped, no GPU)"
+fi
 if [ "$push" = 1 ]; then
   run "$engine" push "$name:$tag"
 fi
