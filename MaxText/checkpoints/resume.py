@@ -188,6 +188,33 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     tmp.unlink(missing_ok=True)
 
 
+# `<run_dir>/maxtext-moe/data_passes.json`: {"starts": {"2": 92, "3": 184}}, the first step of each pass over the
+# grain data after the first (data_exhausted=repeat, patches/data_passes.py). A resume from checkpoint C reads
+# the pass C's batch was in; the starts after C are dropped when the resumed run passes them again.
+DATA_PASSES = "data_passes.json"
+
+
+def _data_pass_starts(run_dir: Path) -> dict[int, int]:
+  record = _read_json(run_dir / RUN_FILES / DATA_PASSES) or {}
+  starts = record.get("starts")
+  if not isinstance(starts, dict):
+    return {}
+  return {int(p): int(s) for p, s in starts.items() if str(p).isdigit() and isinstance(s, int)}
+
+
+def data_pass_at(run_dir: Path, step: int | None) -> int:
+  """The pass over the data that step `step`'s batch came from (1: the first; a new run, step None, is in it)."""
+  if step is None:
+    return 1
+  return max([1, *(p for p, s in _data_pass_starts(run_dir).items() if s <= step)])
+
+
+def record_data_pass(run_dir: Path, pass_no: int, step: int) -> None:
+  starts = {p: s for p, s in _data_pass_starts(run_dir).items() if s < step and p < pass_no}
+  starts[pass_no] = step
+  _write_json(run_dir / RUN_FILES / DATA_PASSES, {"starts": {str(p): s for p, s in sorted(starts.items())}})
+
+
 class FinishedRun(Exception):
   """Re-running a run that has already trained to `steps`: nothing to do."""
 

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
       raise
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
     _exit_now(command_line.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
-  return command_line.EXIT_PREEMPTED if summary.get("stopped") else command_line.EXIT_OK
+  if summary.get("stopped"):
+    return command_line.EXIT_PREEMPTED
+  return command_line.EXIT_DATA_EXHAUSTED if summary.get("data_exhausted") else command_line.EXIT_OK
 
 
 # How XLA says an allocation failed (the PjRt status code, then the allocator's words):
