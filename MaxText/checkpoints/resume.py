@@ -41,7 +41,7 @@ def set_aside_unusable(run_dir: Path, dry_run: bool = False) -> list[str]:
         f"({run_dir / RUN_FILES / checkpoint_records.RECORDS}/): written before maxtext-moe kept them, or the "
         "folder was deleted, so they cannot be verified; resume with the maxtext-moe that wrote them, or pick "
         "another run_name (nothing was moved)")
-  lines = []
+  lines = incomplete_saves(run_dir, dry_run)
   for step, why in unusable_steps(run_dir):
     where = run_dir / "checkpoints" / str(step)
     if dry_run:
@@ -49,6 +49,26 @@ def set_aside_unusable(run_dir: Path, dry_run: bool = False) -> list[str]:
     else:
       lines.append(f"WARNING: {where} is not a checkpoint ({why}): set aside as "
                    f"{checkpoint_records.set_aside(run_dir, step).name}")
+  return lines
+
+
+def incomplete_saves(run_dir: Path, dry_run: bool = False) -> list[str]:
+  """One line for each save the last run never finished: a step orbax was still writing under its in-flight name
+  (`<step>.orbax-checkpoint-tmp*`) when the process died, an async save's commit cut short. Orbax never lists such
+  a folder as a step, so the resume skips it by itself; before, only orbax's own warning hinted at it."""
+  root = run_dir / "checkpoints"
+  if not root.is_dir():
+    return []
+  partial = sorted((int(p.name.split(".")[0]), p.name) for p in root.iterdir()
+                   if checkpoint_records.IN_FLIGHT in p.name and p.name.split(".")[0].isdigit())
+  complete = checkpoint_records.complete_steps(run_dir) if partial else []
+  lines = []
+  for step, name in partial:
+    newest = "the newest save" if not complete or step > complete[-1] else "a save"
+    older = [s for s in complete if s < step]
+    start = f"from checkpoint {older[-1]}" if older else "at step 0: no complete checkpoint precedes it"
+    lines.append(f"WARNING: {newest}, of step {step}, was incomplete (checkpoints/{name}: the run ended while "
+                 f"writing it) and {'would be' if dry_run else 'is'} skipped; the run resumes {start}")
   return lines
 
 
