@@ -45,6 +45,7 @@ SEAM_MODULES = (
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
     "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback
+    "patches.data_passes",  # grain data that runs out: another pass, or a saved stop with exit 9 (data_exhausted)
 )
 
 
@@ -62,6 +63,8 @@ class Hooks:
   # Once the run's starting point is settled (patches/checkpoint_restore.py): the checkpoint step restored, or
   # None for a start from scratch; the trainer writes the run's records then, never for a refused resume.
   on_restored: Callable[[int | None], None] = lambda step: None
+  # A new pass over the grain data began (data_exhausted=repeat): the pass number and the step of its first batch.
+  on_data_pass: Callable[[int, int], None] = lambda pass_no, step: None
 
 
 def _modules():

@@ -75,6 +75,7 @@ _stop_signal: Callable[[], str | None] = lambda: None
 _step_scalars: Callable[[], dict[str, Any]] = dict
 stopped: dict[str, Any] = {}  # filled when a stop request ended the loop: {"step", "signal", "saved"}
 saves: list[dict[str, Any]] = []  # each completed save this process watched: {"step", "bytes", "seconds"}
+_last: list[Any] = []  # the arguments of the last step's call: (manager, state, config, data_iterator, step)
 _watching: list[threading.Thread] = []
 _stop_watching = threading.Event()
 
@@ -231,11 +232,13 @@ def _wrap(original):
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
   from maxtext.utils import exceptions  # pylint: disable=import-outside-toplevel
 
-  def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
+  def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None, _force: str | None = None):
     multi = _multi_process()
     signal_name = _stop_signal()
+    if step is not None and not _force:  # the state of the last step trained, for save_last_step
+      _last[:] = [checkpoint_manager, state, config, data_iterator, step]
     # Multi-process: only JAX's sync point, which every process reaches at the same step.
-    stop = step is not None and ((signal_name is not None and not multi)
+    stop = step is not None and ((signal_name is not None and not multi) or _force is not None
                                  or checkpointing.reached_preemption(checkpoint_manager, step))
     if checkpoint_manager is None:
       if stop:
@@ -273,12 +276,28 @@ def _wrap(original):
     if actual not in done:
       _watch_save(root, actual, began)
       _drop_stale_records(root.parent)
+    if _force is not None:
+      return actual
     if stop:
       stopped.update(step=actual, signal=signal_name or "SIGTERM", saved=actual)
       raise exceptions.StopTraining(f"{signal_name or 'preemption notice'}: checkpoint of step {actual} saved")
 
   maybe_save_checkpoint.__wrapped__ = original
   return maybe_save_checkpoint
+
+
+def save_last_step(reason: str) -> int | None:
+  """Saves the state of the last step trained, as a stop signal does (the finite check, the space check, our
+  record, then the save, waited for), and returns its step; None when no step was trained in this process or
+  checkpointing is off. For a stop found between steps (patches/data_passes.py: the data ran out while the next
+  batch was read): that state is the one maybe_save_checkpoint last saw, and no train step has consumed
+  (donated) it since, because the next step never ran."""
+  if not _last or _last[0] is None:
+    return None
+  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+
+  manager, state, config, data_iterator, step = _last
+  return checkpointing.maybe_save_checkpoint(manager, state, config, data_iterator, step, _force=reason)
 
 
 def _multi_process() -> bool:
@@ -297,6 +316,7 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
     _stop_signal, _step_scalars = hooks.stop_signal, hooks.step_scalars
   stopped.clear()
   saves.clear()
+  _last.clear()
   _stop_watching.clear()
   SEAM.apply(_wrap)
 
@@ -304,4 +324,5 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
 def undo() -> None:
   global _stop_signal, _step_scalars
   _stop_signal, _step_scalars = (lambda: None), dict
+  _last.clear()
   SEAM.undo()

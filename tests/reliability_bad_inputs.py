@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -85,10 +86,11 @@ class Case:
   shell: str = ""
   post: str = ""
   signal_at: tuple[int, int] | None = None  # (signal, step): sent when "[progress] step STEP/" is printed
+  memory_limit: int | None = None  # bytes of address space (RLIMIT_AS) the command may take: a real allocation fails
 
   @property
   def subprocess(self) -> bool:
-    return bool(self.trains or self.own_process or self.env or self.shell or self.signal_at)
+    return bool(self.trains or self.own_process or self.env or self.shell or self.signal_at or self.memory_limit)
 
 
 def _files(tmp: Path) -> dict[str, str]:
@@ -237,7 +239,9 @@ def _run_subprocess(case: Case, args: list[str], out_dir: Path, run_dir: Path) -
     script = (f"OUT={out_dir}; RUN={run_dir}; ( set -e; {case.shell} ) || exit {SETUP_FAILED}\n"
               f"{quoted}; rc=$?\n{case.post}\nexit $rc")
     cmd = ["unshare", "-m", "sh", "-c", script]
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  limit = case.memory_limit
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))) if limit else None)
   stdout: list[str] = []
   stderr: list[str] = []
   readers = [threading.Thread(target=lambda p, acc: acc.extend(p), args=(pipe, acc), daemon=True)

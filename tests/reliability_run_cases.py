@@ -45,6 +45,7 @@ def data_fixture(tmp: Path) -> Path:
   import text_fixture  # pylint: disable=import-outside-toplevel
 
   good = text_fixture.write_arrayrecord(data / "good.array_record", text_fixture.documents(200))
+  text_fixture.write_arrayrecord(data / "small.array_record", text_fixture.documents(20))  # 10 batches of the tiny config
   raw = good.read_bytes()
   (data / "empty.array_record").write_bytes(b"")
   (data / "random.array_record").write_bytes(random.Random(0).randbytes(len(raw)))
@@ -174,6 +175,15 @@ def trained_steps(first: int, last: int = 11):
     if steps != list(range(first, last + 1)):
       return f"lost: trained steps {steps[:3]}..{steps[-1:]} , expected {first}..{last}"
     return None
+  return check
+
+
+def checkpoints_are(steps: list[int]):
+  def check(result: Result) -> str | None:
+    from MaxText.checkpoints import resume  # pylint: disable=import-outside-toplevel
+
+    found = resume.checkpoint_steps(result.run_dir)
+    return None if found == steps else f"lost: checkpoints {found}, expected {steps}"
   return check
 
 
@@ -353,6 +363,7 @@ def training_cases(tmp: Path) -> list[Case]:
   # digest that differs (each seen for the same 400 flipped bytes); any of them, named, is the promise kept.
   any_damage = "(it does not load|it holds non-finite values|the content of \\d+ arrays differs from its digest)"
   stray = "WARNING: .*checkpoints/9 is not a checkpoint \\({}.*set aside as 9.unusable"
+  data = tmp / "data"
   return [
       resumed(mkdir("checkpoints/99"), "a stray empty checkpoints/99", "checkpoints/99 is not a checkpoint",
               10, ("99.unusable",)),
@@ -387,6 +398,17 @@ def training_cases(tmp: Path) -> list[Case]:
       Case((*RESUME, "allow_schedule_change=true"), code=0, base="trained", setup=remove("maxtext-moe/schedule.json"),
            trains=True, check=trained_steps(10), warns="schedule.json is missing; allow_schedule_change=true",
            name="schedule.json deleted, allow_schedule_change=true"),
+      # The data runs out (20 documents: 10 batches) before steps=14: a saved stop, or another pass (the default).
+      Case(grain(data, f"grain_train_files={data}/small.array_record", "steps=14", "checkpoint_period=100",
+                 "data_exhausted=stop"), code=9, trains=True, check=checkpoints_are([0, 9]),
+           says="data exhausted: grain_train_files '.*small.array_record' ran out at step 10 .*checkpoint of step 9, "
+           "the last step trained, saved", name="grain data that runs out, data_exhausted=stop"),
+      Case(grain(data, f"grain_train_files={data}/small.array_record", "steps=14", "checkpoint_period=100"), code=0,
+           trains=True, warns="data: pass 1 over .*small.array_record ended before step 10; starting pass 2",
+           check=trained_steps(0, 13), name="grain data that runs out: another pass"),
+      # A step that needs about 100 GiB under a 12 GB address-space limit: the host's allocation fails for real.
+      Case(("steps=2", "per_device_batch_size=512", "max_target_length=2048"), code=7, trains=True, memory_limit=12 * 10**9,
+           says="out of host memory: .*Out of memory allocating \\d+ bytes", name="a step beyond the host's memory"),
       Case(("enable_checkpointing=false", "steps=40"), code=75, trains=True, signal_at=(signal.SIGTERM, 3),
            says="stopped by SIGTERM after step \\d+: checkpointing is off .*so the \\d+ steps trained are lost; a rerun "
            "starts at step 0", name="SIGTERM with checkpointing off"),

@@ -357,3 +357,26 @@ def test_orbax_load_errors_that_are_damage_and_those_that_are_not(tmp_path):
   assert checkpoint_records.damage(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 80 GiB")) is None
   assert checkpoint_records.damage(ValueError("a sharding the mesh cannot hold")) is None
   assert checkpointing.latest_step(manager) == 1  # the damage is ours to judge: orbax still lists it
+
+
+def test_a_save_cut_short_is_said_to_be_incomplete_and_skipped(tmp_path):
+  """A crash during an async save leaves orbax's in-flight folder (<step>.orbax-checkpoint-tmp-*) beside the
+  complete checkpoints; the resume skips it (orbax never lists it) and says so in one line of ours, where before
+  only orbax's own warning hinted at it."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from MaxText.checkpoints import records  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import resume  # pylint: disable=import-outside-toplevel
+
+  for step in (4, 8):  # our record goes before orbax starts: the cut-short step 8 has one too
+    records.write_record(tmp_path, step, [("w", np.zeros(2, np.float32))], ["0" * 16])
+  (tmp_path / "checkpoints" / "4" / "items").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "4" / "items" / "_METADATA").write_text("{}")
+  (tmp_path / "checkpoints" / "4" / records.COMMIT_MARKER).write_text("")
+  (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp-1733471234").mkdir()
+  said = "WARNING: the newest save, of step 8, was incomplete (checkpoints/8.orbax-checkpoint-tmp-1733471234: the "
+  assert resume.set_aside_unusable(tmp_path, dry_run=True) == [
+      said + "run ended while writing it) and would be skipped; the run resumes from checkpoint 4"]
+  assert resume.set_aside_unusable(tmp_path) == [said + "run ended while writing it) and is skipped; the run "
+                                                 "resumes from checkpoint 4"]
+  assert resume.checkpoint_steps(tmp_path) == [4]

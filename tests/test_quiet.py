@@ -78,3 +78,29 @@ def test_after_a_damaged_read_its_errors_ending_a_thread_are_dropped_and_others_
     restored, threading.excepthook = threading.excepthook, before
   assert [type(e) for e in seen] == [KeyError]
   assert restored is not before and restored.__name__ == "<lambda>"  # _unquiet put back the hook it replaced
+
+
+def test_an_async_save_whose_commit_thread_met_a_full_disk_logs_no_traceback():
+  """orbax's background commit thread logs "Failed to run N Handler Commit operations ..." at ERROR with the
+  full disk only in its exc_info (about 80 lines of traceback, before our exit-6 line said it once). Seen in the
+  harness's "a disk that fills mid-run" with async saves; any other failure of that thread still prints."""
+  import errno  # pylint: disable=import-outside-toplevel
+
+  path = "/site-packages/orbax/checkpoint/_src/checkpointers/async_checkpointer.py"
+  said = "[process=0] Failed to run 3 Handler Commit operations or the Commit callback in background save thread"
+
+  def commit_failed(error: BaseException) -> logging.LogRecord:
+    try:
+      try:
+        raise error
+      except OSError as e:
+        raise ValueError("tensorstore write failed") from e
+    except ValueError:
+      import sys  # pylint: disable=import-outside-toplevel
+
+      return logging.LogRecord("absl", logging.ERROR, path, 264, said, None, sys.exc_info())
+
+  for verbose in (False, True):
+    noise = quiet.UpstreamNoise(verbose)
+    assert not noise.filter(commit_failed(OSError(errno.ENOSPC, "No space left on device", "/ckpt/8/x")))
+    assert noise.filter(commit_failed(OSError(errno.EIO, "Input/output error", "/ckpt/8/x")))

@@ -41,7 +41,7 @@ def set_aside_unusable(run_dir: Path, dry_run: bool = False) -> list[str]:
         f"({run_dir / RUN_FILES / checkpoint_records.RECORDS}/): written before maxtext-moe kept them, or the "
         "folder was deleted, so they cannot be verified; resume with the maxtext-moe that wrote them, or pick "
         "another run_name (nothing was moved)")
-  lines = []
+  lines = incomplete_saves(run_dir, dry_run)
   for step, why in unusable_steps(run_dir):
     where = run_dir / "checkpoints" / str(step)
     if dry_run:
@@ -49,6 +49,26 @@ def set_aside_unusable(run_dir: Path, dry_run: bool = False) -> list[str]:
     else:
       lines.append(f"WARNING: {where} is not a checkpoint ({why}): set aside as "
                    f"{checkpoint_records.set_aside(run_dir, step).name}")
+  return lines
+
+
+def incomplete_saves(run_dir: Path, dry_run: bool = False) -> list[str]:
+  """One line for each save the last run never finished: a step orbax was still writing under its in-flight name
+  (`<step>.orbax-checkpoint-tmp*`) when the process died, an async save's commit cut short. Orbax never lists such
+  a folder as a step, so the resume skips it by itself; before, only orbax's own warning hinted at it."""
+  root = run_dir / "checkpoints"
+  if not root.is_dir():
+    return []
+  partial = sorted((int(p.name.split(".")[0]), p.name) for p in root.iterdir()
+                   if checkpoint_records.IN_FLIGHT in p.name and p.name.split(".")[0].isdigit())
+  complete = checkpoint_records.complete_steps(run_dir) if partial else []
+  lines = []
+  for step, name in partial:
+    newest = "the newest save" if not complete or step > complete[-1] else "a save"
+    older = [s for s in complete if s < step]
+    start = f"from checkpoint {older[-1]}" if older else "at step 0: no complete checkpoint precedes it"
+    lines.append(f"WARNING: {newest}, of step {step}, was incomplete (checkpoints/{name}: the run ended while "
+                 f"writing it) and {'would be' if dry_run else 'is'} skipped; the run resumes {start}")
   return lines
 
 
@@ -186,6 +206,33 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
   finally:
     tmp.unlink(missing_ok=True)
+
+
+# `<run_dir>/maxtext-moe/data_passes.json`: {"starts": {"2": 92, "3": 184}}, the first step of each pass over the
+# grain data after the first (data_exhausted=repeat, patches/data_passes.py). A resume from checkpoint C reads
+# the pass C's batch was in; the starts after C are dropped when the resumed run passes them again.
+DATA_PASSES = "data_passes.json"
+
+
+def _data_pass_starts(run_dir: Path) -> dict[int, int]:
+  record = _read_json(run_dir / RUN_FILES / DATA_PASSES) or {}
+  starts = record.get("starts")
+  if not isinstance(starts, dict):
+    return {}
+  return {int(p): int(s) for p, s in starts.items() if str(p).isdigit() and isinstance(s, int)}
+
+
+def data_pass_at(run_dir: Path, step: int | None) -> int:
+  """The pass over the data that step `step`'s batch came from (1: the first; a new run, step None, is in it)."""
+  if step is None:
+    return 1
+  return max([1, *(p for p, s in _data_pass_starts(run_dir).items() if s <= step)])
+
+
+def record_data_pass(run_dir: Path, pass_no: int, step: int) -> None:
+  starts = {p: s for p, s in _data_pass_starts(run_dir).items() if s < step and p < pass_no}
+  starts[pass_no] = step
+  _write_json(run_dir / RUN_FILES / DATA_PASSES, {"starts": {str(p): s for p, s in sorted(starts.items())}})
 
 
 class FinishedRun(Exception):

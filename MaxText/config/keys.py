@@ -44,6 +44,11 @@ class ForkConfig(pydantic.BaseModel):
       description="After a stop at a non-finite step N (exit 4), the resume from the last finite checkpoint C "
       "skips this many batches after C, and never fewer than the N-C through the one that went non-finite "
       "(0: replay them; MaxText/lifecycle.py).")
+  data_exhausted: Literal["repeat", "stop"] = pydantic.Field(
+      default="repeat",
+      description="When a grain dataset runs out before `steps`: repeat starts another pass over it (one line; the "
+      "pass counted in the summary and in TensorBoard's data/pass), stop saves the last step trained and exits 9 "
+      "naming the files and the step (patches/data_passes.py).")
   allow_data_change: bool = pydantic.Field(
       default=False,
       description="Resume even when the data (dataset_type, its files, the tokenizer, vocab_size) differs from "

@@ -89,7 +89,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   `dry_run`, stops after every check, before writing or compiling (`overrides`: the command line's key=value
   arguments, for the plan command it prints)."""
   import patches  # pylint: disable=import-outside-toplevel
-  from patches import checkpoint_guard, checkpoint_restore, metric_logger, moe_profile, step_metrics  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, checkpoint_restore, data_passes, metric_logger, moe_profile, step_metrics  # pylint: disable=import-outside-toplevel
 
   stop = stop or lifecycle.StopRequest()
   config_checks.check_fork(run)
@@ -106,7 +106,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
                         on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
                         stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars,
-                        on_restored=lambda step: on_restored[0](step))
+                        on_restored=lambda step: on_restored[0](step),
+                        on_data_pass=lambda pass_no, step: lead and resume.record_data_pass(run.run_dir, pass_no, step))
   applied, config = environment.apply_patches_and_validate(run, hooks)
   if elsewhere is None:
     config_checks.check_devices(run, config)
@@ -147,6 +148,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
 
     def record_run(restored: int | None) -> None:
       """Once upstream's restore settled where the run starts; a resume refused there writes nothing."""
+      data_passes.start(0 if restored is None else restored + 1, resume.data_pass_at(run.run_dir, restored))
       if lead:
         write_run_files(run, env, applied, xla_presets.report(composed))
         checkpoint_compat.record_pipeline_layout(run, config)
@@ -207,6 +209,8 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   summary = close_summary(run, progress, compiles, process, lead)
   if lead:
     metrics.print_summary(summary)
+  if summary.get("data_exhausted"):
+    print(f"maxtext-moe: {data_exhausted_line(summary['data_exhausted'])}", file=sys.stderr, flush=True)
   if summary["stopped"]:
     s = summary["stopped"]
     if s["saved"] is not None:
@@ -222,7 +226,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
 def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
                   compiles: progress_lines.CompileWatch, process: launch.ProcessInfo, lead: bool) -> dict[str, Any]:
   """The closing summary, written to summary.json (process 0) and summary.rank<k>.json (several processes)."""
-  from patches import checkpoint_guard, step_metrics  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard, data_passes, step_metrics  # pylint: disable=import-outside-toplevel
 
   run_dir = run.run_dir
   stopped = dict(checkpoint_guard.stopped)
@@ -235,11 +239,24 @@ def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
   summary["stopped"] = stopped or None
   summary["compile_s"] = sum(compiles.compiles) if compiles.compiles else None
   summary["checkpoint_saves"] = list(checkpoint_guard.finish_save_reports())
+  summary["data_passes"] = data_passes.current_pass() if data_passes.reading() else None  # grain's passes
+  summary["data_exhausted"] = dict(data_passes.exhausted) or None
   if process.num_processes > 1:
     metrics.write_summary(summary, run_dir / resume.RUN_FILES, f"summary.rank{process.process_id}.json")
   if lead:
     metrics.write_summary(summary, run_dir)
   return summary
+
+
+def data_exhausted_line(e: dict[str, Any]) -> str:
+  """data_exhausted=stop's line: the files, the step whose batch was missing, and what was saved."""
+  if e["saved"] is not None:
+    saved = f"checkpoint of step {e['saved']}, the last step trained, saved"
+  else:
+    saved = "no step trained by this invocation, its last checkpoint kept"
+  return (f"data exhausted: grain_train_files {e['files']!r} ran out at step {e['step']} (pass {e['pass']}, "
+          f"data_exhausted=stop); {saved}; add data, or set data_exhausted=repeat for another pass, and run again "
+          f"with the same run_name (exit {command_line.EXIT_DATA_EXHAUSTED})")
 
 
 def start_lines(run: fork_config.RunConfig, process: launch.ProcessInfo, composed: xla_presets.Composed,

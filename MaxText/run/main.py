@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 from MaxText import config as fork_config
@@ -85,26 +86,35 @@ def main(argv: list[str] | None = None) -> int:
       raise
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
     _exit_now(command_line.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
-  return command_line.EXIT_PREEMPTED if summary.get("stopped") else command_line.EXIT_OK
+  if summary.get("stopped"):
+    return command_line.EXIT_PREEMPTED
+  return command_line.EXIT_DATA_EXHAUSTED if summary.get("data_exhausted") else command_line.EXIT_OK
 
 
-# How XLA says an allocation failed (the PjRt status code, then the allocator's words):
+# How XLA says an allocation failed. The status code varies with where the failure surfaced, so the allocator's
+# words are what is matched (ALLOCATION_WORDS), whatever code precedes them:
 #   GPU (BFC allocator): "RESOURCE_EXHAUSTED: Out of memory while trying to allocate N bytes."
-#   CPU (PjRt CPU client, host memory): "RESOURCE_EXHAUSTED: Out of memory allocating N bytes."
+#   CPU (PjRt CPU client, host memory): "RESOURCE_EXHAUSTED: Out of memory allocating N bytes." at the step itself,
+#     and "INTERNAL: Error dispatching computation: Out of memory allocating N bytes." when the step failed
+#     asynchronously and the next computation on its outputs reports it (the finite check before a save did:
+#     tests/test_out_of_memory.py makes both happen under an address-space limit)
+#   CUDA: "CUDA_ERROR_OUT_OF_MEMORY"; XLA's TPU/GPU buffer allocation: "Error allocating device buffer"
 # and numpy on the host: MemoryError("Unable to allocate 510. GiB for an array with shape ...").
 HOST_WORDS = "Out of memory allocating"
+STATUS_CODES = ("RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN")  # the PjRt status a line begins with, kept in ours
+ALLOCATION_WORDS = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|error allocating device buffer", re.I)
 
 
 def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> str | None:
-  """An allocation that failed (XLA's RESOURCE_EXHAUSTED on a device or on the host, or numpy's MemoryError), at
-  the compile or at a step, as one line naming the figure and what to change; None for any other error. The
-  cause chain is searched: a wrapper's message (orbax's, upstream's) need not repeat XLA's."""
+  """An allocation that failed (XLA's words on a device or on the host, or numpy's MemoryError), at the compile
+  or at a step, as one line naming the figure and what to change; None for any other error. The cause chain is
+  searched: a wrapper's message (orbax's, upstream's) need not repeat XLA's."""
   found = _allocation_failure(e)
   if found is None:
     return None
   said = next((" ".join(line.split()) for line in found.splitlines() if line.strip()), found)[:240]
   config = run.config_path if run is not None else "CONFIG"
-  if HOST_WORDS in said or not said.startswith("RESOURCE_EXHAUSTED"):  # the CPU client's words, or numpy's
+  if HOST_WORDS in said or ALLOCATION_WORDS.search(said) is None:  # the CPU client's words, or numpy's
     return (f"out of host memory: {said}; the step, its state or its data does not fit in this machine's memory (or "
             f"the job's limit, `ulimit -v`): scripts/plan.sh {config} (with the same key=value overrides) shows what "
             "the step needs; lower per_device_batch_size, or set remat_policy=full, or give the job more memory")
@@ -113,16 +123,18 @@ def out_of_memory_line(e: BaseException, run: fork_config.RunConfig | None) -> s
 
 
 def _allocation_failure(e: BaseException) -> str | None:
-  """The text of the first error in e's cause chain that is a failed allocation: its RESOURCE_EXHAUSTED line on,
-  or a MemoryError's message."""
+  """The text of the first error in e's cause chain that is a failed allocation: from its status code (or the
+  allocator's words) on, or a MemoryError's message. A full disk's RESOURCE_EXHAUSTED names no memory."""
   seen: set[int] = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     text = str(e)
     if isinstance(e, MemoryError):
       return text or "MemoryError (no figure given)"
-    if "RESOURCE_EXHAUSTED" in text and "memory" in text.lower():
-      return text[text.index("RESOURCE_EXHAUSTED"):]
+    if (words := ALLOCATION_WORDS.search(text)) is not None:
+      line_start = text.rfind("\n", 0, words.start()) + 1
+      status = max(text.rfind(code, line_start, words.start()) for code in STATUS_CODES)
+      return text[status if status >= 0 else line_start:]
     e = e.__cause__ or e.__context__
   return None
 

@@ -210,6 +210,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
          f"{m.get('worst_layer')}), CV {m['cv']:.2f}, {int(m['experts_without_tokens'])} idle expert(s), "
          f"router entropy {m['router_entropy']:.2f}, {int(m['overflow_layers'])} overflowed layer(s)"]
         if (m := summary.get("moe_load")) else []),
+      *([f"  data          pass {summary['data_passes']} over the grain data"]
+        if summary.get("data_passes") else []),
       f"  run directory {summary['run_dir']}",
       f"  checkpoints   {_saves_text(summary) if summary['checkpoints'] else 'disabled'}",
       f"  tensorboard   tensorboard --logdir {summary['tensorboard']}",

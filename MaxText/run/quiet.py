@@ -67,8 +67,9 @@ def upstream_logging(verbose: bool) -> None:
 
 
 class UpstreamNoise(logging.Filter):
-  """Orbax's per-file INFO lines (about 12 a save), the full-disk tracebacks orbax's writer threads each log
-  (patches/checkpoint_guard.SaveFailed says it once), and without verbose upstream's unactionable warnings."""
+  """Orbax's per-file INFO lines (about 12 a save), the full-disk tracebacks orbax's writer threads each log, in
+  their message or in the exception they carry (patches/checkpoint_guard.SaveFailed says it once), and without
+  verbose upstream's unactionable warnings."""
 
   def __init__(self, verbose: bool = False):
     super().__init__()
@@ -86,7 +87,12 @@ class UpstreamNoise(logging.Filter):
       return False
     from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
-    return not any(words in message for words in checkpoint_guard.NO_SPACE_WORDS)
+    if any(words in message for words in checkpoint_guard.NO_SPACE_WORDS):
+      return False
+    # An async save's commit thread logs "Failed to run N Handler Commit operations ..." with the error only in
+    # its exc_info (async_checkpointer.py's _thread_func, about 80 lines of traceback): the disk's words are there.
+    failed = record.exc_info[1] if record.exc_info else None
+    return failed is None or checkpoint_guard.no_space_reason(failed) is None
 
 
 def install_filter(verbose: bool) -> None:

@@ -1,0 +1,176 @@
+"""Seam: maxtext.input_pipeline.input_pipeline_interface.make_grain_train_iterator (maxtext 0.2.5).
+
+Upstream builds the grain pipeline with `dataset.repeat(num_epoch)` (base.yml: num_epoch 1), so a corpus
+smaller than `steps` batches runs out. Its data loader turns the StopIteration into StopTraining
+(common/data_loader.py, loader_exception_guard), which its loop takes for a normal end: the run stopped with
+exit 0, no line, and nothing saved since the last periodic checkpoint; a rerun resumed there and stopped at
+the same step again (a 200-document corpus at steps=400 ended at step 92, every time).
+
+`create_data_iterator` looks the maker up by this name when it is called, so the replacement sees every
+grain train iterator (the eval iterator is another function: its end is the end of an eval pass). It
+  1. refuses a dataset that cannot fill even one batch before the train step is compiled (a ConfigError
+     naming grain_train_files: one line, exit 2), from a probe iterator of its own, closed after;
+  2. gives the iterator (upstream's MultiHostDataLoadIterator) a subclass whose __next__ meets the end of the
+     data as fork key `data_exhausted` says:
+       repeat  starts another pass over the same files (upstream's own reset(): a fresh grain iterator), says so
+               in one line, and counts the passes: the step's `data/pass` scalar in TensorBoard, `data_passes`
+               in the summary, each pass's first step in <run>/maxtext-moe/data_passes.json (MaxText/run/loop.py,
+               through hooks.on_data_pass) so that a resume knows which pass its checkpoint was in;
+       stop    saves the last step trained (patches/checkpoint_guard.save_last_step), fills `exhausted`, and
+               ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 9 with one
+               line naming the files and the step.
+The elastic and colocated iterators are other classes and are left as upstream builds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from patches._seam import Seam
+
+SEAM = Seam(
+    name="data_passes",
+    module="maxtext.input_pipeline.input_pipeline_interface",
+    attr="make_grain_train_iterator",
+    sha256="32bcf0b0625b11d7",  # grain_data_processing's function, bound here by `from ... import`
+)
+# The subclass leans on the iterator's __next__, reset() and local_iterator: its class is checked too.
+ITERATOR = Seam(name="data_passes (iterator)", module="maxtext.input_pipeline.multihost_dataloading",
+                attr="MultiHostDataLoadIterator", sha256="e6e016e9c8965beb")
+
+# Set by apply() (fork.data_exhausted) and MaxText/run/loop.py (the start of this invocation).
+_mode = ["repeat"]
+_on_pass: Callable[[int, int], None] = lambda pass_no, step: None  # hooks.on_data_pass(pass, first step)
+_position = {"pass": 1, "step": 0, "files": ""}  # the pass being read and the step the next batch is for
+exhausted: dict[str, Any] = {}  # filled when the data ran out with data_exhausted=stop: {"step", "pass", "saved", "files"}
+
+
+def start(step: int, pass_no: int) -> None:
+  """Where this invocation's first batch falls: the step after the restored checkpoint (0 for a new run) and the
+  pass that checkpoint's iterator was in."""
+  _position.update(step=step, **{"pass": pass_no})
+
+
+def current_pass() -> int:
+  return _position["pass"]
+
+
+def reading() -> bool:
+  """Whether this process reads its batches through a grain train iterator of ours."""
+  return bool(_position["files"])
+
+
+def _log(msg: str) -> None:
+  print(f"[maxtext-moe] {msg}", flush=True)
+
+
+def _close(iterator) -> None:
+  """Upstream's own two-step close (grain's close, then leftover workers): a pass's iterator or the probe."""
+  from maxtext.input_pipeline import multihost_dataloading  # pylint: disable=import-outside-toplevel
+
+  multihost_dataloading._close_iterator(iterator)  # pylint: disable=protected-access
+  try:
+    multihost_dataloading._terminate_iterator_workers(iterator)  # pylint: disable=protected-access
+  except AssertionError:
+    pass  # grain's _parent on a top-level iterator (patches/grain_iterator_close.py): its workers are closed
+
+
+def _check_one_batch(it, config) -> None:
+  """A ConfigError when the pipeline yields no batch at all: a probe iterator over the same dataset."""
+  from MaxText.config.keys import ConfigError  # pylint: disable=import-outside-toplevel
+
+  probe = iter(it.dataloader)
+  try:
+    next(probe)
+  except StopIteration:
+    raise ConfigError(
+        f"config key 'grain_train_files' = {_position['files']!r}: the data does not fill one batch of "
+        f"{config.global_batch_size_to_load} sequences of max_target_length={config.max_target_length} tokens "
+        "(too few documents, or empty ones), so not even one step could train; add data, or lower "
+        "per_device_batch_size or max_target_length") from None
+  finally:
+    _close(probe)
+
+
+_classes: dict[type, type] = {}
+
+
+def _passes_class(base: type) -> type:
+  if base not in _classes:
+    _classes[base] = _make_passes_class(base)
+  return _classes[base]
+
+
+def _make_passes_class(base):
+  class DataPasses(base):
+    """Upstream's MultiHostDataLoadIterator, meeting the end of its data as `data_exhausted` says."""
+
+    def __next__(self):
+      from patches import metric_logger  # pylint: disable=import-outside-toplevel
+
+      try:
+        batch = super().__next__()
+      except StopIteration:
+        batch = self._end_of_pass()
+      step = _position["step"]
+      metric_logger.add_scalars(step, {"data/pass": float(_position["pass"])})
+      _position["step"] = step + 1
+      return batch
+
+    def _end_of_pass(self):
+      step, pass_no, files = _position["step"], _position["pass"], _position["files"]
+      if _mode[0] == "stop":
+        from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+        saved = checkpoint_guard.save_last_step(f"the data ran out at step {step}")
+        exhausted.update(step=step, saved=saved, files=files, **{"pass": pass_no})
+        raise StopIteration  # upstream's loader makes it StopTraining, which ends its loop normally
+      _log(f"data: pass {pass_no} over {files} ended before step {step}; starting pass {pass_no + 1} "
+           "(data_exhausted=repeat)")
+      old = self.local_iterator
+      self.reset()  # upstream's: a fresh iterator over the same pipeline
+      _close(old)
+      _position["pass"] = pass_no + 1
+      _on_pass(pass_no + 1, step)
+      return super().__next__()  # a StopIteration here is a dataset that was checked to fill a batch and no longer does
+
+  DataPasses.__name__ = DataPasses.__qualname__ = "DataPasses"
+  return DataPasses
+
+
+def wrap(original):
+  def make_grain_train_iterator(config, global_mesh, process_indices):
+    from maxtext.input_pipeline import multihost_dataloading  # pylint: disable=import-outside-toplevel
+
+    it = original(config, global_mesh, process_indices)
+    if type(it) is not multihost_dataloading.MultiHostDataLoadIterator:  # pylint: disable=unidiomatic-typecheck
+      return it  # elastic, colocated or several iterators: upstream's own end of data
+    _position["files"] = config.grain_train_files or config.grain_train_mixture_config_path or ""
+    _check_one_batch(it, config)
+    it.__class__ = _passes_class(multihost_dataloading.MultiHostDataLoadIterator)
+    return it
+
+  make_grain_train_iterator.__wrapped__ = original
+  return make_grain_train_iterator
+
+
+def wanted(fork) -> bool:  # pylint: disable=unused-argument
+  return True  # inert unless dataset_type=grain
+
+
+def apply(fork=None, hooks=None) -> None:
+  global _on_pass
+  _mode[0] = getattr(fork, "data_exhausted", "repeat") or "repeat"
+  _on_pass = getattr(hooks, "on_data_pass", None) or (lambda pass_no, step: None)
+  _position.update(step=0, files="", **{"pass": 1})
+  exhausted.clear()
+  ITERATOR.check()
+  SEAM.apply(wrap)
+
+
+def undo() -> None:
+  global _on_pass
+  _mode[0] = "repeat"
+  _on_pass = lambda pass_no, step: None  # noqa: E731
+  exhausted.clear()
+  SEAM.undo()

@@ -1,0 +1,129 @@
+"""Grain data that runs out before `steps` (patches/data_passes.py): another pass (data_exhausted=repeat, the
+default) or a saved stop with exit 9 (data_exhausted=stop); a dataset that cannot fill one batch is refused
+before the compile. Upstream ended such a run with exit 0, no line, and the steps since its last checkpoint lost."""
+
+from __future__ import annotations
+
+import glob
+import json
+
+import pytest
+
+import text_fixture
+import patches
+from conftest import run_train
+from MaxText.checkpoints import resume
+from MaxText.config import ConfigError
+
+TINY = "configs/deepseek3-tiny.yml"
+
+
+def _iterator(n_batches: int):
+  """Upstream's MultiHostDataLoadIterator over n_batches batches of [1, 4] int32 (one CPU device)."""
+  import grain  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from maxtext.input_pipeline import multihost_dataloading  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  ds = grain.MapDataset.range(n_batches).map(lambda i: {"inputs": np.full((1, 4), i, np.int32)}).to_iter_dataset()
+  return multihost_dataloading.MultiHostDataLoadIterator(ds, mesh)
+
+
+class _Config:
+  grain_train_files = "corpus.array_record"
+  grain_train_mixture_config_path = ""
+  global_batch_size_to_load = 1
+  max_target_length = 4
+
+
+@pytest.fixture
+def seam(monkeypatch):
+  """The seam applied (data_exhausted=mode), its replacement wrapped around a stand-in for upstream's maker that
+  returns the iterator given to it."""
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  def apply(mode: str, on_pass=lambda p, s: None):
+    patches.apply_module(data_passes, type("Fork", (), {"data_exhausted": mode})(),
+                         patches.Hooks(on_data_pass=on_pass))
+    return lambda it: data_passes.wrap(lambda config, mesh, indices: it)(_Config(), None, [0])
+
+  yield apply
+  patches.undo_module(data_passes)
+
+
+def test_repeat_starts_another_pass_and_counts_it(seam):
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  passes = []
+  it = seam("repeat", on_pass=lambda p, s: passes.append((p, s)))(_iterator(3))
+  data_passes.start(0, 1)
+  firsts = [int(next(it)["inputs"][0, 0]) for _ in range(7)]
+  assert firsts == [0, 1, 2, 0, 1, 2, 0]  # pass 2 from the first batch, and pass 3
+  assert passes == [(2, 3), (3, 6)] and data_passes.current_pass() == 3 and not data_passes.exhausted
+
+
+def test_stop_fills_exhausted_naming_the_files_and_the_step(seam):
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  it = seam("stop")(_iterator(2))
+  data_passes.start(5, 2)  # resumed after checkpoint 4, in the data's second pass
+  next(it), next(it)
+  with pytest.raises(StopIteration):  # upstream's loader turns it into StopTraining: its loop ends normally
+    next(it)
+  # No step trained in this process (checkpoint_guard saw none): nothing saved, the last checkpoint kept.
+  assert data_passes.exhausted == {"step": 7, "pass": 2, "saved": None, "files": "corpus.array_record"}
+
+
+def test_a_dataset_without_one_batch_is_refused(seam):
+  with pytest.raises(ConfigError, match="config key 'grain_train_files' = 'corpus.array_record': the data does not "
+                     "fill one batch of 1 sequences of max_target_length=4"):
+    seam("repeat")(_iterator(0))
+
+
+def test_a_resume_reads_the_pass_of_its_checkpoint(tmp_path):
+  assert resume.data_pass_at(tmp_path, None) == 1 and resume.data_pass_at(tmp_path, 40) == 1
+  resume.record_data_pass(tmp_path, 2, 10)
+  resume.record_data_pass(tmp_path, 3, 20)
+  assert [resume.data_pass_at(tmp_path, s) for s in (9, 10, 19, 20, 99)] == [1, 2, 2, 3, 3]
+  resume.record_data_pass(tmp_path, 2, 10)  # resumed from checkpoint 9, which is in pass 1: pass 2 starts again
+  assert json.loads((tmp_path / "maxtext-moe" / "data_passes.json").read_text()) == {"starts": {"2": 10}}
+
+
+def _grain(corpus, *more):
+  return (TINY, "dataset_type=grain", "grain_file_type=arrayrecord", f"grain_train_files={corpus}",
+          "grain_worker_count=1", "tokenizer_type=sentencepiece", f"tokenizer_path={text_fixture.tokenizer_path()}",
+          "vocab_size=32000", "max_target_length=64", "checkpoint_period=100", *more)
+
+
+@pytest.fixture
+def small_corpus(tmp_path):
+  """20 documents: 10 batches of the tiny config at max_target_length=64."""
+  return text_fixture.write_arrayrecord(tmp_path / "data" / "small.array_record", text_fixture.documents(20))
+
+
+@pytest.mark.slow
+def test_data_that_runs_out_stops_with_exit_9_and_the_last_step_saved(tmp_path, small_corpus):
+  result = run_train(tmp_path, *_grain(small_corpus, "steps=14", "data_exhausted=stop"))
+  assert result.returncode == 9, result.stderr[-3000:]
+  said = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe:")]
+  assert len(said) == 1 and f"grain_train_files '{small_corpus}' ran out at step 10" in said[0], said
+  assert "checkpoint of step 9, the last step trained, saved" in said[0]
+  assert resume.checkpoint_steps(result.run_dir) == [0, 9]  # 0 (the first save) and the last step trained
+  assert sorted(result.losses()) == list(range(10)) and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_data_that_runs_out_starts_another_pass_by_default(tmp_path, small_corpus):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # pylint: disable=import-outside-toplevel
+
+  result = run_train(tmp_path, *_grain(small_corpus, "steps=14"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"data: pass 1 over {small_corpus} ended before step 10; starting pass 2" in result.stdout
+  assert result.summary["data_passes"] == 2 and sorted(result.losses()) == list(range(14))
+  assert "pass 2 over the grain data" in result.stdout
+  events = glob.glob(str(result.run_dir / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
+  acc = EventAccumulator(events[0], size_guidance={"scalars": 0})
+  acc.Reload()
+  passes = {e.step: e.value for e in acc.Scalars("data/pass")}
+  assert passes[9] == 1 and passes[10] == 2, passes
