@@ -353,6 +353,11 @@ def test_search_tries_one_knob_at_a_time_within_the_gpu_count():
       c for c in meshes if c["ici_expert_parallelism"] == 1).items()  # FSDP in node, data across
   assert plan_search.OFFLOAD in cands
   assert {"per_device_batch_size": 1.0} in cands and {"per_device_batch_size": 4.0} in cands
+  assert not any("moe_ep_overlap_chunks" in c for c in cands)  # this run has no EP: nothing to overlap
+  on_ep = fork_config.load(["configs/deepseek3-tiny.yml", "recipe_num_gpus=8", "ici_expert_parallelism=8",
+                            "per_device_batch_size=2"])
+  assert [c for c in plan_search.candidates(on_ep, 8) if "moe_ep_overlap_chunks" in c] == [
+      {"moe_ep_overlap_chunks": 2}, {"moe_ep_overlap_chunks": 4}]
 
 
 def test_search_says_which_candidate_of_how_many_with_an_eta(monkeypatch, capsys):

@@ -7,6 +7,9 @@ neighbours of a sensible recipe, not the whole product):
                  (FSDP inside the node, data parallel across: HSDP)
   remat          full recompute; custom with the routed experts' up-projections
                  offloaded to host (the host_offload preset's keys)
+  EP overlap     moe_ep_overlap_chunks 2 and 4 under EP: each shard's tokens dispatched in chunks, one chunk's
+                 exchange beside another's expert GEMMs (an exchange exposed whole is most of a one-node
+                 family recipe's step: configs/recipes/plans/qwen3-30b-a3b-8xh100.json)
   batch          per_device_batch_size halved and doubled
 Those that fit are ranked by estimated TFLOP/s/GPU (MaxText's count, so runs of
 different batch compare by throughput), and the best few are printed as the
@@ -62,6 +65,10 @@ def candidates(run: fork_config.RunConfig, num_gpus: int) -> list[dict[str, Any]
   if any(up.get(k) != v for k, v in OFFLOAD.items()):
     out.append(dict(OFFLOAD))
   batch = float(up.get("per_device_batch_size", 1))
+  tokens = batch * int(up.get("max_target_length", 1))
+  if ep_now > 1:
+    out += [{"moe_ep_overlap_chunks": c} for c in (2, 4)
+            if c != run.fork.moe_ep_overlap_chunks and tokens == int(tokens) and int(tokens) % c == 0]
   out += [{"per_device_batch_size": b} for b in (batch / 2, batch * 2) if b >= 1 and b == int(b)]
   return out
 
