@@ -288,13 +288,16 @@ def test_only_committed_and_recorded_step_directories_count_and_the_rest_are_set
   assert resume.check_resume(tmp_path, _config(steps=100), False) == (0, [])  # not "already finished" at 99
   dry = resume.set_aside_unusable(tmp_path, dry_run=True)
   assert [p.name for p in sorted(root.iterdir())] == ["0", "12", "4", "8", "9.orbax-checkpoint-tmp-123", "99"]
-  lines = resume.set_aside_unusable(tmp_path)
+  incomplete, *lines = resume.set_aside_unusable(tmp_path)
+  # The save cut short says so first (MaxText/checkpoints/resume.py incomplete_saves), then each set-aside folder.
+  assert incomplete == ("WARNING: the newest save, of step 9, was incomplete (checkpoints/9.orbax-checkpoint-tmp-123: "
+                        "the run ended while writing it) and is skipped; the run resumes from checkpoint 0")
   assert [line.split(" is not a checkpoint ")[0] for line in lines] == [
       f"WARNING: {root / str(s)}" for s in (4, 8, 12, 99)]
   assert "(its items/_METADATA is missing): set aside as 4.unusable" in lines[0]
   assert "(no orbax commit marker (commit_success.txt): the save never completed)" in lines[1]
   assert f"(no record of ours ({tmp_path}/maxtext-moe/checkpoints/12.json))" in lines[2]
-  assert all("the run would set it aside" in line for line in dry)
+  assert all("the run would set it aside" in line for line in dry[1:])
   assert sorted(p.name for p in root.iterdir()) == ["0", "12.unusable", "4.unusable", "8.unusable",
                                                     "9.orbax-checkpoint-tmp-123", "99.unusable"]
   assert (root / "4.unusable" / "items").is_dir()  # kept, only moved out of orbax's sight
