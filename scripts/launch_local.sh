@@ -44,12 +44,10 @@ done
 
 status=0
 for pid in "${pids[@]}"; do
-  if ! wait "$pid"; then
-    rc=$?
-    if [ "$status" = 0 ]; then
-      status=$rc
-      for other in "${pids[@]}"; do kill "$other" 2>/dev/null || true; done  # only the ranks started here
-    fi
+  rc=0; wait "$pid" || rc=$?  # (`if ! wait` would leave $? at the negation's 0: every failure read as success)
+  if [ "$rc" -ne 0 ] && [ "$status" = 0 ]; then
+    status=$rc
+    for other in "${pids[@]}"; do kill "$other" 2>/dev/null || true; done  # only the ranks started here
   fi
 done
 exit "$status"

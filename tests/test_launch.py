@@ -429,3 +429,37 @@ def test_each_node_of_the_mesh_must_be_one_hosts_devices(monkeypatch):
   with pytest.raises(parallelism.LaunchError, match=r"the mesh's node \(0, 0\) \(devices 0..7\) spans hosts a, b: "
                                                r"processes must be ranked node by node"):
     launch.check_nodes_on_hosts(mesh, (1, 8), {p: "ab"[p % 2] for p in range(16)})
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_every_process_of_a_two_process_job_saves_once_and_exits_75(tmp_path):
+  """As scancel does: SIGTERM to every process of the job, each trainer and the keeper in front of it
+  (MaxText/run/keeper.py), which forwards it. Both processes stop at the same step, save it and exit 75."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  env["MAXTEXT_MOE_PYTHON"] = sys.executable
+  cmd = ["bash", str(REPO / "scripts/launch_local.sh"), "-n", "2", "configs/deepseek3-tiny.yml", "steps=200",
+         "checkpoint_period=1000", f"base_output_directory={tmp_path}", "run_name=job"]
+  run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  out = []
+  for line in run.stdout:
+    out.append(line)
+    if re.match(r"^\[p0\] \[progress\] step 3/", line):
+      mine = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline_holds(int(p), str(tmp_path))]
+      trainers = [p for p in mine if b"MaxText.train" in Path(f"/proc/{p}/cmdline").read_bytes()]
+      assert len(trainers) == 4, trainers  # two keepers, two trainers
+      for pid in trainers:
+        os.kill(pid, signal.SIGTERM)
+      break
+  out += run.stdout.readlines()
+  assert run.wait(timeout=600) == 75, "".join(out)[-3000:]
+  text = "".join(out)
+  assert "Traceback" not in text and "aborted" not in text, text[-3000:]
+  saved = sorted(int(p.name) for p in (tmp_path / "job" / "checkpoints").iterdir() if p.name.isdigit())
+  assert len(saved) == 2 and saved[0] == 0 and 3 <= saved[1] < 200, saved  # the first step's, and the stop's
+
+
+def _cmdline_holds(pid: int, text: str) -> bool:
+  try:
+    return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+  except OSError:
+    return False  # ended meanwhile

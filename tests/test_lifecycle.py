@@ -402,6 +402,7 @@ def test_first_sigint_requests_a_stop_and_the_second_aborts():
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.01)
     assert stop.signal_name == "SIGINT"
+    time.sleep(lifecycle.DUPLICATE_S)  # a second one, not a copy
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(0.01)
@@ -428,9 +429,24 @@ def test_the_second_sigint_runs_the_cleanups_then_the_abort_in_the_handler():
   stop.on_abort(lambda: 1 / 0)
   stop(signal.SIGINT, None)
   assert calls == [] and stop.signal_name == "SIGINT"
+  time.sleep(lifecycle.DUPLICATE_S)
   with pytest.raises(Aborted):
     stop(signal.SIGINT, None)
   assert calls == ["release lock", "abort"]
+
+
+def test_a_job_signal_that_reaches_the_trainer_directly_and_through_its_keeper_is_one_delivery():
+  """scancel and SLURM's time-limit USR1 signal every process of the step: the trainer, and its keeper, which
+  forwards it (MaxText/run/keeper.py). The copy, milliseconds later, must not be the second SIGINT that aborts."""
+  calls = []
+  stop = lifecycle.StopRequest(abort=lambda: calls.append("abort"))
+  stop(signal.SIGINT, None)
+  stop(signal.SIGINT, None)  # the keeper's copy
+  assert calls == [] and stop.signal_name == "SIGINT"
+  stop(signal.SIGUSR1, None)  # another signal is never a copy
+  time.sleep(lifecycle.DUPLICATE_S)
+  stop(signal.SIGINT, None)  # a person's second Ctrl-C
+  assert calls == ["abort"]
 
 
 def test_exit_codes_are_documented():

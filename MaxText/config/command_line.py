@@ -18,6 +18,7 @@ EXIT_SAVE_FAILED = 6  # a checkpoint could not be written (disk full, unwritable
 EXIT_OUT_OF_MEMORY = 7  # an allocation failed: device or host memory (XLA's RESOURCE_EXHAUSTED, numpy's MemoryError)
 EXIT_MOE_OVERFLOW = 8  # a bounded MoE dispatch buffer dropped rows (on_overflow=error); that step was not saved
 EXIT_DATA_EXHAUSTED = 9  # the data ran out with data_exhausted=stop; the last step trained was saved
+EXIT_PROCESS_LOST = 10  # another process of a multi-process job died: this one stopped too (MaxText/run/keeper.py)
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1/SIGINT: checkpoint saved at the next step boundary (EX_TEMPFAIL: rerun)
 EXIT_ABORTED = 130  # a second SIGINT: stopped at once, nothing saved since the last checkpoint
 
@@ -35,6 +36,8 @@ EXIT_CODES = {
     EXIT_MOE_OVERFLOW: "a bounded MoE dispatch buffer dropped rows; that step was not saved",
     EXIT_DATA_EXHAUSTED: "the data ran out before `steps` (data_exhausted=stop): the files and the step named, the "
                          "last step trained saved",
+    EXIT_PROCESS_LOST: "another process of the job died or went silent (named): this one stopped too, within the "
+                       "heartbeat timeout; run the job again to resume from the last complete checkpoint",
     EXIT_PREEMPTED: "stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving the step in flight: run again to resume",
     EXIT_ABORTED: "a second Ctrl-C: stopped at once, nothing saved since the last checkpoint",
 }

@@ -37,6 +37,7 @@ import numpy as np
 
 from MaxText.config import RunConfig
 from MaxText.config.parallelism import LaunchError, check_hardware, check_topology, num_slices_of
+from MaxText.run import keeper
 
 DEFAULT_PORT = 12345  # coordinator port when the environment names none
 UPSTREAM_GPU_VARS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")
@@ -213,7 +214,6 @@ def discover(environ: Mapping[str, str] | None = None) -> ProcessInfo:
 # JAX's own default. A process that cannot reach the coordinator in that time is killed by a fatal check inside
 # XLA ("another task died; see the other task logs"), which Python cannot catch: wait_for_coordinator says it first.
 COORDINATOR_TIMEOUT_S = 300
-HEARTBEAT_TIMEOUT_S = 60  # a dead process is declared so after this long (MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S)
 
 
 def wait_for_coordinator(address: str, timeout_s: float, info: ProcessInfo, poll_s: float = 1.0) -> None:
@@ -254,9 +254,10 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
       initialization_timeout=timeout_s,
       # A process that dies (killed, out of memory, its node lost) stops heartbeating: after this long the
       # coordination service declares it dead and every survivor ends, naming it, instead of waiting in a
-      # collective or a barrier for good (jax's default is 100 s). docs/cluster.md "A dead process".
-      heartbeat_timeout_seconds=int(os.environ.get("MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S)),
-      shutdown_timeout_seconds=int(os.environ.get("MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S)),
+      # collective or a barrier for good (jax's default is 100 s); MaxText/run/keeper.py turns XLA's fatal end
+      # into one line of ours naming the lost process. docs/cluster.md "A dead process".
+      heartbeat_timeout_seconds=keeper.heartbeat_timeout_s(),
+      shutdown_timeout_seconds=keeper.heartbeat_timeout_s(),
       coordinator_address=info.coordinator_address,
       num_processes=info.num_processes,
       process_id=info.process_id,

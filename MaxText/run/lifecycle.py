@@ -24,6 +24,9 @@ class RunLocked(RuntimeError):
 # --- stop signals -------------------------------------------------------------
 
 
+DUPLICATE_S = 0.1  # a forwarded copy lands within milliseconds; a person's second Ctrl-C takes longer
+
+
 @dataclass
 class StopRequest:
   """Set by SIGTERM / SIGUSR1 / the first SIGINT; read at each step boundary.
@@ -39,6 +42,9 @@ class StopRequest:
   the processes must stop at the same step, so there the signal is turned into
   a SIGTERM for JAX's preemption service (jax.distributed's notifier agrees on a
   step across processes; upstream asks it at every step).
+  The same signal again within DUPLICATE_S is one delivery, not a second: a job's signal (scancel, SLURM's
+  time-limit USR1) reaches both the trainer and its keeper (MaxText/run/keeper.py), which forwards it, so the
+  trainer gets it twice within a millisecond; a second SIGINT a person means comes later.
   """
 
   signal_name: str | None = None
@@ -46,6 +52,7 @@ class StopRequest:
   multi_process: bool = False
   abort: Callable[[], None] | None = None  # the second SIGINT's exit; it must not return
   _sigints: int = field(default=0, repr=False)
+  _last: tuple[int, float] = field(default=(0, -1e9), repr=False)  # (signum, time.monotonic()) of the last one
   _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
   def on_abort(self, cleanup: Callable[[], None]) -> None:
@@ -53,6 +60,10 @@ class StopRequest:
     self._cleanups.append(cleanup)
 
   def __call__(self, signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
+    now = time.monotonic()
+    if self._last[0] == signum and now - self._last[1] < DUPLICATE_S:
+      return  # the keeper's forwarded copy of a signal sent to the whole job
+    self._last = (signum, now)
     name = signal.Signals(signum).name
     if signum == signal.SIGINT:
       self._sigints += 1

@@ -22,6 +22,7 @@ from MaxText.run import quiet
 from MaxText.checkpoints import resume
 from MaxText.moe import overflow
 from MaxText.run import disk_full
+from MaxText.run import keeper
 from MaxText.run import launch
 from MaxText.run import lifecycle
 from MaxText.run import loop
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if (oom := out_of_memory_line(e, run)) is not None:
       return fail(command_line.EXIT_OUT_OF_MEMORY, oom)
     if run is None or not disk_full.is_storage_failure(e):
+      keeper.await_verdict(e)  # a collective whose peer died: the keeper's line names it, not a traceback
       raise
     # A full disk outside the training loop (the lock, the run's records, summary.json): no hang at exit.
     _exit_now(command_line.EXIT_SAVE_FAILED, disk_full.line(e, run.run_dir))
@@ -165,11 +167,20 @@ def _abort_on_second_sigint() -> None:
 
 
 def cli() -> None:
+  if not keeper.kept() and _multi_process():  # a survivor of a lost process then ends in one line of ours
+    sys.exit(keeper.keep([sys.executable, "-m", "MaxText.train", *sys.argv[1:]], launch.discover().process_id))
   try:
     sys.exit(main())
   except BrokenPipeError:  # a reader that stopped early (`--help | head`): no traceback
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(command_line.EXIT_ERROR)
+
+
+def _multi_process() -> bool:
+  try:
+    return launch.discover().multi_process
+  except launch.LaunchError:
+    return False  # main() says what is wrong with the environment, in one line, exit 2
 
 
 if __name__ == "__main__":
