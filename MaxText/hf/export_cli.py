@@ -46,6 +46,17 @@ def family_of(config: Any, fork: Any):
   return FAMILIES[block]
 
 
+# Tensors written in float32 whatever --dtype says: the routing bias picks the experts, and a bf16 rounding of it
+# (8 bits of mantissa on values near the sigmoid scores it is added to) changes the picks; DeepSeek publishes it in
+# float32 beside its FP8 and bf16 weights.
+FLOAT32_ALWAYS = ("e_score_correction_bias",)
+
+
+def dtype_of(dtype: np.dtype):
+  f32 = np.dtype(np.float32)
+  return lambda name: f32 if name.endswith(FLOAT32_ALWAYS) else dtype
+
+
 def ordered(pieces: list) -> list:
   """Pieces grouped by the stored array they read (first appearance order), so that each stored chunk is decoded
   once while it sits in the reader's cache; the index maps every name to its shard whatever the order."""
@@ -79,7 +90,8 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
       region = ckpt.read(p.key, p.index) if not p.copy else ckpt.peek(p.key, p.index)
       return p.transform.to_hf(region)
 
-    safetensors.write(tmp, [(p.name, p.hf_shape) for p in pieces], produce, safetensors.DTYPES[st_dtype], shard_bytes)
+    safetensors.write(tmp, [(p.name, p.hf_shape) for p in pieces], produce, dtype_of(safetensors.DTYPES[st_dtype]),
+                      shard_bytes)
     ckpt.verdict()
     if ckpt.unread():
       raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")

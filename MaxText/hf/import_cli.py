@@ -3,9 +3,10 @@
   python -m MaxText.import_hf HF_DIR OUT_DIR [config.yml] [key=value ...]
   python -m MaxText.train CONFIG load_parameters_path=OUT_DIR ...
 
-Without a config, the model's keys come from HF_DIR/config.json on the family's tiny CPU config (run settings
-only: the widths are all HF's); with one, the config's model must have exactly the weights' shapes (a tensor whose
-shape differs stops the import naming both). Every parameter the config builds comes from a tensor (the routing
+Without a config, the model's keys come from HF_DIR/config.json, read as its transformers class reads it
+(MaxText/hf/config_json.py), on the family's tiny CPU config (run settings only: the widths are all HF's); with
+one, every key that changes the function must equal config.json's (the first that differs stops the import, naming
+both values, before anything is converted). Every parameter the config builds comes from a tensor (the routing
 bias too), and every tensor goes to a parameter (the MTP module's copies of the embedding and head aside: MaxText
 shares the main ones). DeepSeek's FP8 weights (float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block)
 are dequantized as they are read. The checkpoint holds the whole model in host memory while it is written (orbax
@@ -28,8 +29,20 @@ from MaxText import config as fork_config
 from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
 from MaxText.hf.errors import BadInput, Damaged, HFError
 
-# config.json's architecture -> what lays it out (pieces, maxtext_keys, DEFAULT_CONFIG)
+# config.json's architecture -> what lays it out (pieces, maxtext_keys, free_keys, DEFAULT_CONFIG)
 FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
+# Architectures our trainer runs (configs/models/) that the import does not map yet, and why.
+NOT_MAPPED = {
+    "GptOssForCausalLM": "GPT-OSS's experts are stored fused (gate_up_proj, with biases, interleaved gate and up "
+                         "columns) and its attention has sinks and alternating sliding windows: no layout here yet",
+    "Llama4ForConditionalGeneration": "Llama 4 is multimodal (a vision tower beside the text model), with chunked "
+                                      "attention, fused experts and MoE layers interleaved with dense ones: no "
+                                      "layout here yet",
+    "Llama4ForCausalLM": "Llama 4's text model has chunked attention, fused experts and MoE layers interleaved "
+                         "with dense ones: no layout here yet",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's router (softmax scores, group-limited greedy top-k without a bias) and "
+                             "its YaRN on MLA are not mapped: no layout here yet",
+}
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -47,6 +60,8 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
   except (OSError, ValueError) as e:
     raise BadInput(f"{hf_dir}/config.json cannot be read: {' '.join(str(e).split())[:120]}") from None
   arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+  if arch in NOT_MAPPED:
+    raise BadInput(f"{hf_dir} holds a {arch}: {NOT_MAPPED[arch]}")
   if arch not in FAMILIES:
     raise BadInput(f"{hf_dir} holds a {arch} (model_type {hf.get('model_type')!r}): import knows "
                    f"{', '.join(sorted(FAMILIES))}")
@@ -65,11 +80,39 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
   return hf, FAMILIES[arch], reader
 
 
-def run_config(hf: dict[str, Any], family, args: list[str]) -> fork_config.RunConfig:
+def config_argv(keys: dict[str, Any], family, args: list[str]) -> list[str]:
+  """The config the import builds its model from: the one given, else the family's tiny CPU config with
+  config.json's keys (`keys`, family.maxtext_keys) and the key=value overrides given."""
   if args and "=" not in args[0]:
-    return fork_config.load(args)
-  derived = [f"{k}={fork_config.cli_value(v)}" for k, v in family.maxtext_keys(hf).items()]
-  return fork_config.load([family.DEFAULT_CONFIG, *derived, *args])
+    return list(args)
+  return [family.DEFAULT_CONFIG, *(f"{k}={fork_config.cli_value(v)}" for k, v in keys.items()), *args]
+
+
+def disagreement(keys: dict[str, Any], family, config, hf_dir: Path) -> str | None:
+  """One line naming the first key whose value in the config differs from config.json's (keys: maxtext_keys), or
+  None; the keys family.free_keys leaves free are not compared."""
+  free = family.free_keys(keys)
+  for key, want in keys.items():
+    got = getattr(config, key)
+    got = getattr(got, "value", got)
+    if key in free or got == want or (isinstance(want, float) and abs(got - want) <= 1e-12 * abs(want)):
+      continue
+    return (f"config key '{key}' = {got!r} but {hf_dir}/config.json gives {want!r}: the config would build "
+            "another model than the weights'")
+  return None
+
+
+def mtp_layers(hf: dict[str, Any], reader: safetensors.Reader, keys: dict[str, Any]) -> int:
+  """The MTP modules config.json names that the directory holds: transformers' DeepseekV3Config says 1 by default
+  (and saves it) while its class neither makes nor saves one; log() says when they differ."""
+  n, named = keys["base_num_decoder_layers"], keys["mtp_num_layers"]
+  held = 0
+  while held < named and any(name.startswith(f"model.layers.{n + held}.") for name in reader.names()):
+    held += 1
+  if held < named:
+    log(f"config.json names {named} MTP module(s) (num_nextn_predict_layers, DeepseekV3Config's default is 1) but "
+        f"the directory holds {held}: importing {held} (mtp_num_layers={held})")
+  return held
 
 
 def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[tuple[str, ...], np.dtype]]:
@@ -152,11 +195,17 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
   if out_dir.exists():
     raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
   hf, family, reader = read_hf(hf_dir)
+  keys = family.maxtext_keys(hf)
+  keys = {**keys, "mtp_num_layers": mtp_layers(hf, reader, keys)} if "mtp_num_layers" in keys else keys
+  argv = config_argv(keys, family, args)
   try:
-    run = run_config(hf, family, args)
+    run = fork_config.load(argv)
   except fork_config.ConfigError as e:
     raise BadInput(f"config error: {e}") from None
   config = hf_run.upstream_config(hf_run.on_this_machine(run))
+  why = disagreement(keys, family, config, hf_dir)
+  if why:
+    raise BadInput(why)
   patches.apply_all(run.fork)  # the model as the trainer builds it (DeepSeek-V3's bias a MoEBiasVar at any model_name)
   shapes, dtypes = abstract_shapes(config)
   pieces = family.pieces(shapes, config, run.fork)
@@ -171,8 +220,9 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
   arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
   with stop.writing(out_dir) as tmp:
     save(arrays, tmp)
-    keys = {k: v for k, v in run.upstream.items() if k in family.maxtext_keys(hf)}
-    (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "model_keys": keys}, indent=1))
+    model_keys = {k: v for k, v in run.upstream.items() if k in keys}
+    (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "config": argv,
+                                                 "model_keys": model_keys}, indent=1))
   return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
           "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
 
