@@ -2,9 +2,10 @@
 
 Slow: each block trains the tiny model 5 steps (with an MTP module, and a routing-bias rate high enough that the
 bias changes which experts are picked), then: every weight lands where DeepSeek publishes it; transformers' logits
-(torch, CPU, float32, the environment scripts/hf_env.sh builds) equal our forward's within 1e-4; the same export
-with the routing bias zeroed (what upstream's converter leaves) or without the RoPE column order is off by far
-more; a damaged checkpoint is refused, nothing written.
+(torch, CPU, float32, the environment scripts/hf_env.sh builds) equal our forward's within 1e-4, from the float32
+export and from the bf16 one (against our forward on the same rounded weights; the routing bias stays float32);
+the same export with the routing bias zeroed (what upstream's converter leaves) or without the RoPE column order is
+off by far more; a damaged checkpoint is refused, nothing written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import hf_helpers
 from conftest import run_train
 from MaxText.hf import export_cli as export_hf
-from MaxText.hf import checkpoint, layout, safetensors
+from MaxText.hf import checkpoint, deepseek, layout, safetensors
 from MaxText.hf.errors import BAD_INPUT, DAMAGED, NO_CHECKPOINT
 
 pytestmark = pytest.mark.slow
@@ -114,6 +115,36 @@ def test_transformers_logits_equal_ours(block, trained, hf_python, tmp_path, tmp
   diff = float(np.abs(ours - theirs).max())
   print(f"moe_block={block}: max |ours - transformers| = {diff:.2e} over logits of max |{np.abs(ours).max():.2f}|")
   assert diff < TOL
+
+
+def test_bf16_export_keeps_the_bias_in_float32_and_gives_our_logits_on_its_weights(trained, hf_python, tmp_path,
+                                                                                   tmp_path_factory):
+  """--dtype bf16: every tensor bf16 but e_score_correction_bias, float32 and the run's bits (DeepSeek publishes it
+  so, and transformers keeps it float32 in any dtype: _keep_in_fp32_modules_strict). transformers on that export
+  gives our logits on the same weights (the bf16 import, restored by load_parameters_path) within the float32
+  tolerance: the rounding is the export's only change. Against the run's float32 weights the bf16 rounding moves
+  the logits (measured: 6.9e-2 of 4.3, argmax 48 of 48), bounded here by 5% of their range. This run's trained bias
+  is +-0.05 everywhere (sign updates), which bf16 moves by the same 4.9e-5 in every entry: rounding it changes no
+  pick here (measured: the same 2.9e-6), so only its bits are asserted, not its effect."""
+  run_dir, root = trained("ours"), tmp_path_factory.getbasetemp()
+  out = _exported(run_dir, "bf16", root)
+  reader = safetensors.Reader(out)
+  dtypes = {name: reader.info(name)["dtype"] for name in reader.names()}
+  bias_names = [n for n in dtypes if n.endswith("e_score_correction_bias")]
+  assert {dtypes[n] for n in bias_names} == {"F32"} and {d for n, d in dtypes.items() if n not in bias_names} == {
+      "BF16"}
+  bias_LE = checkpoint.Checkpoint(run_dir).peek(checkpoint.AUX + ("decoder", "moe_layers", *deepseek.BIAS), ())
+  for i in (0, 1):
+    got = reader.read(f"model.layers.{3 + i}.mlp.gate.e_score_correction_bias")
+    assert np.array_equal(got.view(np.uint32), bias_LE[i].view(np.uint32))
+  same = hf_helpers.ours(run_dir, tmp_path / "ours_bf16.npy", "--params", str(_imported(run_dir, "bf16", root)))
+  theirs = hf_helpers.theirs(hf_python, out, tmp_path / "hf.npy", ARCH)
+  ours = _ours_cached(run_dir, root)
+  diff, rounding = float(np.abs(same - theirs).max()), float(np.abs(ours - theirs).max())
+  print(f"bf16 export: max |ours on its weights - transformers| = {diff:.2e}; against the run's float32 weights "
+        f"{rounding:.2e} over logits of max |{np.abs(ours).max():.2f}|, argmax "
+        f"{int((ours.argmax(-1) == theirs.argmax(-1)).sum())} of {ours.shape[0] * ours.shape[1]}")
+  assert diff < TOL and rounding < 0.05 * np.abs(ours).max()
 
 
 def _without_bias(src: Path, dst: Path) -> None:
