@@ -36,8 +36,9 @@ def import_(hf_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, check=False)
 
 
-def ours(run_dir: Path, out: Path, *args: str) -> np.ndarray:
-  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "ours", str(run_dir), str(out), *args], cwd=REPO,
+def ours(run_dir: Path, out: Path, *args: str, length: int | None = None) -> np.ndarray:
+  more = ["--len", str(length)] if length else []
+  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "ours", str(run_dir), str(out), *args, *more], cwd=REPO,
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return np.load(out)

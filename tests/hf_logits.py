@@ -1,6 +1,6 @@
 """Logits of the same tokens from our forward and from transformers' class, each in its own environment.
 
-  .venv/bin/python    tests/hf_logits.py ours     RUN_DIR OUT.npy [--step N] [--params PARAMS_CKPT] [key=value ...]
+  .venv/bin/python    tests/hf_logits.py ours     RUN_DIR OUT.npy [--step N] [--params PARAMS] [--len L] [key=value ...]
   .venv/bin/python    tests/hf_logits.py imported PARAMS  OUT.npy [--len L]
   .venv-hf/bin/python tests/hf_logits.py hf       HF_DIR  OUT.npy [--len L]
   .venv-hf/bin/python tests/hf_logits.py make     HF_DIR  ARCHITECTURE '{"config key": value, ...}'
@@ -160,7 +160,8 @@ if __name__ == "__main__":
   if args.side == "ours":
     from MaxText.hf import run as hf_run  # pylint: disable=import-outside-toplevel
 
-    ours(hf_run.load(args.src), Path(args.out), args.step, args.params, rest, run_dir=args.src)
+    rest = [*rest, f"max_target_length={args.length}"] if args.length else rest
+    ours(hf_run.load(args.src), Path(args.out), args.step, args.params, rest, args.length, run_dir=args.src)
   elif args.side == "imported":
     imported(args.src, Path(args.out), args.length)
   elif args.side == "make":

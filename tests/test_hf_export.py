@@ -3,9 +3,10 @@
 Slow: each block trains the tiny model 5 steps (with an MTP module, and a routing-bias rate high enough that the
 bias changes which experts are picked), then: every weight lands where DeepSeek publishes it; transformers' logits
 (torch, CPU, float32, the environment scripts/hf_env.sh builds) equal our forward's within 1e-4, from the float32
-export and from the bf16 one (against our forward on the same rounded weights; the routing bias stays float32);
-the same export with the routing bias zeroed (what upstream's converter leaves) or without the RoPE column order is
-off by far more; a damaged checkpoint is refused, nothing written.
+export, from the bf16 one (against our forward on the same rounded weights; the routing bias stays float32), and
+from the run's record with the 671B YaRN keys at 4,160 tokens; the same export with the routing bias zeroed (what
+upstream's converter leaves) or without the RoPE column order is off by far more; a damaged checkpoint is refused,
+nothing written.
 """
 
 from __future__ import annotations
@@ -145,6 +146,39 @@ def test_bf16_export_keeps_the_bias_in_float32_and_gives_our_logits_on_its_weigh
         f"{rounding:.2e} over logits of max |{np.abs(ours).max():.2f}|, argmax "
         f"{int((ours.argmax(-1) == theirs.argmax(-1)).sum())} of {ours.shape[0] * ours.shape[1]}")
   assert diff < TOL and rounding < 0.05 * np.abs(ours).max()
+
+
+# configs/models/deepseek3-671b-yarn.yml's YaRN: DeepSeek-V3 after its context extension (163,840 positions from
+# 4,096). YaRN changes no shape, so the trained run's record with these keys is a YaRN run of the same weights.
+YARN_671B = {"rope_type": "yarn", "max_position_embeddings": 163840, "original_max_position_embeddings": 4096,
+             "rope_factor": 40, "beta_fast": 32, "beta_slow": 1, "rope_interleave": False, "rope_truncate": True,
+             "rope_attention_scaling": False}
+LONG = 4096 + 64  # past the original length, where YaRN's interpolated frequencies and its softmax scale act
+
+
+def test_a_yarn_run_exported_gives_transformers_our_logits_past_the_original_length(trained, hf_python, tmp_path,
+                                                                                    tmp_path_factory):
+  """The run's config record (maxtext-moe/effective_config.json) with the 671B YaRN keys: exported, its config.json
+  holds transformers' yarn rope_parameters, and DeepseekV3ForCausalLM gives our logits at 4,160 tokens within 1e-4
+  (measured 5.4e-6). The same weights under the plain-RoPE export are off by far more there."""
+  run_dir, root = trained("ours"), tmp_path_factory.getbasetemp()
+  yarn = shutil.copytree(run_dir, tmp_path / "outputs" / "yarn", ignore=shutil.ignore_patterns("jax_cache"))
+  record = yarn / "maxtext-moe" / "effective_config.json"
+  effective = json.loads(record.read_text())
+  effective["upstream_overrides"].update(YARN_671B)
+  record.write_text(json.dumps(effective))
+  proc = hf_helpers.export(yarn, tmp_path / "hf", "--dtype", "f32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rope = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+  assert rope == {"rope_type": "yarn", "rope_theta": 10000, "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 4096, "truncate": True, "mscale": 1.0, "mscale_all_dim": 1.0}
+  ours = hf_helpers.ours(yarn, tmp_path / "ours.npy", length=LONG)
+  theirs = hf_helpers.theirs(hf_python, tmp_path / "hf", tmp_path / "hf.npy", ARCH, LONG)
+  plain = hf_helpers.theirs(hf_python, _exported(run_dir, "f32", root), tmp_path / "plain.npy", ARCH, LONG)
+  diff, off = float(np.abs(ours - theirs).max()), float(np.abs(ours - plain).max())
+  print(f"YaRN export at {LONG} tokens: max |ours - transformers| = {diff:.2e} over logits of max "
+        f"|{np.abs(ours).max():.2f}|; with the plain-RoPE export {off:.3g}")
+  assert diff < TOL and off > 100 * TOL
 
 
 def _without_bias(src: Path, dst: Path) -> None:

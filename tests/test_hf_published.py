@@ -122,10 +122,12 @@ YARN = {
                                     "original_max_position_embeddings": 4096}},
 }
 LONG = 4096 + 64  # past the original context, where YaRN's interpolated frequencies matter
-# Kimi-K2 measured 1.7e-4 at LONG (logits of 7.4; DeepSeek-V3's config is within 1e-4): not yet explained. The
-# suspect, unproven: both sides turn each position's angle in float32 from frequencies rounded differently, and at
-# position 4,159 one ulp of a frequency is ~1e-4 rad. A wrong mapping (frequencies, mscale, column order) is off by
-# more than 1e-2.
+# Kimi-K2 measured 1.7e-4 at LONG (logits of 7.4; DeepSeek-V3's config 1.5e-5), growing with the position (2.2e-5
+# in its first 520 tokens, 1.7e-4 in its last): transformers' float32 frequency 50,000^(-1/4) is one ulp above the
+# correctly rounded one (1 / pow, where XLA's jit of upstream's same formula computes pow(base, -x) and rounds it
+# right), so its angle at position p is p x 7.5e-9 rad off ours. Our forward given transformers' own float32
+# frequencies: 2.1e-5. DeepSeek-V3's (base 10,000) turn the angles alike within 1e-8 rad at position 4,159. A
+# wrong mapping (frequencies, mscale, column order) is off by more than 1e-2.
 YARN_TOL = {"deepseek-v3": TOL, "kimi-k2": 2.5e-4}
 
 
