@@ -10,7 +10,8 @@ both values, before anything is converted). Every parameter the config builds co
 bias too), and every tensor goes to a parameter (the MTP module's copies of the embedding and head aside: MaxText
 shares the main ones). DeepSeek's FP8 weights (float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block)
 are dequantized as they are read. The checkpoint holds the whole model in host memory while it is written (orbax
-writes a tree); it is written to OUT_DIR.tmp and renamed when complete. Exit codes: MaxText/hf/errors.py.
+writes a tree). OUT_DIR is claimed before anything is read, written to OUT_DIR.tmp, fsynced and renamed when
+complete (MaxText/hf/output.py). Exit codes: MaxText/hf/errors.py.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import numpy as np
 
 import patches
 from MaxText import config as fork_config
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
-from MaxText.hf.errors import BadInput, Damaged, HFError
+from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, stop
+from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
 
 # config.json's architecture -> what lays it out (pieces, maxtext_keys, free_keys, DEFAULT_CONFIG)
 FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
@@ -179,8 +180,11 @@ def unused(pieces, reader) -> list[str]:
 
 
 def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
-  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/..."""
+  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/...
+  A write the storage refuses (orbax raises tensorstore's error, not an OSError) is NotWritten, in the words
+  the trainer's checkpoint guard reads from it."""
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
   tree: dict[str, Any] = {}
   for key, value in arrays.items():
@@ -188,12 +192,24 @@ def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
     for part in key[2:-1]:
       node = node.setdefault(part, {})
     node[key[-1]] = value
-  checkpointing.save_params_to_path(str(out), tree)
+  try:
+    with quiet.captured_stderr(lambda e: checkpoint_guard.no_space_reason(e) is not None):
+      checkpointing.save_params_to_path(str(out), tree)
+  except Exception as e:  # pylint: disable=broad-except
+    reason = checkpoint_guard.no_space_reason(e)
+    if reason is None:
+      raise
+    raise NotWritten(f"{out} could not be written: {reason}") from None
 
 
 def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
-  if out_dir.exists():
-    raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
+  """OUT_DIR claimed first (MaxText/hf/output.py: an unwritable parent or another run fails before anything is
+  read), written into OUT_DIR.tmp and renamed when complete."""
+  with output.writing(out_dir) as tmp:
+    return _import(hf_dir, tmp, args)
+
+
+def _import(hf_dir: Path, tmp: Path, args: list[str]) -> dict[str, Any]:
   hf, family, reader = read_hf(hf_dir)
   keys = family.maxtext_keys(hf)
   keys = {**keys, "mtp_num_layers": mtp_layers(hf, reader, keys)} if "mtp_num_layers" in keys else keys
@@ -218,11 +234,10 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
                    "config and the weights describe different models")
   start = time.perf_counter()
   arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
-  with stop.writing(out_dir) as tmp:
-    save(arrays, tmp)
-    model_keys = {k: v for k, v in run.upstream.items() if k in keys}
-    (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "config": argv,
-                                                 "model_keys": model_keys}, indent=1))
+  save(arrays, tmp)
+  model_keys = {k: v for k, v in run.upstream.items() if k in keys}
+  (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "config": argv,
+                                               "model_keys": model_keys}, indent=1))
   return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
           "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
 
@@ -237,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     with stop.on_signals("import_hf", out_dir):
       done = import_(hf_dir, out_dir, args[2:])
   except HFError as e:
-    print(f"import_hf: {e}", file=sys.stderr, flush=True)
+    quiet.say(f"import_hf: {e}")
     return e.code
   if done["left"]:
     log(f"not imported: {len(done['left'])} tensors of the MTP modules beyond the config's mtp_num_layers "
