@@ -1,10 +1,11 @@
 """Entry point: `python -m MaxText.export_hf ...`: a trained run out to Hugging Face's layout (MaxText/hf/export_cli.py)."""
 
-import sys
-
-from MaxText.hf.export_cli import main
-
-__all__ = ["main"]
-
 if __name__ == "__main__":
-  sys.exit(main())
+  from MaxText.hf import quiet
+
+  quiet.hush()  # before the CLI's imports bring in jax, transformers and upstream's modules
+  from MaxText.hf.export_cli import main
+
+  code = main()
+  if code:  # a failure: its one line is printed, nothing is left to wait for
+    quiet.exit_now(code)

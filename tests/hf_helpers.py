@@ -36,19 +36,39 @@ def import_(hf_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, check=False)
 
 
-def ours(run_dir: Path, out: Path, *args: str) -> np.ndarray:
-  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "ours", str(run_dir), str(out), *args], cwd=REPO,
+def ours(run_dir: Path, out: Path, *args: str, length: int | None = None) -> np.ndarray:
+  more = ["--len", str(length)] if length else []
+  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "ours", str(run_dir), str(out), *args, *more], cwd=REPO,
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return np.load(out)
 
 
-def theirs(hf_python: str, hf_dir: Path, out: Path, architecture: str) -> np.ndarray:
-  proc = subprocess.run([hf_python, "tests/hf_logits.py", "hf", str(hf_dir), str(out)], cwd=REPO,
+def theirs(hf_python: str, hf_dir: Path, out: Path, architecture: str, length: int | None = None) -> np.ndarray:
+  more = ["--len", str(length)] if length else []
+  proc = subprocess.run([hf_python, "tests/hf_logits.py", "hf", str(hf_dir), str(out), *more], cwd=REPO,
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"hf_logits: {architecture};" in proc.stdout, proc.stdout
   return np.load(out)
+
+
+def imported(params: Path, out: Path, length: int | None = None) -> np.ndarray:
+  """Our logits from what import_hf wrote (the model its import.json names)."""
+  more = ["--len", str(length)] if length else []
+  proc = subprocess.run([sys.executable, "tests/hf_logits.py", "imported", str(params), str(out), *more], cwd=REPO,
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return np.load(out)
+
+
+def make(hf_python: str, hf_dir: Path, architecture: str, **keys) -> Path:
+  """A random model of transformers' `architecture` class, its config the class's defaults with `keys` over them,
+  saved by transformers itself."""
+  proc = subprocess.run([hf_python, "tests/hf_logits.py", "make", str(hf_dir), architecture, json.dumps(keys)],
+                        cwd=REPO, capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return hf_dir
 
 
 def params_checkpoint(path: Path) -> dict[tuple[str, ...], np.ndarray]:

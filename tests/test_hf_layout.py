@@ -188,8 +188,7 @@ def test_export_refuses_a_shard_size_that_is_not_a_positive_number(size, tmp_pat
 NO_LAYOUT = {
     "gpt-oss": "config key 'decoder_block' = 'gpt_oss': no Hugging Face layout for it yet",
     "llama4": "config key 'decoder_block' = 'llama4': no Hugging Face layout for it yet",
-    "deepseek2": "config key 'routed_score_func' = 'softmax': DeepseekV3's layout needs 'sigmoid'",
-    "kimi-k2": "config key 'rope_type' = 'yarn': only plain RoPE is exported",
+    "deepseek2": "config key 'routed_score_func' = 'softmax': DeepseekV3's router is sigmoid (DeepSeek-V2's",
 }
 
 
@@ -212,7 +211,13 @@ def test_import_refuses_another_architecture_and_missing_shards(tmp_path, capsys
                                                            "model_type": "gpt_oss"}))
   assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == BAD_INPUT
   err = capsys.readouterr().err.strip()
-  assert err.startswith("import_hf: ") and "holds a GptOssForCausalLM (model_type 'gpt_oss')" in err
+  assert err.startswith("import_hf: ") and "holds a GptOssForCausalLM: GPT-OSS's experts are stored fused" in err
+  for arch, words in (("Llama4ForConditionalGeneration", "Llama 4 is multimodal"),
+                      ("DeepseekV2ForCausalLM", "DeepSeek-V2's router (softmax scores")):
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"holds a {arch}: {words}" in err, err
   (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
   (tmp_path / "hf" / safetensors.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}}))
   assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == DAMAGED

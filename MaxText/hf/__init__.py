@@ -7,4 +7,7 @@
   gqa.py          Qwen3-MoE and Mixtral: grouped-query attention and a routed MoE in every layer
   run.py          a run directory's model config, rebuilt from the run's own record
   errors.py       the exit codes, one per cause
+  output.py       OUT_DIR claimed (a lock), written into OUT_DIR.tmp, fsynced, renamed; partial output removed
+  stop.py         SIGTERM and SIGINT: one line, 143 / 130, partial output removed
+  quiet.py        our lines only: the libraries' chatter off, a failed write's thread tracebacks dropped
 """

@@ -13,35 +13,69 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from MaxText.hf import layout
+from MaxText.hf import config_json, layout
 from MaxText.hf.errors import BadInput
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
 
 
+# transformers' DeepseekV3 (as DeepSeek's own code) normalizes the MLA latents (q_a_layernorm, kv_a_layernorm) with
+# epsilon 1e-6 whatever rms_norm_eps says; upstream's MLA uses normalization_layer_epsilon for them too.
+MLA_NORM_EPS = 1e-6
+MLA_NORM_WHY = ("transformers' DeepseekV3 normalizes the MLA latents with epsilon 1e-6 whatever rms_norm_eps says, "
+                "upstream with normalization_layer_epsilon: only 1e-6 computes the same")
+
+
+def _rope_type(c: Any) -> str:
+  return str(getattr(c.rope_type, "value", c.rope_type))
+
+
 def refusal(c: Any, fork: Any) -> str | None:
-  """Why DeepseekV3's layout cannot hold this model (one line naming the key), or None."""
+  """Why DeepseekV3's layout cannot hold this model, or transformers' class would compute another function (one
+  line naming the key), or None."""
   checks = [
       ("decoder_block", str(getattr(c.decoder_block, "value", c.decoder_block)), "deepseek"),
       ("attention_type", str(getattr(c.attention_type, "value", c.attention_type)), "mla"),
       ("routed_score_func", c.routed_score_func, "sigmoid"),
       ("mlp_activations", list(c.mlp_activations), ["silu", "linear"]),
-      ("rope_type", str(getattr(c.rope_type, "value", c.rope_type)), "default"),
       ("final_logits_soft_cap", c.final_logits_soft_cap, None),
       ("num_kv_heads", c.num_kv_heads, c.num_query_heads),
   ]
   for key, value, wanted in checks:
     if value != wanted:
-      why = {"rope_type": "only plain RoPE is exported and checked against transformers (YaRN is not yet)"}.get(
-          key, f"DeepseekV3's layout needs {wanted!r}")
+      why = {"routed_score_func": "DeepseekV3's router is sigmoid (DeepSeek-V2's softmax router has no layout "
+                                  "here: DeepseekV2ForCausalLM is not mapped)"}.get(key,
+                                                                                    f"DeepseekV3's layout needs {wanted!r}")
       return f"config key '{key}' = {value!r}: {why}"
-  if not (c.model_name.startswith("deepseek3") or fork.moe_router == "deepseek_v3"):
+  if c.normalization_layer_epsilon != MLA_NORM_EPS:
+    return (f"config key 'normalization_layer_epsilon' = {c.normalization_layer_epsilon}: {MLA_NORM_WHY}")
+  rope = _rope_type(c)
+  if rope not in ("default", "yarn"):
+    return f"config key 'rope_type' = {rope!r}: DeepseekV3 runs plain RoPE or YaRN"
+  if rope == "default" and c.mscale and c.max_position_embeddings > c.original_max_position_embeddings:
+    return (f"config key 'max_position_embeddings' = {c.max_position_embeddings} > original_max_position_embeddings"
+            f" = {c.original_max_position_embeddings} with plain RoPE: upstream's MLA scales the softmax by YaRN's "
+            "mscale there, which plain RoPE in transformers does not; set them equal")
+  if c.logits_via_embedding:
+    return f"config key 'logits_via_embedding' = True: {config_json.TIED}"
+  if getattr(fork, "moe_node_limited_routing", False) and c.num_experts_per_tok // max(c.topk_routing_group, 1) != 2:
+    return (f"config key 'moe_node_limited_routing' = True with num_experts_per_tok / topk_routing_group = "
+            f"{c.num_experts_per_tok} / {c.topk_routing_group}: each group is scored by its top "
+            f"{c.num_experts_per_tok // max(c.topk_routing_group, 1)}, transformers' DeepseekV3 by its top 2")
+  if not (c.model_name.startswith("deepseek3") or c.model_name.startswith("kimi-k2")
+          or fork.moe_router == "deepseek_v3"):
     return (f"config key 'moe_router' = {fork.moe_router!r} at model_name {c.model_name!r}: not DeepSeek-V3's "
             "router (the routing bias would be a trained weight); set moe_router: deepseek_v3")
   if c.num_experts <= 1 or c.first_num_dense_layers >= c.num_decoder_layers:
     return f"config key 'num_experts' = {c.num_experts}: DeepseekV3's layout needs MoE layers"
   return None
+
+
+def _rope_interleaved(c: Any) -> bool:
+  """Whether the checkpoint's RoPE columns are already DeepSeek's interleaved pairs: upstream's YaRN with
+  rope_interleave: true turns columns 2i and 2i + 1; its plain RoPE always turns the halves."""
+  return _rope_type(c) == "yarn" and bool(c.rope_interleave)
 
 
 def hf_config(c: Any, dtype: str) -> dict[str, Any]:
@@ -64,7 +98,7 @@ def hf_config(c: Any, dtype: str) -> dict[str, Any]:
       "topk_group": max(c.topk_routing_group, 1),
       "topk_method": "noaux_tc",
       "scoring_func": "sigmoid",
-      "norm_topk_prob": bool(c.norm_topk_prob),
+      "norm_topk_prob": True,  # upstream's deepseek_scale_weights always normalizes sigmoid scores
       "first_k_dense_replace": c.first_num_dense_layers,
       "moe_layer_freq": 1,
       "kv_lora_rank": c.kv_lora_rank,
@@ -76,7 +110,8 @@ def hf_config(c: Any, dtype: str) -> dict[str, Any]:
       "rms_norm_eps": c.normalization_layer_epsilon,
       "max_position_embeddings": c.max_position_embeddings,
       "rope_theta": c.rope_max_timescale,
-      "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_max_timescale},
+      "rope_parameters": (config_json.yarn_parameters(c) if _rope_type(c) == "yarn" else
+                          {"rope_type": "default", "rope_theta": c.rope_max_timescale}),
       "rope_interleave": True,  # the RoPE columns are exported interleaved
       "attention_bias": False,
       "tie_word_embeddings": bool(c.logits_via_embedding),
@@ -87,7 +122,7 @@ def hf_config(c: Any, dtype: str) -> dict[str, Any]:
 
 
 def _attention(c: Any) -> list[tuple[tuple[str, ...], str, layout.Transform]]:
-  r = c.qk_rope_head_dim
+  r = 0 if _rope_interleaved(c) else c.qk_rope_head_dim  # the RoPE columns to move
   query = ([(("self_attention", "wq_a", "kernel"), "self_attn.q_a_proj.weight", layout.LINEAR),
             (("self_attention", "q_norm", "scale"), "self_attn.q_a_layernorm.weight", layout.SAME),
             (("self_attention", "wq_b", "kernel"), "self_attn.q_b_proj.weight", layout.heads_in(rope=r))]
@@ -194,33 +229,53 @@ DEFAULT_CONFIG = "configs/deepseek3-tiny.yml"  # run settings for an import give
 
 
 def maxtext_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """Our config keys for a DeepseekV3 config.json (the inverse of hf_config); BadInput for what we cannot run."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind != "default":
-    raise BadInput(f"config.json rope type {kind!r}: only plain RoPE is imported and checked (YaRN is not yet)")
-  if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-    raise BadInput(f"config.json scoring_func {hf.get('scoring_func')!r} / topk_method {hf.get('topk_method')!r}: "
+  """Our config keys for a DeepseekV3 config.json (the inverse of hf_config), read as DeepseekV3Config reads it;
+  BadInput for what we cannot run the same way."""
+  h = config_json.read(hf, MODEL_TYPE)
+  rope = h["rope"]
+  if h["scoring_func"] != "sigmoid" or h["topk_method"] != "noaux_tc":
+    raise BadInput(f"config.json scoring_func {h['scoring_func']!r} / topk_method {h['topk_method']!r}: "
                    "DeepSeek-V3's router is sigmoid with noaux_tc")
-  if hf.get("moe_layer_freq", 1) != 1 or hf.get("hidden_act", "silu") != "silu":
-    raise BadInput(f"config.json moe_layer_freq {hf.get('moe_layer_freq')} / hidden_act {hf.get('hidden_act')!r}: "
+  if h["moe_layer_freq"] != 1 or h["hidden_act"] != "silu":
+    raise BadInput(f"config.json moe_layer_freq {h['moe_layer_freq']} / hidden_act {h['hidden_act']!r}: "
                    "our DeepSeek layers need 1 and silu")
-  theta = rope.get("rope_theta", hf.get("rope_theta", 10_000))
+  if h["rms_norm_eps"] != MLA_NORM_EPS:
+    raise BadInput(f"config.json rms_norm_eps {h['rms_norm_eps']}: {MLA_NORM_WHY}")
+  if not h["norm_topk_prob"]:
+    raise BadInput("config.json norm_topk_prob false: upstream's DeepSeek router (ours too) always normalizes the "
+                   "chosen sigmoid scores")
+  if h["n_routed_experts"] % max(h["n_group"] or 1, 1):
+    raise BadInput(f"config.json n_group {h['n_group']} does not divide n_routed_experts {h['n_routed_experts']}")
+  if rope["rope_type"] == "yarn":
+    positions = config_json.yarn_keys(rope, h["max_position_embeddings"])
+  elif rope["rope_type"] == "default":
+    # plain RoPE: no YaRN softmax scale (upstream's MLA applies it whenever max > original)
+    positions = {"rope_type": "default", "max_position_embeddings": h["max_position_embeddings"],
+                 "original_max_position_embeddings": h["max_position_embeddings"]}
+  else:
+    raise BadInput(f"config.json rope_type {rope['rope_type']!r}: DeepseekV3 is imported with plain RoPE or YaRN")
+  groups = (h["n_group"], h["topk_group"]) if (h["n_group"] or 1) > 1 else (-1, -1)  # one group: no group limit
+  tied = bool(h["tie_word_embeddings"])
   return {
-      "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
-      "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
-      "base_num_query_heads": hf["num_attention_heads"],
-      "base_num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-      "first_num_dense_layers": hf["first_k_dense_replace"], "vocab_size": hf["vocab_size"],
-      "num_experts": hf["n_routed_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
-      "shared_experts": hf["n_shared_experts"], "routed_scaling_factor": hf["routed_scaling_factor"],
-      "n_routing_groups": hf["n_group"], "topk_routing_group": hf["topk_group"],
-      "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "q_lora_rank": hf.get("q_lora_rank") or 0,
-      "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
-      "qk_rope_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
-      "normalization_layer_epsilon": hf["rms_norm_eps"], "rope_type": "default", "rope_max_timescale": theta,
-      "max_position_embeddings": hf["max_position_embeddings"],
-      "original_max_position_embeddings": hf["max_position_embeddings"],
-      "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-      "mtp_num_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0,
+      "base_emb_dim": h["hidden_size"], "base_mlp_dim": h["intermediate_size"],
+      "base_moe_mlp_dim": h["moe_intermediate_size"], "base_num_decoder_layers": h["num_hidden_layers"],
+      "base_num_query_heads": h["num_attention_heads"], "base_num_kv_heads": h["num_attention_heads"],
+      "first_num_dense_layers": h["first_k_dense_replace"], "vocab_size": h["vocab_size"],
+      "num_experts": h["n_routed_experts"], "num_experts_per_tok": h["num_experts_per_tok"],
+      "shared_experts": h["n_shared_experts"], "routed_scaling_factor": h["routed_scaling_factor"],
+      "n_routing_groups": groups[0], "topk_routing_group": groups[1],
+      "q_lora_rank": h["q_lora_rank"] or 0, "kv_lora_rank": h["kv_lora_rank"],
+      "qk_nope_head_dim": h["qk_nope_head_dim"], "qk_rope_head_dim": h["qk_rope_head_dim"],
+      "v_head_dim": h["v_head_dim"], "normalization_layer_epsilon": h["rms_norm_eps"],
+      "rope_max_timescale": rope["rope_theta"], **positions,
+      "logits_via_embedding": tied,
+      "mtp_num_layers": h["num_nextn_predict_layers"] or 0,
   }
+
+
+def free_keys(keys: Mapping[str, Any]) -> set[str]:
+  """Keys of maxtext_keys whose value a given config may change without changing the function: the MTP modules,
+  of which it may take fewer (the rest are listed as not imported), and under plain RoPE the table of positions it
+  precomputes (refusal() checks that no YaRN softmax scale comes with it)."""
+  plain = keys.get("rope_type") == "default"
+  return {"mtp_num_layers"} | ({"max_position_embeddings", "original_max_position_embeddings"} if plain else set())

@@ -1,8 +1,9 @@
 """What export_hf and import_hf exit with: one code per cause, each with one line naming the path, key or value.
 
 0 written; 1 anything unexpected (a traceback); 2 bad input: arguments, a model the target layout cannot hold, an HF
-directory of another architecture, a config whose widths disagree with the weights, an output that already exists;
-6 the output could not be written (its temporary directory is removed); 7 no such checkpoint: a run without
+directory of another architecture, a config whose widths disagree with the weights, an output that already exists
+or that another live run is writing; 6 the output could not be written: a parent that refuses a new file, a full
+disk (its temporary directories and lock are removed, MaxText/hf/output.py); 7 no such checkpoint: a run without
 checkpoints, a step that does not exist or was never completed; 8 damaged input: a checkpoint that fails the check a
 resume makes (unreadable, non-finite, or not the bytes its digests were taken from), missing or unreadable shards,
 a shard whose header does not parse or fit its file; 130 stopped by SIGINT (Ctrl-C), 143 stopped by SIGTERM (a

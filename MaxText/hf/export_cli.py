@@ -5,8 +5,9 @@
 Reads the newest complete checkpoint of RUN_DIR (or step N) one slice at a time (MaxText/hf/checkpoint.py): host
 memory holds one stored chunk and one tensor, never the model. Every weight the checkpoint holds is placed (a
 weight the layout has no place for stops the export), and every one read is checked against the digests the run
-recorded when it saved (the verdict a resume gives). Everything is written to OUT_DIR.tmp, renamed to OUT_DIR only
-when complete. Exit codes: MaxText/hf/errors.py (docs/huggingface.md).
+recorded when it saved (the verdict a resume gives). OUT_DIR is claimed before anything is read, written to
+OUT_DIR.tmp, fsynced and renamed to OUT_DIR only when complete (MaxText/hf/output.py). Exit codes:
+MaxText/hf/errors.py (docs/huggingface.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
+from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, stop
 from MaxText.hf.errors import BadInput, HFError
 
 DTYPES = {"bf16": ("BF16", "bfloat16"), "f32": ("F32", "float32")}
@@ -46,6 +47,17 @@ def family_of(config: Any, fork: Any):
   return FAMILIES[block]
 
 
+# Tensors written in float32 whatever --dtype says: the routing bias picks the experts, and a bf16 rounding of it
+# (8 bits of mantissa on values near the sigmoid scores it is added to) changes the picks; DeepSeek publishes it in
+# float32 beside its FP8 and bf16 weights.
+FLOAT32_ALWAYS = ("e_score_correction_bias",)
+
+
+def dtype_of(dtype: np.dtype):
+  f32 = np.dtype(np.float32)
+  return lambda name: f32 if name.endswith(FLOAT32_ALWAYS) else dtype
+
+
 def ordered(pieces: list) -> list:
   """Pieces grouped by the stored array they read (first appearance order), so that each stored chunk is decoded
   once while it sits in the reader's cache; the index maps every name to its shard whatever the order."""
@@ -56,8 +68,13 @@ def ordered(pieces: list) -> list:
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_bytes: int) -> dict[str, Any]:
-  if out_dir.exists():
-    raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
+  """OUT_DIR claimed first (MaxText/hf/output.py: an unwritable parent or another run fails before anything is
+  read), written into OUT_DIR.tmp and renamed when complete."""
+  with output.writing(out_dir) as tmp:
+    return _export(run_dir, tmp, step, dtype, shard_bytes)
+
+
+def _export(run_dir: Path, tmp: Path, step: int | None, dtype: str, shard_bytes: int) -> dict[str, Any]:
   ckpt = checkpoint.Checkpoint(run_dir, step)
   run = hf_run.load(run_dir)
   config = hf_run.upstream_config(run)
@@ -70,20 +87,20 @@ def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_byt
                    f"{family.ARCHITECTURE} layout has no place for: not exported, rather than dropped")
   st_dtype, name = DTYPES[dtype]
   start = time.perf_counter()
-  with stop.writing(out_dir) as tmp:
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(family.hf_config(config, name), indent=2) + "\n")
+  tmp.mkdir()
+  (tmp / "config.json").write_text(json.dumps(family.hf_config(config, name), indent=2) + "\n")
 
-    def produce(i: int) -> np.ndarray:
-      p = pieces[i]
-      region = ckpt.read(p.key, p.index) if not p.copy else ckpt.peek(p.key, p.index)
-      return p.transform.to_hf(region)
+  def produce(i: int) -> np.ndarray:
+    p = pieces[i]
+    region = ckpt.read(p.key, p.index) if not p.copy else ckpt.peek(p.key, p.index)
+    return p.transform.to_hf(region)
 
-    safetensors.write(tmp, [(p.name, p.hf_shape) for p in pieces], produce, safetensors.DTYPES[st_dtype], shard_bytes)
-    ckpt.verdict()
-    if ckpt.unread():
-      raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")
-  files = sorted(out_dir.glob("*.safetensors"))
+  safetensors.write(tmp, [(p.name, p.hf_shape) for p in pieces], produce, dtype_of(safetensors.DTYPES[st_dtype]),
+                    shard_bytes)
+  ckpt.verdict()
+  if ckpt.unread():
+    raise AssertionError(f"not every element of {ckpt.unread()[0]} was read")
+  files = sorted(tmp.glob("*.safetensors"))
   return {"step": ckpt.step, "tensors": len(pieces), "shards": len(files),
           "bytes": sum(f.stat().st_size for f in files), "seconds": time.perf_counter() - start,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     with stop.on_signals("export_hf", args.out_dir):
       done = export(args.run_dir, args.out_dir, args.step, args.dtype, shard_bytes(args.shard_size))
   except HFError as e:
-    print(f"export_hf: {e}", file=sys.stderr, flush=True)
+    quiet.say(f"export_hf: {e}")
     return e.code
   log(f"step {done['step']} of {args.run_dir} -> {args.out_dir}: {done['tensors']} tensors in {done['shards']} "
       f"shards, {done['bytes'] / 2**20:.1f} MiB in {done['seconds']:.1f} s; peak resident memory "

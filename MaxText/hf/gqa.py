@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from MaxText.hf import layout
+from MaxText.hf import config_json, layout
 from MaxText.hf.errors import BadInput
 
 
@@ -37,10 +37,14 @@ class Family:
               ("rope_type", str(getattr(c.rope_type, "value", c.rope_type)), "default"),
               ("final_logits_soft_cap", c.final_logits_soft_cap, None),
               ("use_qk_norm", bool(c.use_qk_norm), self.qk_norm),
-              ("shared_experts", c.shared_experts, 0)]
+              ("shared_experts", c.shared_experts, 0),
+              ("routed_score_func", c.routed_score_func or "", ""),  # transformers' softmax of the logits
+              ("routed_bias", bool(c.routed_bias), False)]
     for key, value, wanted in checks:
       if value != wanted:
         return f"config key '{key}' = {value!r}: {self.ARCHITECTURE}'s layout needs {wanted!r}"
+    if c.logits_via_embedding:
+      return f"config key 'logits_via_embedding' = True: {config_json.TIED}"
     return None
 
   def hf_config(self, c: Any, dtype: str) -> dict[str, Any]:
@@ -55,31 +59,48 @@ class Family:
     if self.model_type == "mixtral":
       return {**common, "intermediate_size": c.moe_mlp_dim, "num_local_experts": c.num_experts,
               "sliding_window": None}
+    # norm_topk_prob: upstream's weights are a softmax over the chosen logits, which sums to 1 with or without it
     return {**common, "intermediate_size": c.mlp_dim, "moe_intermediate_size": c.moe_mlp_dim,
-            "num_experts": c.num_experts, "norm_topk_prob": bool(c.norm_topk_prob), "decoder_sparse_step": 1,
-            "mlp_only_layers": []}
+            "num_experts": c.num_experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
 
   def maxtext_keys(self, hf: Mapping[str, Any]) -> dict[str, Any]:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default" or hf.get("hidden_act", "silu") != "silu":
-      raise BadInput(f"config.json rope {rope} / hidden_act {hf.get('hidden_act')!r}: only plain RoPE and silu")
-    if self.model_type == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
-      raise BadInput("config.json mlp_only_layers / decoder_sparse_step: our Qwen3-MoE has a MoE in every layer")
-    if hf.get("sliding_window"):
-      raise BadInput(f"config.json sliding_window {hf['sliding_window']}: not imported (full attention only)")
-    heads = hf["num_attention_heads"]
-    keys = {"base_emb_dim": hf["hidden_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
-            "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab_size": hf["vocab_size"],
-            "num_experts_per_tok": hf["num_experts_per_tok"], "normalization_layer_epsilon": hf["rms_norm_eps"],
-            "rope_max_timescale": rope.get("rope_theta", hf.get("rope_theta", 10_000)),
-            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
-            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
+    """Our config keys for this family's config.json, read as its transformers class reads it; BadInput for what
+    we cannot run the same way."""
+    h = config_json.read(hf, self.model_type)
+    rope = h["rope"]
+    if rope["rope_type"] != "default" or h["hidden_act"] != "silu":
+      raise BadInput(f"config.json rope_type {rope['rope_type']!r} / hidden_act {h['hidden_act']!r}: "
+                     f"{self.ARCHITECTURE} is imported with plain RoPE and silu")
+    if self.model_type == "qwen3_moe":
+      if h["mlp_only_layers"] or h["decoder_sparse_step"] != 1:
+        raise BadInput("config.json mlp_only_layers / decoder_sparse_step: our Qwen3-MoE has a MoE in every layer")
+      if not h["norm_topk_prob"]:
+        raise BadInput("config.json norm_topk_prob false (Qwen3MoeConfig's default): transformers weighs each "
+                       "chosen expert by its softmax over all experts; upstream's router (ours too) takes the "
+                       "softmax over the chosen ones, which is norm_topk_prob true (the released Qwen3-MoE's)")
+    window = h["sliding_window"] if h.get("use_sliding_window", True) else None
+    if window:
+      raise BadInput(f"config.json sliding_window {window}: not imported (full attention only)")
+    heads = h["num_attention_heads"]
+    tied = bool(h["tie_word_embeddings"])
+    keys = {"base_emb_dim": h["hidden_size"], "base_num_decoder_layers": h["num_hidden_layers"],
+            "base_num_query_heads": heads, "base_num_kv_heads": h["num_key_value_heads"],
+            "head_dim": h.get("head_dim") or h["hidden_size"] // heads, "vocab_size": h["vocab_size"],
+            "num_experts_per_tok": h["num_experts_per_tok"], "normalization_layer_epsilon": h["rms_norm_eps"],
+            "rope_max_timescale": rope["rope_theta"], "max_position_embeddings": h["max_position_embeddings"],
+            "logits_via_embedding": tied,
+            "num_experts": h["num_experts"]}
     if self.model_type == "mixtral":
-      return {**keys, "base_mlp_dim": hf["intermediate_size"], "base_moe_mlp_dim": hf["intermediate_size"],
-              "num_experts": hf["num_local_experts"]}
-    return {**keys, "base_mlp_dim": hf["intermediate_size"], "base_moe_mlp_dim": hf["moe_intermediate_size"],
-            "num_experts": hf["num_experts"], "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
+      return {**keys, "base_mlp_dim": h["intermediate_size"], "base_moe_mlp_dim": h["intermediate_size"]}
+    # norm_topk_prob true is carried by the router's form (a softmax over the chosen logits sums to 1 with or
+    # without upstream's norm_topk_prob): no key to set
+    return {**keys, "base_mlp_dim": h["intermediate_size"], "base_moe_mlp_dim": h["moe_intermediate_size"]}
+
+  @staticmethod
+  def free_keys(keys: Mapping[str, Any]) -> set[str]:  # pylint: disable=unused-argument
+    """Keys a given config may change without changing the function: plain RoPE's table of positions."""
+    return {"max_position_embeddings"}
 
   def pieces(self, shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any) -> list[layout.Piece]:
     why = self.refusal(c, fork)

@@ -3,13 +3,15 @@
   python -m MaxText.import_hf HF_DIR OUT_DIR [config.yml] [key=value ...]
   python -m MaxText.train CONFIG load_parameters_path=OUT_DIR ...
 
-Without a config, the model's keys come from HF_DIR/config.json on the family's tiny CPU config (run settings
-only: the widths are all HF's); with one, the config's model must have exactly the weights' shapes (a tensor whose
-shape differs stops the import naming both). Every parameter the config builds comes from a tensor (the routing
+Without a config, the model's keys come from HF_DIR/config.json, read as its transformers class reads it
+(MaxText/hf/config_json.py), on the family's tiny CPU config (run settings only: the widths are all HF's); with
+one, every key that changes the function must equal config.json's (the first that differs stops the import, naming
+both values, before anything is converted). Every parameter the config builds comes from a tensor (the routing
 bias too), and every tensor goes to a parameter (the MTP module's copies of the embedding and head aside: MaxText
 shares the main ones). DeepSeek's FP8 weights (float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block)
 are dequantized as they are read. The checkpoint holds the whole model in host memory while it is written (orbax
-writes a tree); it is written to OUT_DIR.tmp and renamed when complete. Exit codes: MaxText/hf/errors.py.
+writes a tree). OUT_DIR is claimed before anything is read, written to OUT_DIR.tmp, fsynced and renamed when
+complete (MaxText/hf/output.py). Exit codes: MaxText/hf/errors.py.
 """
 
 from __future__ import annotations
@@ -25,11 +27,23 @@ import numpy as np
 
 import patches
 from MaxText import config as fork_config
-from MaxText.hf import checkpoint, deepseek, gqa, run as hf_run, safetensors, stop
-from MaxText.hf.errors import BadInput, Damaged, HFError
+from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, stop
+from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
 
-# config.json's architecture -> what lays it out (pieces, maxtext_keys, DEFAULT_CONFIG)
+# config.json's architecture -> what lays it out (pieces, maxtext_keys, free_keys, DEFAULT_CONFIG)
 FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
+# Architectures our trainer runs (configs/models/) that the import does not map yet, and why.
+NOT_MAPPED = {
+    "GptOssForCausalLM": "GPT-OSS's experts are stored fused (gate_up_proj, with biases, interleaved gate and up "
+                         "columns) and its attention has sinks and alternating sliding windows: no layout here yet",
+    "Llama4ForConditionalGeneration": "Llama 4 is multimodal (a vision tower beside the text model), with chunked "
+                                      "attention, fused experts and MoE layers interleaved with dense ones: no "
+                                      "layout here yet",
+    "Llama4ForCausalLM": "Llama 4's text model has chunked attention, fused experts and MoE layers interleaved "
+                         "with dense ones: no layout here yet",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's router (softmax scores, group-limited greedy top-k without a bias) and "
+                             "its YaRN on MLA are not mapped: no layout here yet",
+}
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -47,6 +61,8 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
   except (OSError, ValueError) as e:
     raise BadInput(f"{hf_dir}/config.json cannot be read: {' '.join(str(e).split())[:120]}") from None
   arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+  if arch in NOT_MAPPED:
+    raise BadInput(f"{hf_dir} holds a {arch}: {NOT_MAPPED[arch]}")
   if arch not in FAMILIES:
     raise BadInput(f"{hf_dir} holds a {arch} (model_type {hf.get('model_type')!r}): import knows "
                    f"{', '.join(sorted(FAMILIES))}")
@@ -65,11 +81,39 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, Any], Any, safetensors.Reader]:
   return hf, FAMILIES[arch], reader
 
 
-def run_config(hf: dict[str, Any], family, args: list[str]) -> fork_config.RunConfig:
+def config_argv(keys: dict[str, Any], family, args: list[str]) -> list[str]:
+  """The config the import builds its model from: the one given, else the family's tiny CPU config with
+  config.json's keys (`keys`, family.maxtext_keys) and the key=value overrides given."""
   if args and "=" not in args[0]:
-    return fork_config.load(args)
-  derived = [f"{k}={fork_config.cli_value(v)}" for k, v in family.maxtext_keys(hf).items()]
-  return fork_config.load([family.DEFAULT_CONFIG, *derived, *args])
+    return list(args)
+  return [family.DEFAULT_CONFIG, *(f"{k}={fork_config.cli_value(v)}" for k, v in keys.items()), *args]
+
+
+def disagreement(keys: dict[str, Any], family, config, hf_dir: Path) -> str | None:
+  """One line naming the first key whose value in the config differs from config.json's (keys: maxtext_keys), or
+  None; the keys family.free_keys leaves free are not compared."""
+  free = family.free_keys(keys)
+  for key, want in keys.items():
+    got = getattr(config, key)
+    got = getattr(got, "value", got)
+    if key in free or got == want or (isinstance(want, float) and abs(got - want) <= 1e-12 * abs(want)):
+      continue
+    return (f"config key '{key}' = {got!r} but {hf_dir}/config.json gives {want!r}: the config would build "
+            "another model than the weights'")
+  return None
+
+
+def mtp_layers(hf: dict[str, Any], reader: safetensors.Reader, keys: dict[str, Any]) -> int:
+  """The MTP modules config.json names that the directory holds: transformers' DeepseekV3Config says 1 by default
+  (and saves it) while its class neither makes nor saves one; log() says when they differ."""
+  n, named = keys["base_num_decoder_layers"], keys["mtp_num_layers"]
+  held = 0
+  while held < named and any(name.startswith(f"model.layers.{n + held}.") for name in reader.names()):
+    held += 1
+  if held < named:
+    log(f"config.json names {named} MTP module(s) (num_nextn_predict_layers, DeepseekV3Config's default is 1) but "
+        f"the directory holds {held}: importing {held} (mtp_num_layers={held})")
+  return held
 
 
 def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[tuple[str, ...], np.dtype]]:
@@ -136,8 +180,11 @@ def unused(pieces, reader) -> list[str]:
 
 
 def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
-  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/..."""
+  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/...
+  A write the storage refuses (orbax raises tensorstore's error, not an OSError) is NotWritten, in the words
+  the trainer's checkpoint guard reads from it."""
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
   tree: dict[str, Any] = {}
   for key, value in arrays.items():
@@ -145,18 +192,36 @@ def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
     for part in key[2:-1]:
       node = node.setdefault(part, {})
     node[key[-1]] = value
-  checkpointing.save_params_to_path(str(out), tree)
+  try:
+    with quiet.captured_stderr(lambda e: checkpoint_guard.no_space_reason(e) is not None):
+      checkpointing.save_params_to_path(str(out), tree)
+  except Exception as e:  # pylint: disable=broad-except
+    reason = checkpoint_guard.no_space_reason(e)
+    if reason is None:
+      raise
+    raise NotWritten(f"{out} could not be written: {reason}") from None
 
 
 def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
-  if out_dir.exists():
-    raise BadInput(f"{out_dir} already exists: choose a new OUT_DIR")
+  """OUT_DIR claimed first (MaxText/hf/output.py: an unwritable parent or another run fails before anything is
+  read), written into OUT_DIR.tmp and renamed when complete."""
+  with output.writing(out_dir) as tmp:
+    return _import(hf_dir, tmp, args)
+
+
+def _import(hf_dir: Path, tmp: Path, args: list[str]) -> dict[str, Any]:
   hf, family, reader = read_hf(hf_dir)
+  keys = family.maxtext_keys(hf)
+  keys = {**keys, "mtp_num_layers": mtp_layers(hf, reader, keys)} if "mtp_num_layers" in keys else keys
+  argv = config_argv(keys, family, args)
   try:
-    run = run_config(hf, family, args)
+    run = fork_config.load(argv)
   except fork_config.ConfigError as e:
     raise BadInput(f"config error: {e}") from None
   config = hf_run.upstream_config(hf_run.on_this_machine(run))
+  why = disagreement(keys, family, config, hf_dir)
+  if why:
+    raise BadInput(why)
   patches.apply_all(run.fork)  # the model as the trainer builds it (DeepSeek-V3's bias a MoEBiasVar at any model_name)
   shapes, dtypes = abstract_shapes(config)
   pieces = family.pieces(shapes, config, run.fork)
@@ -169,10 +234,10 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
                    "config and the weights describe different models")
   start = time.perf_counter()
   arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
-  with stop.writing(out_dir) as tmp:
-    save(arrays, tmp)
-    keys = {k: v for k, v in run.upstream.items() if k in family.maxtext_keys(hf)}
-    (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "model_keys": keys}, indent=1))
+  save(arrays, tmp)
+  model_keys = {k: v for k, v in run.upstream.items() if k in keys}
+  (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "config": argv,
+                                               "model_keys": model_keys}, indent=1))
   return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
           "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
 
@@ -187,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     with stop.on_signals("import_hf", out_dir):
       done = import_(hf_dir, out_dir, args[2:])
   except HFError as e:
-    print(f"import_hf: {e}", file=sys.stderr, flush=True)
+    quiet.say(f"import_hf: {e}")
     return e.code
   if done["left"]:
     log(f"not imported: {len(done['left'])} tensors of the MTP modules beyond the config's mtp_num_layers "

@@ -27,12 +27,14 @@ NAME_OF = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 
 
-def plan_shards(tensors: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes: int) -> list[list[int]]:
+def plan_shards(tensors: Sequence[tuple[str, tuple[int, ...]]], itemsize: int | Callable[[str], int],
+                max_bytes: int) -> list[list[int]]:
   """Tensor positions per shard, in order, each shard at most max_bytes (a larger tensor gets one of its own)."""
+  size_of = itemsize if callable(itemsize) else (lambda _: itemsize)
   shards: list[list[int]] = [[]]
   size = 0
-  for i, (_, shape) in enumerate(tensors):
-    nbytes = int(np.prod(shape)) * itemsize
+  for i, (name, shape) in enumerate(tensors):
+    nbytes = int(np.prod(shape)) * size_of(name)
     if shards[-1] and size + nbytes > max_bytes:
       shards.append([])
       size = 0
@@ -41,26 +43,28 @@ def plan_shards(tensors: Sequence[tuple[str, tuple[int, ...]]], itemsize: int, m
   return shards
 
 
-def _header(entries: Sequence[tuple[str, tuple[int, ...]]], dtype: np.dtype) -> bytes:
+def _header(entries: Sequence[tuple[str, tuple[int, ...]]], dtype_of: Callable[[str], np.dtype]) -> bytes:
   header, offset = {"__metadata__": {"format": "pt"}}, 0
   for name, shape in entries:
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    header[name] = {"dtype": NAME_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    nbytes = int(np.prod(shape)) * dtype_of(name).itemsize
+    header[name] = {"dtype": NAME_OF[dtype_of(name)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
   text = json.dumps(header, separators=(",", ":")).encode()
   return text + b" " * (-len(text) % 8)  # the data starts 8-byte aligned
 
 
 def write(out_dir: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], produce: Callable[[int], np.ndarray],
-          dtype: np.dtype, max_shard_bytes: int) -> dict[str, str]:
-  """Writes tensors[i] = produce(i) (cast to dtype) in order into shards; returns {name: shard file}."""
-  shards = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+          dtype: np.dtype | Callable[[str], np.dtype], max_shard_bytes: int) -> dict[str, str]:
+  """Writes tensors[i] = produce(i) (cast to dtype, or to dtype(name)) in order into shards; returns {name: shard
+  file}."""
+  dtype_of = dtype if callable(dtype) and not isinstance(dtype, np.dtype) else (lambda _: dtype)
+  shards = plan_shards(tensors, lambda name: dtype_of(name).itemsize, max_shard_bytes)
   weight_map: dict[str, str] = {}
   total = 0
   for n, positions in enumerate(shards):
     name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
     entries = [tensors[i] for i in positions]
-    header = _header(entries, dtype)
+    header = _header(entries, dtype_of)
     with open(out_dir / name, "wb") as f:
       f.write(struct.pack("<Q", len(header)))
       f.write(header)
@@ -68,9 +72,9 @@ def write(out_dir: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], produce
         x = produce(i)
         if tuple(x.shape) != tuple(shape):
           raise AssertionError(f"{tname}: produced {x.shape}, planned {shape}")
-        x = x.astype(dtype, order="C", copy=False)  # one copy at most (a transposed view, or another dtype)
+        x = x.astype(dtype_of(tname), order="C", copy=False)  # one copy at most (a transposed view, or a dtype)
         f.write(memoryview(np.ascontiguousarray(x).view(np.uint8)))
-        total += x.size * dtype.itemsize
+        total += x.nbytes
         weight_map[tname] = name
   index = {"metadata": {"total_size": total}, "weight_map": weight_map}
   (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")

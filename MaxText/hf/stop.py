@@ -1,5 +1,6 @@
 """SIGTERM (a scheduler's stop) and SIGINT (Ctrl-C) for export_hf and import_hf: one line, exit 143 / 130, and
-nothing half-written left: OUT_DIR.tmp and orbax's temporary folders next to it are removed.
+nothing half-written left: OUT_DIR.tmp, orbax's temporary folders next to it and the lock are removed
+(MaxText/hf/output.py).
 
 The first signal raises Stopped in the main thread, so that the writer's own clean-up runs as for any failure; a
 second one (a clean-up that hangs) removes the same paths and ends the process at once.
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
 from typing import Iterator, NoReturn
 
-from MaxText.hf.errors import INTERRUPTED, TERMINATED, NotWritten
+from MaxText.hf import output, quiet
+from MaxText.hf.errors import INTERRUPTED, TERMINATED
 
 CODES = {signal.SIGTERM: TERMINATED, signal.SIGINT: INTERRUPTED}
 
@@ -28,38 +29,6 @@ class Stopped(BaseException):
     self.name = signal.Signals(signum).name
     self.code = CODES[signum]
     super().__init__(self.name)
-
-
-def partial(out_dir: Path) -> list[Path]:
-  """What a write to out_dir leaves when cut short: OUT_DIR.tmp, and orbax's `OUT_DIR.tmp.orbax-checkpoint-tmp-*`
-  (import's checkpoint is written there first and renamed)."""
-  tmp = tmp_dir(out_dir)
-  return [tmp, *tmp.parent.glob(f"{tmp.name}.orbax-checkpoint-tmp*")]
-
-
-def tmp_dir(out_dir: Path) -> Path:
-  return out_dir.with_name(out_dir.name + ".tmp")
-
-
-def remove_partial(out_dir: Path) -> None:
-  for path in partial(out_dir):
-    shutil.rmtree(path, ignore_errors=True)
-
-@contextlib.contextmanager
-def writing(out_dir: Path) -> Iterator[Path]:
-  """OUT_DIR.tmp to write into, renamed to out_dir when the block ends. A write the disk refuses is NotWritten
-  (exit 6), and whatever ends the block early (that, any error, a signal's Stopped) removes the partial output."""
-  tmp = tmp_dir(out_dir)
-  remove_partial(out_dir)
-  try:
-    yield tmp
-    tmp.rename(out_dir)
-  except OSError as e:
-    remove_partial(out_dir)
-    raise NotWritten(f"{tmp} could not be written: {e.strerror or e}") from None
-  except BaseException:
-    remove_partial(out_dir)
-    raise
 
 
 @contextlib.contextmanager
@@ -86,11 +55,14 @@ def on_signals(prog: str, out_dir: Path) -> Iterator[None]:
 
 
 def exit_stopped(prog: str, e: Stopped, out_dir: Path) -> NoReturn:
-  """Removes the partial output, says so in one line, and ends the process without waiting for writer threads
-  (orbax's, mid-write, would go on writing into the folder just removed, and recreate it)."""
-  remove_partial(out_dir)
+  """Removes the partial output (where this process holds OUT_DIR's lock: a run refused because another holds it
+  leaves that one's alone), says so in one line, and ends the process without waiting for writer threads (orbax's,
+  mid-write, would go on writing into the folder just removed, and recreate it)."""
+  removed = f", {output.tmp_dir(out_dir)} removed" if output.claimed(out_dir) else ""
+  output.remove_partial(out_dir)
+  output.release(out_dir)
   what = f"{out_dir} was complete and is kept" if out_dir.exists() else f"{out_dir} not written"
-  os.write(2, f"{prog}: stopped by {e.name}; {what}, {tmp_dir(out_dir)} removed\n".encode())
+  quiet.say(f"{prog}: stopped by {e.name}; {what}{removed}", in_handler=True)
   try:
     sys.stdout.flush()
   except Exception:  # pylint: disable=broad-except
