@@ -116,6 +116,7 @@ def test_the_dockerfile_refuses_a_base_without_python_312_in_one_line_the_script
   assert "SMOKE_DEVICE=cpu" in smoke and "docker/smoke.sh" in smoke
 
 
+@pytest.mark.slow  # two imports of the whole training chain: 15 s
 def test_check_image_on_the_standin_skips_te_and_still_checks_every_pin(tmp_path):
   marker = tmp_path / "maxtext-moe-standin"
   marker.write_text("stand-in\n")

@@ -27,6 +27,10 @@ from MaxText.hf import export_cli as export_hf
 from MaxText.hf import output
 from MaxText.hf.errors import BAD_INPUT, DAMAGED, NOT_WRITTEN
 
+# Slow tier: the module's run is written without training (about 25 s) and each CLI starts in its own process;
+# the fast tier's 5 minutes on 2 cores has no room for its 47 s.
+pytestmark = pytest.mark.slow
+
 # Under 10 s of the process's CPU time: a shared CI machine stretches the wall time of the same work (7 s of CPU
 # took 13.6 s beside other jobs on 2 cores). The wall time has a hang's bound: the import that waited on orbax's
 # threads took 323 s.
