@@ -9,9 +9,7 @@ second one (a clean-up that hangs) removes the same paths and ends the process a
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import sys
 from pathlib import Path
 from typing import Iterator, NoReturn
 
@@ -63,8 +61,4 @@ def exit_stopped(prog: str, e: Stopped, out_dir: Path) -> NoReturn:
   output.release(out_dir)
   what = f"{out_dir} was complete and is kept" if out_dir.exists() else f"{out_dir} not written"
   quiet.say(f"{prog}: stopped by {e.name}; {what}{removed}", in_handler=True)
-  try:
-    sys.stdout.flush()
-  except Exception:  # pylint: disable=broad-except
-    pass  # a write the signal interrupted: its bytes are lost with the process either way
-  os._exit(e.code)  # pylint: disable=protected-access
+  quiet.exit_now(e.code)  # a write the signal interrupted: its flush fails there, and its bytes are lost either way
