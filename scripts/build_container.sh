@@ -140,9 +140,9 @@ fi
 echo "build_container: $name:$tag from $base (wheels: $wheels, engine: $engine${isolation:+, isolation: $isolation})"
 build_step "the image's build" "${no_cache[@]}" --target runtime -t "$name:$tag" -t "$name:latest"
 if [ "$smoke" = 1 ]; then
-  # The smoke-cpu stage reuses the layers just built (after --no-cache they are new, so the smoke runs again);
-  # its RUN is the smoke, printed as it runs.
-  build_step "the CPU smoke test" --target smoke-cpu -t "$name-smoke-cpu:$tag"
+  # The smoke-cpu stage reuses the layers just built; its RUN is the smoke, printed as it runs, and runs every
+  # time: SMOKE_RUN is new each build, so the RUN's cache key is (a --no-cache runtime can hash to the cached one).
+  build_step "the CPU smoke test" --build-arg "SMOKE_RUN=$(date +%s%N)" --target smoke-cpu -t "$name-smoke-cpu:$tag"
   [ "$dry" = 1 ] || echo "build_container: CPU smoke passed in the image (the GPU items: skipped, no GPU)"
 fi
 if [ "$push" = 1 ]; then

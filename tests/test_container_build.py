@@ -81,6 +81,9 @@ def test_standin_builds_the_image_then_its_cpu_smoke_stage_under_a_name_apart(tm
   assert [b.split("--target ")[1].split()[0] for b in builds] == ["runtime", "smoke-cpu"]
   assert all("BASE_IMAGE=localhost/maxtext-moe-standin-base:" in b for b in builds)
   assert "-t maxtext-moe-standin:" in builds[0] and "-t maxtext-moe:" not in builds[0]
+  # The smoke's RUN always runs: a cached one prints nothing (CI once built a --no-cache runtime whose layers
+  # hashed to the cached ones, and the smoke stage came from the cache).
+  assert "SMOKE_RUN=" in builds[1] and "SMOKE_RUN=" not in builds[0]
 
 
 @pytest.mark.parametrize("args, says", [

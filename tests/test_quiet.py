@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from MaxText.run import quiet
 
 
@@ -104,3 +106,44 @@ def test_an_async_save_whose_commit_thread_met_a_full_disk_logs_no_traceback():
     noise = quiet.UpstreamNoise(verbose)
     assert not noise.filter(commit_failed(OSError(errno.ENOSPC, "No space left on device", "/ckpt/8/x")))
     assert noise.filter(commit_failed(OSError(errno.EIO, "Input/output error", "/ckpt/8/x")))
+
+
+def _closed_loop_error() -> RuntimeError:
+  import asyncio  # pylint: disable=import-outside-toplevel
+
+  loop = asyncio.new_event_loop()
+  loop.close()
+  try:
+    loop.call_soon_threadsafe(print)
+  except RuntimeError as e:
+    return e
+  raise AssertionError("a closed loop took a callback")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_closed_loops_echo_on_another_thread_is_dropped_and_every_other_error_shows(monkeypatch, verbose):
+  # What tensorstore's callback threads print after an async save failed (a full disk): "Event loop is closed"
+  # raised in asyncio's call_soon_threadsafe, through sys.excepthook (PyErr_Print), each a traceback.
+  import sys  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+
+  shown = []
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: shown.append(("sys", value)))
+  monkeypatch.setattr(threading, "excepthook", lambda args: shown.append(("thread", args.exc_value)))
+  quiet.closed_loop_hooks(verbose)
+  quiet.closed_loop_hooks(verbose)  # idempotent: one wrapper, not two
+  closed, other, plain_closed = _closed_loop_error(), RuntimeError("boom"), RuntimeError("Event loop is closed")
+
+  def on_another_thread():
+    for value in (closed, other, plain_closed):
+      sys.excepthook(type(value), value, value.__traceback__)
+    raise closed
+
+  worker = threading.Thread(target=on_another_thread)
+  worker.start()
+  worker.join()
+  sys.excepthook(type(closed), closed, closed.__traceback__)  # the main thread's own error always shows
+  if verbose:
+    assert [v for _, v in shown] == [closed, other, plain_closed, closed, closed]
+  else:  # the same words raised anywhere but call_soon_threadsafe still show
+    assert shown == [("sys", other), ("sys", plain_closed), ("sys", closed)]

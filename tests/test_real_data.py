@@ -57,6 +57,57 @@ def test_a_grain_iterator_without_a_parent_closes_without_an_assertion():
     patches.undo_module(grain_iterator_close)
 
 
+# A resumed run's data iterator kept to exit (patches/checkpoint_guard.py holds the last step's arguments), as the
+# trainer's process ends. The sleeping finalizer sits between the set-state queue's (priority 10, whose feeder
+# thread then closes the queue's pipe) and grain's _close_if_alive (1), so the race CI lost once is lost every time.
+_EXIT_RACE = """
+import multiprocessing.util, sys, time
+import numpy as np
+_held = []
+
+def main(close_first):
+  import grain, jax, patches
+  from absl import flags
+  from jax.sharding import Mesh
+  from maxtext.input_pipeline import multihost_dataloading
+  from patches import grain_iterator_close
+  flags.FLAGS(sys.argv[:1])  # grain reads its absl flags
+  patches.apply_module(grain_iterator_close)
+  ds = grain.MapDataset.range(64).map(lambda i: {"x": np.full((4,), i, np.int32)}).to_iter_dataset()
+  ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1))
+  loader = multihost_dataloading.MultiHostDataLoadIterator(ds, Mesh(np.array(jax.devices()[:1]), ("data",)))
+  _held.append(loader)
+  it = loader.local_iterator
+  next(it)
+  it.set_state(it.get_state())  # a resume: the set-state queue's feeder thread starts
+  print("batch", int(next(it)["x"][0]), flush=True)
+  multiprocessing.util.Finalize(None, time.sleep, args=(1.0,), exitpriority=5)
+  if close_first:
+    grain_iterator_close.close_open_iterators()  # what MaxText/run/loop.py does when training returns
+
+if __name__ == "__main__":  # grain's worker is spawned, and imports this file again
+  main(sys.argv[1:] == ["close-first"])
+"""
+
+
+@pytest.mark.slow
+def test_a_resumed_iterator_closed_when_training_returns_is_not_drained_by_exits_finalizers(tmp_path):
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  script = tmp_path / "exit_race.py"
+  script.write_text(_EXIT_RACE)
+  env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+  runs = {how: subprocess.run([sys.executable, str(script), *how], capture_output=True, text=True, timeout=180,
+                              env=env, check=False) for how in ((), ("close-first",))}
+  for run in runs.values():
+    assert run.returncode == 0 and run.stdout == "batch 1\n", run.stderr[-3000:]
+  assert "OSError: handle is closed" in runs[()].stderr and "_close_if_alive" in runs[()].stderr  # the race, lost
+  assert "_close_if_alive" not in runs[("close-first",)].stderr, runs[("close-first",)].stderr[-3000:]
+  assert "handle is closed" not in runs[("close-first",)].stderr
+
+
 def _no_traceback(result) -> None:
   assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
 

@@ -25,6 +25,7 @@ from MaxText.run import disk_full
 from MaxText.run import launch
 from MaxText.run import lifecycle
 from MaxText.run import metrics
+from patches import grain_iterator_close
 
 
 def log(msg: str) -> None:
@@ -175,6 +176,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     from maxtext.trainers.pre_train import train as upstream_train  # pylint: disable=import-outside-toplevel
 
     quiet.install_filter(run.fork.verbose)
+    quiet.closed_loop_hooks(run.fork.verbose)
     compiles = _watch_train_step_compile(lead)
 
     def upstream_main(_argv):
@@ -203,6 +205,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
       raise disk_full.StorageFailure(disk_full.line(e, run.run_dir, written)) from e
     finally:
       compiles.stop()
+      grain_iterator_close.close_open_iterators()  # now, not in exit's finalizers (patches/grain_iterator_close.py)
   finally:
     if lock:
       lock.release()

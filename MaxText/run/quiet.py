@@ -14,6 +14,10 @@ through the logging levels, not prints:
   UpstreamNoise                 orbax's per-file INFO lines and a full disk's tracebacks from orbax's writer
                                 threads (our one line says it), in any mode; without verbose, the upstream
                                 warnings a user cannot act on (upstream's own deprecated call into orbax)
+  closed_loop_hooks             without verbose, "Event loop is closed" from tensorstore's threads: an async
+                                save that failed (a full disk) leaves tensorstore completing writes whose
+                                callbacks find orbax's loop closed; each printed a traceback (PyErr_Print, so
+                                sys.excepthook) before our line (tests/test_reliability_cases.py, async saves)
 
 `verbose=true` keeps absl at INFO, as upstream runs. Upstream's bare prints are the patches' business
 (patches/quiet_notices.py, released here by import_notices; patches/quiet_tflops.py).
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 
 CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 
@@ -100,3 +106,37 @@ def install_filter(verbose: bool) -> None:
   for old in [f for f in absl.filters if isinstance(f, UpstreamNoise)]:
     absl.removeFilter(old)
   absl.addFilter(UpstreamNoise(verbose))
+
+
+def _a_closed_loop_off_the_main_thread(exc: BaseException | None) -> bool:
+  """asyncio's refusal of a callback from another thread after its loop closed: the echo of a write orbax
+  abandoned, whose own error reaches us (and our line) through orbax."""
+  if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+    return False
+  if threading.current_thread() is threading.main_thread():
+    return False  # the main thread's own errors always show
+  frames = []
+  tb = exc.__traceback__
+  while tb is not None:
+    frames.append(tb.tb_frame.f_code.co_name)
+    tb = tb.tb_next
+  return "call_soon_threadsafe" in frames
+
+
+def closed_loop_hooks(verbose: bool) -> None:
+  """sys.excepthook and threading.excepthook drop _a_closed_loop_off_the_main_thread, unless verbose; every
+  other error prints as before. Idempotent."""
+  if verbose or getattr(sys.excepthook, "closed_loop_quiet", False):
+    return
+  excepthook, thread_excepthook = sys.excepthook, threading.excepthook
+
+  def quiet_excepthook(kind, value, tb):
+    if not _a_closed_loop_off_the_main_thread(value):
+      excepthook(kind, value, tb)
+
+  def quiet_thread_excepthook(args):
+    if not _a_closed_loop_off_the_main_thread(args.exc_value):
+      thread_excepthook(args)
+
+  quiet_excepthook.closed_loop_quiet = True
+  sys.excepthook, threading.excepthook = quiet_excepthook, quiet_thread_excepthook
