@@ -224,3 +224,16 @@ def test_import_refuses_another_architecture_and_missing_shards(tmp_path, capsys
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "model-00002-of-00002.safetensors is missing (1 tensors of the index" in err
   assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_the_export_reads_an_ep_sharded_array_a_stored_chunk_at_a_time():
+  """An array [experts 8, layers 3, ...] stored in chunks of 4 experts x every layer (EP over 2): pieces come layer by
+  layer, expert by expert; read so, each chunk would be decoded once per layer with a one-chunk cache. Ordered, the
+  pieces of one chunk are contiguous, and the other arrays keep their place."""
+  wi, norm = ("params", "params", "wi"), ("params", "params", "norm")
+  pieces = [layout.Piece(f"l{l}.e{e}", wi, (e, l, slice(None)), layout.SAME, (2,)) for l in range(3) for e in range(8)]
+  pieces.insert(0, layout.Piece("norm", norm, (slice(None),), layout.SAME, (2,)))
+  got = export_hf.ordered(pieces, {wi: (4, 3, 2), norm: (2,)})
+  chunks = [p.index[0] // 4 for p in got[1:]]
+  assert got[0].name == "norm" and chunks == sorted(chunks)  # each chunk's 12 pieces together
+  assert [p.name for p in got[1:13]] == [f"l{l}.e{e}" for l in range(3) for e in range(4)]  # in order within it

@@ -136,3 +136,42 @@ def test_yarn_as_released_gives_transformers_logits_past_the_original_length(mod
   hf_dir = hf_helpers.make(hf_python, tmp_path / "hf", "DeepseekV3ForCausalLM", **DEEPSEEK, **YARN[model],
                            num_nextn_predict_layers=0)
   assert _logits_match(hf_python, hf_dir, tmp_path, "DeepseekV3ForCausalLM", LONG) < YARN_TOL[model]
+
+
+# The released DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3 on the Hugging Face hub), as docs/huggingface.md's
+# 671B import reads it.
+RELEASED_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-06, "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]}}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({}, "has no model.embed_tokens.weight, which the config's model needs"),  # past every config check
+    ({"rope_scaling": {**RELEASED_V3["rope_scaling"], "factor": 41}}, "rope_factor"),
+    ({"routed_scaling_factor": 2.0}, "routed_scaling_factor"),
+])
+def test_the_documented_671b_import_agrees_with_the_released_config(change, says, tmp_path):
+  """docs/huggingface.md's command for the released DeepSeek-V3 (configs/models/deepseek3-671b-yarn.yml) against
+  its config.json: the config checks, which run before any tensor is read, pass; a released value changed is
+  named. The weights here are one small tensor, so the import then stops at the first tensor it needs."""
+  from MaxText.hf import safetensors  # pylint: disable=import-outside-toplevel
+
+  hf_dir = tmp_path / "DeepSeek-V3"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps({**RELEASED_V3, **change}))
+  safetensors.write(hf_dir, [("model.norm.weight", (7168,))], lambda i: np.ones(7168, np.float32),
+                    np.dtype(np.float32), 1 << 30)
+  proc = hf_helpers.import_(hf_dir, tmp_path / "params", "configs/models/deepseek3-671b-yarn.yml")
+  assert proc.returncode == BAD_INPUT and says in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
+  assert not (tmp_path / "params").exists()

@@ -1,7 +1,7 @@
 """export_hf and import_hf stopped by a real SIGTERM (a scheduler's) or SIGINT (Ctrl-C) while they write: one line,
 exit 143 / 130, and nothing left at OUT_DIR, OUT_DIR.tmp or orbax's temporary folder next to it.
 
-Slow: the run is written without training (tools/bench_export_memory.py --write: random parameters, the trainer's
+Slow: the run is written without training (tools/bench_hf_memory.py --write: random parameters, the trainer's
 checkpoint and digest record) at widths that make each write last a few seconds, then exported once whole (the
 import's input) and each CLI is started and signalled as soon as its partial output appears.
 """
@@ -27,7 +27,7 @@ CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 def written(tmp_path_factory) -> tuple[Path, Path]:
   """(run directory, its complete export)."""
   root = tmp_path_factory.mktemp("signals")
-  made = subprocess.run([sys.executable, "tools/bench_export_memory.py", "--write", "configs/deepseek3-tiny.yml",
+  made = subprocess.run([sys.executable, "tools/bench_hf_memory.py", "--write", "configs/deepseek3-tiny.yml",
                          str(root), *WIDE], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert made.returncode == 0, made.stderr[-3000:]
   done = subprocess.run([sys.executable, "-m", "MaxText.export_hf", str(root / "run"), str(root / "hf"), "--dtype",

@@ -4,7 +4,7 @@ library's chatter, no traceback), and nothing left beside OUT_DIR (OUT_DIR.tmp, 
 lock).
 
 Each CLI runs in its own process, as a user starts it: chatter printed while modules load, and threads that keep a
-process from exiting, show only there. The run is written without training (tools/bench_export_memory.py --write:
+process from exiting, show only there. The run is written without training (tools/bench_hf_memory.py --write:
 random parameters, the trainer's checkpoint and digest record, tiny widths) and exported once whole (the import's
 input).
 """
@@ -41,7 +41,7 @@ CPU_S, WALL_S = 10, 60
 def written(tmp_path_factory) -> tuple[Path, Path]:
   """(run directory, its complete export)."""
   root = tmp_path_factory.mktemp("written")
-  made = subprocess.run([sys.executable, "tools/bench_export_memory.py", "--write", "configs/deepseek3-tiny.yml",
+  made = subprocess.run([sys.executable, "tools/bench_hf_memory.py", "--write", "configs/deepseek3-tiny.yml",
                          str(root)], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert made.returncode == 0, made.stderr[-3000:]
   assert export_hf.main([str(root / "run"), str(root / "hf"), "--dtype", "f32"]) == 0

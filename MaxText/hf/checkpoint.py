@@ -3,9 +3,9 @@
 Which step: the newest that MaxText/checkpoints/records.py calls complete (orbax's commit marker, its tree metadata
 and our record), or the one asked for. Reads go through tensorstore straight to the stored arrays, a slice at a
 time (a layer, or one expert of a layer): only the stored chunks a slice touches are decoded, and a cache the size
-of the largest chunk keeps each chunk decoded once while its slices are read in order. A checkpoint written on one
-device stores each array as one chunk, so there the bound is the largest array; a sharded run's chunks are its
-shards.
+of the largest chunk keeps each chunk decoded once while its slices are read chunk by chunk (the export orders
+them so: MaxText/hf/export_cli.py's ordered). A checkpoint written on one device stores each array as one chunk,
+so there the bound is the largest array; a sharded run's chunks are its shards.
 
 Every element read is folded into the same two position-weighted sums our record holds for the array
 (checkpoint_records._digest_and_nonfinite, here in numpy over the slice's global positions), and counted; once
@@ -41,7 +41,11 @@ class Stored:
   key: tuple[str, ...]
   shape: tuple[int, ...]
   dtype: np.dtype
-  chunk_bytes: int
+  chunk: tuple[int, ...]  # the stored chunk's shape: a sharded run's shard, one device's whole array
+
+  @property
+  def chunk_bytes(self) -> int:
+    return int(np.prod(self.chunk)) * self.dtype.itemsize
 
 
 def pick_step(run_dir: Path, step: int | None) -> int:
@@ -137,8 +141,7 @@ class Checkpoint:
     spec = {"driver": "zarr3", "kvstore": {**self._kv, "path": ".".join(key) + "/"}}
     handle = ts.open(spec, open=True, read=True).result()
     chunk = handle.chunk_layout.read_chunk.shape or handle.shape
-    dtype = np.dtype(handle.dtype.numpy_dtype)
-    return Stored(key, tuple(handle.shape), dtype, int(np.prod(chunk)) * dtype.itemsize)
+    return Stored(key, tuple(handle.shape), np.dtype(handle.dtype.numpy_dtype), tuple(int(n) for n in chunk))
 
   def has(self, key: tuple[str, ...]) -> bool:
     return key in self.arrays

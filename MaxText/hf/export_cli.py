@@ -58,13 +58,20 @@ def dtype_of(dtype: np.dtype):
   return lambda name: f32 if name.endswith(FLOAT32_ALWAYS) else dtype
 
 
-def ordered(pieces: list) -> list:
-  """Pieces grouped by the stored array they read (first appearance order), so that each stored chunk is decoded
-  once while it sits in the reader's cache; the index maps every name to its shard whatever the order."""
+def ordered(pieces: list, chunks: dict[tuple[str, ...], tuple[int, ...]]) -> list:
+  """Pieces grouped by the stored array they read (first appearance order), and within one by the stored chunk
+  their slice falls in, so that each chunk is decoded once while it sits in the reader's cache. An EP-sharded
+  array's chunk holds a few experts of every layer: read layer by layer, each chunk was decoded once a layer. The
+  index maps every name to its shard whatever the order."""
   first: dict[tuple[str, ...], int] = {}
   for i, p in enumerate(pieces):
     first.setdefault(p.key, i)
-  return sorted(pieces, key=lambda p: first[p.key])
+
+  def chunk_of(p) -> tuple[int, ...]:
+    chunk = chunks.get(p.key, ())
+    return tuple(ix // n if isinstance(ix, int) else 0 for ix, n in zip(p.index, chunk))
+
+  return sorted(pieces, key=lambda p: (first[p.key], chunk_of(p)))  # stable: slice order within a chunk kept
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None, dtype: str, shard_bytes: int) -> dict[str, Any]:
@@ -79,7 +86,8 @@ def _export(run_dir: Path, tmp: Path, step: int | None, dtype: str, shard_bytes:
   run = hf_run.load(run_dir)
   config = hf_run.upstream_config(run)
   family = family_of(config, run.fork)
-  pieces = ordered(family.pieces({k: a.shape for k, a in ckpt.arrays.items()}, config, run.fork))
+  pieces = ordered(family.pieces({k: a.shape for k, a in ckpt.arrays.items()}, config, run.fork),
+                   {k: a.chunk for k, a in ckpt.arrays.items()})
   placed = {p.key for p in pieces}
   left = [k for k in ckpt.arrays if k not in placed]
   if left:

@@ -9,14 +9,15 @@ one, every key that changes the function must equal config.json's (the first tha
 both values, before anything is converted). Every parameter the config builds comes from a tensor (the routing
 bias too), and every tensor goes to a parameter (the MTP module's copies of the embedding and head aside: MaxText
 shares the main ones). DeepSeek's FP8 weights (float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block)
-are dequantized as they are read. The checkpoint holds the whole model in host memory while it is written (orbax
-writes a tree). OUT_DIR is claimed before anything is read, written to OUT_DIR.tmp, fsynced and renamed when
+are dequantized as they are read. The checkpoint is written a tensor at a time (MaxText/hf/sink.py): the host holds
+the tensor being written, never the model. OUT_DIR is claimed before anything is read, written to OUT_DIR.tmp, fsynced and renamed when
 complete (MaxText/hf/output.py). Exit codes: MaxText/hf/errors.py.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,8 @@ import numpy as np
 
 import patches
 from MaxText import config as fork_config
-from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, stop
-from MaxText.hf.errors import BadInput, Damaged, HFError, NotWritten
+from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, sink, stop
+from MaxText.hf.errors import BadInput, Damaged, HFError
 
 # config.json's architecture -> what lays it out (pieces, maxtext_keys, free_keys, DEFAULT_CONFIG)
 FAMILIES = {f.ARCHITECTURE: f for f in (deepseek, gqa.QWEN3_MOE, gqa.MIXTRAL)}
@@ -135,7 +136,8 @@ def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dic
 
 
 def dequantized(reader: safetensors.Reader, name: str, block: tuple[int, int]) -> np.ndarray:
-  """The tensor in float32; an FP8 one times its scale_inv, one per block (DeepSeek-V3's released weights)."""
+  """The tensor in float32; an FP8 one times its scale_inv, one per block (DeepSeek-V3's released weights),
+  dequantized a block row at a time (the scales are never expanded to the tensor's size)."""
   x = reader.read(name)
   if x.dtype != FP8:
     return x.astype(np.float32)
@@ -143,14 +145,16 @@ def dequantized(reader: safetensors.Reader, name: str, block: tuple[int, int]) -
   if scale_name not in reader.weight_map:
     raise BadInput(f"{name} is float8_e4m3fn without {scale_name}: no scale to dequantize it with")
   s = reader.read(scale_name).astype(np.float32)
-  full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: x.shape[0], : x.shape[1]]
-  return x.astype(np.float32) * full
+  out = np.empty(x.shape, np.float32)
+  rows, cols = block
+  for r in range(0, x.shape[0], rows):
+    out[r:r + rows] = x[r:r + rows].astype(np.float32) * np.repeat(s[r // rows], cols)[: x.shape[1]]
+  return out
 
 
-def fill(pieces, reader, shapes, dtypes, hf: dict[str, Any], hf_dir: Path) -> dict[tuple[str, ...], np.ndarray]:
-  block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-  arrays = {k: np.zeros(shapes[k], np.float32) for k in shapes}
-  filled = {k: 0 for k in shapes}
+def check_pieces(pieces, reader, shapes, hf_dir: Path) -> None:
+  """Every tensor the pieces read is there at the shape the config builds, and every array gets all its elements:
+  from the headers and the pieces' arithmetic, before anything is written."""
   for p in pieces:
     if p.copy:
       continue
@@ -161,45 +165,28 @@ def fill(pieces, reader, shapes, dtypes, hf: dict[str, Any], hf_dir: Path) -> di
     if got != p.hf_shape:
       raise BadInput(f"{p.name} is {list(got)} in {hf_dir} but the config builds {list(p.hf_shape)} "
                      f"({'/'.join(p.key[2:])}): the config's widths disagree with the weights")
+  empty = sink.covered(shapes, ((p.key, p.index) for p in pieces if not p.copy))
+  if empty is not None:
+    raise BadInput(f"no tensor of {hf_dir} gives {'/'.join(empty)}: it would train from its initial values")
+
+
+def stream(pieces, reader, out: sink.Sink, hf: dict[str, Any], hf_dir: Path) -> None:
+  """Each tensor read, dequantized, laid out and written, one at a time: the host holds one tensor, not the model."""
+  block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+  for p in pieces:
+    if p.copy:
+      continue
     try:
       region = p.transform.to_maxtext(dequantized(reader, p.name, block), p.maxtext_shape)
     except (OSError, ValueError) as e:
       raise Damaged(f"{p.name} cannot be read from {hf_dir}/{reader.weight_map[p.name]}: "
                     f"{' '.join(str(e).split())[:120]}") from None
-    arrays[p.key][p.index] = region
-    filled[p.key] += region.size
-  empty = [k for k, n in filled.items() if n != int(np.prod(shapes[k]))]
-  if empty:
-    raise BadInput(f"no tensor of {hf_dir} gives {'/'.join(empty[0])}: it would train from its initial values")
-  return {k: a.astype(dtypes[k]) for k, a in arrays.items()}
+    out.write(p.key, p.index, region)
 
 
 def unused(pieces, reader) -> list[str]:
   placed = {p.name for p in pieces}
   return [n for n in reader.names() if n not in placed and not n.endswith("_scale_inv")]
-
-
-def save(arrays: dict[tuple[str, ...], np.ndarray], out: Path) -> None:
-  """Upstream's params-only layout (checkpointing.save_params_to_path): items/params/{params, MoEBiasVar}/...
-  A write the storage refuses (orbax raises tensorstore's error, not an OSError) is NotWritten, in the words
-  the trainer's checkpoint guard reads from it."""
-  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
-  from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
-
-  tree: dict[str, Any] = {}
-  for key, value in arrays.items():
-    node = tree.setdefault("params" if key[:2] == checkpoint.PARAMS else "MoEBiasVar", {})
-    for part in key[2:-1]:
-      node = node.setdefault(part, {})
-    node[key[-1]] = value
-  try:
-    with quiet.captured_stderr(lambda e: checkpoint_guard.no_space_reason(e) is not None):
-      checkpointing.save_params_to_path(str(out), tree)
-  except Exception as e:  # pylint: disable=broad-except
-    reason = checkpoint_guard.no_space_reason(e)
-    if reason is None:
-      raise
-    raise NotWritten(f"{out} could not be written: {reason}") from None
 
 
 def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
@@ -232,14 +219,17 @@ def _import(hf_dir: Path, tmp: Path, args: list[str]) -> dict[str, Any]:
   if wrong:
     raise BadInput(f"{wrong[0]} of {hf_dir} has no place in the config's model ({len(wrong)} tensors in all): the "
                    "config and the weights describe different models")
+  check_pieces(pieces, reader, shapes, hf_dir)
   start = time.perf_counter()
-  arrays = fill(pieces, reader, shapes, dtypes, hf, hf_dir)
-  save(arrays, tmp)
+  index_of = {p.key: p.index for p in pieces if not p.copy}  # one key's pieces share a pattern (a layer, an expert)
+  chunks = {k: sink.chunk_shape(s, index_of[k], np.dtype(dtypes[k]).itemsize) for k, s in shapes.items()}
+  written = sink.Sink(tmp, shapes, dtypes, chunks)
+  stream(pieces, reader, written, hf, hf_dir)
   model_keys = {k: v for k, v in run.upstream.items() if k in keys}
   (tmp / "import.json").write_text(json.dumps({"source": str(hf_dir.resolve()), "config": argv,
                                                "model_keys": model_keys}, indent=1))
-  return {"arrays": len(arrays), "tensors": sum(not p.copy for p in pieces), "left": left,
-          "params": sum(a.size for a in arrays.values()), "seconds": time.perf_counter() - start}
+  return {"arrays": len(shapes), "tensors": sum(not p.copy for p in pieces), "left": left,
+          "params": sum(math.prod(s) for s in shapes.values()), "seconds": time.perf_counter() - start}
 
 
 def main(argv: list[str] | None = None) -> int:
