@@ -149,13 +149,20 @@ def _set_aside(checkpoint_manager, run_dir: Path, step: int) -> str:
 UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
 
 
-class _DropUnretrievedTasks(logging.Filter):
+class _DropFailedReadEchoes(logging.Filter):
   """orbax reads a checkpoint's arrays in parallel asyncio tasks; when one fails for the checkpoint's damage, the
   others' errors are never retrieved, and asyncio logs each with a traceback when the task is collected, at any
-  time later. The damage is already said in one line."""
+  time later. orbax's own worker threads (futures._SignalingThread) log the same damage with logging.exception
+  (the error's text, then its traceback: CI's slow tier, a truncated data file under async saves). The damage is
+  already said in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(UNRETRIEVED)
+    failed = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith(UNRETRIEVED) or _of_the_failed_read(failed))
+
+
+# The loggers the echoes come through: asyncio's default exception handler, and absl's, which orbax logs with.
+ECHO_LOGGERS = ("asyncio", "absl")
 
 
 def _of_the_failed_read(exc: BaseException | None) -> bool:
@@ -177,12 +184,13 @@ def _quiet_failed_reads() -> None:
   completes the other reads, whose callbacks then raise "Event loop is closed" on tensorstore's threads, each
   printed with a traceback (PyErr_Print, through sys.excepthook), and the abandoned reads' coroutines are
   collected with the damage still in them (an unraisable exception). Those, the same errors ending a Python
-  thread (threading.excepthook, which sys.excepthook does not see), and asyncio's unretrieved tasks are dropped;
-  every other error prints as before."""
+  thread (threading.excepthook, which sys.excepthook does not see), asyncio's unretrieved tasks and orbax's
+  threads' logs of the same damage are dropped; every other error prints as before."""
   if _quieted:
     return
-  _quieted.append(_DropUnretrievedTasks())
-  logging.getLogger("asyncio").addFilter(_quieted[0])
+  _quieted.append(_DropFailedReadEchoes())
+  for name in ECHO_LOGGERS:
+    logging.getLogger(name).addFilter(_quieted[0])
   excepthook, unraisablehook, thread_excepthook = sys.excepthook, sys.unraisablehook, threading.excepthook
   _quieted.append((excepthook, unraisablehook, thread_excepthook))
 
@@ -203,11 +211,16 @@ def _quiet_failed_reads() -> None:
 
 
 _quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a damaged read was quieted
+# Set once any read failed for damage in this process: its abandoned reads' errors surface whenever their tasks are
+# collected, which may be after a later restore's good read (upstream restores more than once a run; the harness
+# runs cases in one process), so from then on the quiet stays until undo().
+_a_read_failed: list[bool] = []
 
 
 def _unquiet() -> None:
   if _quieted:
-    logging.getLogger("asyncio").removeFilter(_quieted[0])
+    for name in ECHO_LOGGERS:
+      logging.getLogger(name).removeFilter(_quieted[0])
     sys.excepthook, sys.unraisablehook, threading.excepthook = _quieted[1]
     _quieted.clear()
 
@@ -241,7 +254,6 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
   data_iterator = bound.arguments["data_iterator"]
   before = _iterator_states(data_iterator)
   steps = checkpoint_records.complete_steps(run_dir)
-  failed_reads = False
   for i, step in enumerate(reversed(steps)):
     record = checkpoint_records.read_record(run_dir, step)
     current = {name: [list(x.shape), str(x.dtype)] for name, x in checkpoint_records.covered(record, abstract)}
@@ -259,13 +271,13 @@ def _restore_verified(original, bound: inspect.BoundArguments, run_dir: Path):
       if why is None:
         raise
       why = f"it does not load: {why}"
-      failed_reads = True
+      _a_read_failed[:] = [True]
     failed = [i for i, ok in enumerate(agree(why is None)) if not ok]  # every process, or none, goes on
     if why is None and failed:
       why = f"it does not load on process {failed[0]} (its log says why)"
     if why is None:
-      if not failed_reads:
-        _unquiet()  # a read that went well leaves nothing behind to quiet
+      if not _a_read_failed:
+        _unquiet()  # no read has failed: nothing is left behind to quiet
       items = restored[0]["items"] if restored[0] is not None else None
       named = checkpoint_guard._leaves_with_paths(items) if items is not None else []  # pylint: disable=protected-access
       named = checkpoint_records.covered(record, named)
@@ -324,6 +336,7 @@ def apply(fork=None, hooks=None) -> None:  # pylint: disable=unused-argument
 
 def undo() -> None:
   global _skip_at_least, _on_restored
+  _a_read_failed.clear()
   _unquiet()
   _skip_at_least = 0
   _on_restored = lambda step: None  # noqa: E731

@@ -51,10 +51,37 @@ def test_after_a_damaged_read_asyncio_unretrieved_errors_of_tasks_and_futures_ar
   with a traceback whenever it is collected (a task's or a bare future's); anything else asyncio logs still shows."""
   from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
 
-  drop = checkpoint_restore._DropUnretrievedTasks()  # pylint: disable=protected-access
+  drop = checkpoint_restore._DropFailedReadEchoes()  # pylint: disable=protected-access
   for words in ("Task exception was never retrieved", "Future exception was never retrieved"):
     assert not drop.filter(logging.LogRecord("asyncio", logging.ERROR, "x", 1, words, None, None))
   assert drop.filter(logging.LogRecord("asyncio", logging.ERROR, "x", 1, "Unclosed client session", None, None))
+
+
+def _logged(message: str, error: BaseException) -> logging.LogRecord:
+  try:
+    raise error
+  except type(error):
+    import sys  # pylint: disable=import-outside-toplevel
+
+    return logging.LogRecord("absl", logging.ERROR, "/orbax/checkpoint/_src/futures/future.py", 387, message,
+                             (error,), sys.exc_info())
+
+
+def test_after_a_damaged_read_orbaxs_threads_logging_the_same_damage_are_dropped_and_other_errors_show():
+  """orbax's _SignalingThread logs what ended it with logging.exception: the error's text (the TensorStore spec,
+  about 60 lines), then its traceback. CI's slow tier printed one for a truncated data file under async saves,
+  after our line had named the damage; the same thread's other errors still show, and both loggers get it."""
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+  drop = checkpoint_restore._DropFailedReadEchoes()  # pylint: disable=protected-access
+  damage = Exception("Encountered error while reading array index: (slice(0, 4, 1),). See full TensorStore details")
+  damage.__cause__ = ValueError('OUT_OF_RANGE: Error reading shard entry {0, 0}/{1, 1} in "a/c/0/0" in OCDBT '
+                                'database at local file "/x/checkpoints/9/items/": Requested byte range [2, 3) is '
+                                'not valid')
+  said = "[process=0][thread=x][operation_id=1] _SignalingThread.run() raised an exception: %s"
+  assert not drop.filter(_logged(said, damage))
+  assert drop.filter(_logged(said, RuntimeError("a bug of ours")))
+  assert checkpoint_restore.ECHO_LOGGERS == ("asyncio", "absl")
 
 
 def test_after_a_damaged_read_its_errors_ending_a_thread_are_dropped_and_others_still_print():
