@@ -19,7 +19,7 @@ exit. At exit, multiprocessing's finalizers run by priority: a Queue's own (10) 
 its feeder thread the sentinel, and that thread closes the queue's pipe, before grain's
 `_close_if_alive` (1) drains the same queue. A resumed run has put into the prefetch
 iterator's set-state queue, so its feeder thread exists, and whichever thread won printed
-`OSError: handle is closed` from the finalizer (CI's slow tier; tests/test_grain_close.py
+`OSError: handle is closed` from the finalizer (CI's slow tier; tests/test_real_data.py
 makes the loss certain).
 """
 

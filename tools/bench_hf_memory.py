@@ -38,27 +38,19 @@ def write_run(config_path: str, root: Path, overrides: list[str]) -> None:
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
   import jax  # pylint: disable=import-outside-toplevel
   import patches  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
 
   from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
   from MaxText.checkpoints import records as checkpoint_records  # pylint: disable=import-outside-toplevel
-  from MaxText.hf import checkpoint, run as hf_run, sink  # pylint: disable=import-outside-toplevel
+  from MaxText.hf import checkpoint, import_cli, run as hf_run, sink  # pylint: disable=import-outside-toplevel
   from MaxText.run import loop  # pylint: disable=import-outside-toplevel
 
   run = hf_run.on_this_machine(fork_config.load([config_path, *SHARDING, *overrides, f"base_output_directory={root}",
                                                  "run_name=run"]))
   config = hf_run.upstream_config(run)
   patches.apply_all(run.fork)
-  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices())
-  _, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
-  shapes, chunks = {}, {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, moe.MoEBiasVar))):
-    top = checkpoint.AUX if isinstance(var, moe.MoEBiasVar) else checkpoint.PARAMS
-    value = var.get_value()
-    shapes[top + tuple(str(p) for p in path)] = tuple(value.shape)
-    chunks[top + tuple(str(p) for p in path)] = tuple(value.sharding.shard_shape(value.shape))  # a device's shard
+  arrays = import_cli.abstract_arrays(config, jax.devices())
+  shapes = {k: tuple(a.shape) for k, a in arrays.items()}
+  chunks = {k: tuple(a.sharding.shard_shape(a.shape)) for k, a in arrays.items()}  # a device's shard
   loop.write_run_files(run, env={}, applied=[])
   f32 = np.dtype(np.float32)
   written = sink.Sink(root / "run" / "checkpoints" / "0", shapes, dict.fromkeys(shapes, f32), chunks,

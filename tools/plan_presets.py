@@ -19,8 +19,6 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -48,17 +46,6 @@ def variant(recipe: Path) -> tuple[str, list[str], dict[str, str]]:
   own = xla_presets.PRESETS[REFERENCE].flags
   flags = " ".join(f"--{k}={v}" for k, v in own.items())
   return "without the collective presets", [f"xla_presets=[{','.join(dict.fromkeys(kept))}]"], {"XLA_FLAGS": flags}
-
-
-def plan(recipe: Path, override: list[str], env: dict[str, str], out: Path, timeout_s: int) -> int:
-  cmd = [sys.executable, "-m", "MaxText.plan", str(recipe.relative_to(REPO)), *override, "--json", str(out),
-         "--timeout", str(timeout_s), "--heartbeat", "0"]
-  with open(out.with_suffix(".log"), "w") as f:
-    try:
-      return subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s + 60, check=False,
-                            env={**os.environ, **env}).returncode
-    except subprocess.TimeoutExpired:
-      return 124
 
 
 def figures(s: dict) -> tuple:
@@ -95,12 +82,12 @@ def main() -> int:
   print(f"[presets] {len(jobs)} plans, {a.jobs} at a time, at {commit}; plans and logs in {plans}", flush=True)
   done: dict[tuple[str, str], tuple[int, dict | None]] = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-    futures = {pool.submit(plan, r, o, e, plans / f"{r.stem}.{'shipped' if not o else 'other'}.json", a.timeout):
-               (r, w) for r, w, o, e in jobs}
+    futures = {pool.submit(replan_recipes.plan_one, r, plans, a.timeout, overrides=tuple(o), env=e,
+                           name=f"{r.stem}.{'shipped' if w == 'as shipped' else 'other'}"): (r, w)
+               for r, w, o, e in jobs}
     for future in concurrent.futures.as_completed(futures):
       recipe, what = futures[future]
-      rc = future.result()
-      out = plans / f"{recipe.stem}.{'shipped' if what == 'as shipped' else 'other'}.json"
+      rc, out = future.result()
       s = summary.of(json.loads(out.read_text()), commit, date) if out.exists() else None
       done[recipe.stem, what] = (rc, s)
       print(f"[presets] planned: {row(recipe.stem, what, s, rc)}", flush=True)

@@ -23,6 +23,7 @@ import concurrent.futures
 import datetime
 import fnmatch
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,14 +52,19 @@ def head_commit() -> str:
   return commit + ("+dirty" if dirty else "")
 
 
-def plan_one(recipe: Path, plans: Path, timeout_s: int, mock: bool, hlo: bool) -> tuple[int, Path]:
-  out, log = plans / f"{recipe.stem}.plan.json", plans / f"{recipe.stem}.log"
-  cmd = [sys.executable, "-m", "MaxText.plan", str(recipe.relative_to(REPO)), "--json", str(out),
+def plan_one(recipe: Path, plans: Path, timeout_s: int, mock: bool = False, hlo: bool = False,
+             overrides: tuple[str, ...] = (), env: dict[str, str] | None = None, name: str = "") -> tuple[int, Path]:
+  """(exit, the plan's JSON) of `python -m MaxText.plan RECIPE [overrides]`, its log beside it under `name`
+  (default: the recipe's); `env` is added to this process's environment."""
+  name = name or recipe.stem
+  out, log = plans / f"{name}.plan.json", plans / f"{name}.log"
+  cmd = [sys.executable, "-m", "MaxText.plan", str(recipe.relative_to(REPO)), *overrides, "--json", str(out),
          "--timeout", str(timeout_s), "--heartbeat", "0", *(["--mock"] if mock else []),
-         *(["--hlo", str(plans / f"{recipe.stem}.hlo")] if hlo else [])]
+         *(["--hlo", str(plans / f"{name}.hlo")] if hlo else [])]
   with open(log, "w") as f:
     try:
-      rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s + 60, check=False).returncode
+      rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s + 60, check=False,
+                          env={**os.environ, **(env or {})}).returncode
     except subprocess.TimeoutExpired:
       rc = 124
   return rc, out

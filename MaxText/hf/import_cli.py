@@ -117,22 +117,27 @@ def mtp_layers(hf: dict[str, Any], reader: safetensors.Reader, keys: dict[str, A
   return held
 
 
-def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[tuple[str, ...], np.dtype]]:
-  """{checkpoint key: shape} and dtypes of every parameter (and routing bias) the config's model has."""
+def abstract_arrays(config, devices: list | None = None) -> dict[tuple[str, ...], Any]:
+  """{checkpoint key: abstract array (shape, dtype, sharding)} of every parameter (and routing bias) the config's
+  model has, on a mesh of `devices` (default: one)."""
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
 
-  mesh = maxtext_utils.get_mesh_from_config(config, jax.devices()[:1])
+  mesh = maxtext_utils.get_mesh_from_config(config, devices or jax.devices()[:1])
   _, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
-  shapes, dtypes = {}, {}
+  arrays = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, moe.MoEBiasVar))):
     top = checkpoint.AUX if isinstance(var, moe.MoEBiasVar) else checkpoint.PARAMS
-    key = top + tuple(str(p) for p in path)
-    value = var.get_value()
-    shapes[key], dtypes[key] = tuple(value.shape), np.dtype(value.dtype)
-  return shapes, dtypes
+    arrays[top + tuple(str(p) for p in path)] = var.get_value()
+  return arrays
+
+
+def abstract_shapes(config) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[tuple[str, ...], np.dtype]]:
+  """{checkpoint key: shape} and dtypes of every parameter (and routing bias) the config's model has."""
+  arrays = abstract_arrays(config)
+  return {k: tuple(a.shape) for k, a in arrays.items()}, {k: np.dtype(a.dtype) for k, a in arrays.items()}
 
 
 def dequantized(reader: safetensors.Reader, name: str, block: tuple[int, int]) -> np.ndarray:

@@ -30,10 +30,10 @@ Key = tuple[str, ...]
 Index = tuple[int | slice, ...]
 
 
-def orbax_name(key: Key) -> str:
-  """The array's name in the checkpoint: its tree path under save_params_to_path's "params", joined by dots."""
-  top = ("params",) if key[:2] == checkpoint.PARAMS else ("MoEBiasVar",)
-  return ".".join(("params", *top, *key[2:]))
+def params_path(key: Key) -> Key:
+  """The array's tree path in upstream's params-only layout: {params, MoEBiasVar}/..., which save_params_to_path
+  stores under a further "params"."""
+  return ("params" if key[:2] == checkpoint.PARAMS else "MoEBiasVar", *key[2:])
 
 
 def region_rows(slice_shape: tuple[int, ...], itemsize: int) -> int:
@@ -57,31 +57,39 @@ def chunk_shape(shape: tuple[int, ...], index: Index, itemsize: int) -> tuple[in
 class Sink:
   """`write(key, index, region)` into the checkpoint at `out`, each array stored in chunks of `chunks[key]`.
 
-  The import writes upstream's params-only layout (names: orbax_name). `trainer_layout` writes a training run's
-  `items` instead, every checkpoint key its own tree path (tools/bench_hf_memory.py makes a run's checkpoint so)."""
+  The import writes upstream's params-only layout (params_path). `trainer_layout` writes a training run's `items`
+  instead, every checkpoint key its own tree path (tools/bench_hf_memory.py makes a run's checkpoint so)."""
 
   def __init__(self, out: Path, shapes: Mapping[Key, tuple[int, ...]], dtypes: Mapping[Key, np.dtype],
                chunks: Mapping[Key, tuple[int, ...]], trainer_layout: bool = False):
     self.out, self.dtypes, self.chunks = out, dtypes, chunks
     self._at = out.absolute()  # orbax refuses a relative path, which a user's OUT_DIR may well be
-    self._name = (lambda key: ".".join(key)) if trainer_layout else orbax_name
-    self._skeleton(shapes, trainer_layout)
+    self._trainer_layout = trainer_layout
+    self._skeleton(shapes)
     self._arrays: dict[Key, Any] = {}
     self._open(shapes)
 
-  def _skeleton(self, shapes: Mapping[Key, tuple[int, ...]], trainer_layout: bool) -> None:
+  def _path(self, key: Key) -> Key:
+    return key if self._trainer_layout else params_path(key)
+
+  def _name(self, key: Key) -> str:
+    """The array's name in the OCDBT store: its tree path as orbax saved it, joined by dots."""
+    wrapper = () if self._trainer_layout else ("params",)  # save_params_to_path saves {"params": tree}
+    return ".".join((*wrapper, *self._path(key)))
+
+  def _skeleton(self, shapes: Mapping[Key, tuple[int, ...]]) -> None:
     from maxtext.common import checkpoint_context, checkpointing  # pylint: disable=import-outside-toplevel
     from orbax.checkpoint import v1 as ocp  # pylint: disable=import-outside-toplevel
 
     tree: dict[str, Any] = {}
     for key, shape in shapes.items():
-      path = key if trainer_layout else ("params" if key[:2] == checkpoint.PARAMS else "MoEBiasVar", *key[2:])
+      path = self._path(key)
       node = tree
       for part in path[:-1]:
         node = node.setdefault(part, {})
       node[path[-1]] = np.zeros((1,) * len(shape), self.dtypes[key])
     with _not_written(self.out):
-      if trainer_layout:
+      if self._trainer_layout:
         with checkpoint_context.build_context(use_ocdbt=True, use_zarr3=True):
           ocp.save(self._at, tree, checkpointable_name="items", overwrite=True)
       else:
@@ -110,11 +118,11 @@ class Sink:
     first = index[kept[0]].indices(array.shape[kept[0]])[0] if kept else 0
     step = self.chunks[key][kept[0]] if kept else 1
     rows = region.shape[0] if region.ndim else 1
-    for start in range(0, rows, step):
-      at = list(index)
-      if kept:
-        at[kept[0]] = slice(first + start, first + min(rows, start + step))
-      with _not_written(self.out):
+    with _not_written(self.out):  # once a region: it diverts fd 2 into a new temporary file each time
+      for start in range(0, rows, step):
+        at = list(index)
+        if kept:
+          at[kept[0]] = slice(first + start, first + min(rows, start + step))
         array[tuple(at)].write(np.asarray(region[start:start + step] if kept else region, dtype)).result()
 
 
