@@ -16,10 +16,14 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from MaxText.hf.errors import BadInput, NotWritten
+from MaxText.hf import reap
+from MaxText.hf.reap import lock_path, partial, tmp_dir
 
 # What storage answers a write it refuses (full, over quota or a file-size limit, read-only, forbidden, failing):
 # NotWritten. Any other OSError on the way is not the output's, and keeps its traceback (exit 1).
@@ -30,21 +34,6 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 # lock (not another run's), and says it removed it where this process wrote.
 _HELD: dict[Path, int] = {}
 _CLAIMED: set[Path] = set()
-
-
-def tmp_dir(out_dir: Path) -> Path:
-  return out_dir.with_name(out_dir.name + ".tmp")
-
-
-def lock_path(out_dir: Path) -> Path:
-  return out_dir.with_name(out_dir.name + ".lock")
-
-
-def partial(out_dir: Path) -> list[Path]:
-  """What a write to out_dir leaves when cut short: OUT_DIR.tmp, and orbax's `OUT_DIR.tmp.orbax-checkpoint-tmp-*`
-  (import's checkpoint is written there first and renamed)."""
-  tmp = tmp_dir(out_dir)
-  return [tmp, *tmp.parent.glob(f"{tmp.name}.orbax-checkpoint-tmp*")]
 
 
 def held(out_dir: Path) -> bool:
@@ -92,6 +81,19 @@ def claim(out_dir: Path) -> None:
   os.pwrite(fd, str(os.getpid()).encode(), 0)
   _HELD[out_dir] = fd
   _CLAIMED.add(out_dir)
+
+
+def exit_reaped(out_dir: Path, code: int) -> None:
+  """Ends the process with `code` through reap.py, which removes the partial output and the lock once this
+  process's writer threads are gone. SIGTERM and SIGINT stay blocked through the exec (the mask survives it), so a
+  further signal cannot cut the removal short. Returns only if the exec failed (the caller then removes them
+  itself)."""
+  os.set_inheritable(_HELD[out_dir], True)
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+  try:
+    os.execv(sys.executable, [sys.executable, "-I", "-S", reap.__file__, str(code), str(out_dir)])
+  except OSError:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def release(out_dir: Path) -> None:
@@ -148,7 +150,6 @@ def writing(out_dir: Path) -> Iterator[Path]:
     remove_partial(out_dir)
     release(out_dir)
     raise
-  except BaseException:  # a signal's Stopped: the lock stays held until stop.exit_stopped has removed the partial
-    remove_partial(out_dir)  # output once more (orbax's threads write on until the process ends), then released
-    raise
+  except BaseException:  # a signal's Stopped: the lock stays held for stop.exit_stopped, which removes the partial
+    raise  # output once no writer thread is left (reap.py)
   release(out_dir)

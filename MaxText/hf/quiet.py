@@ -74,11 +74,17 @@ def _restore(sink, real: int) -> None:
   sink.close()
 
 
-def exit_now(code: int) -> NoReturn:
-  """Ends the process at once: a failed orbax write leaves threads that print, or wait, at exit."""
+def flush() -> None:
+  """stdout and stderr flushed, as far as they can be: a write a signal interrupted fails here, and its bytes are
+  lost either way."""
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
     except Exception:  # pylint: disable=broad-except
       pass
+
+
+def exit_now(code: int) -> NoReturn:
+  """Ends the process at once: a failed orbax write leaves threads that print, or wait, at exit."""
+  flush()
   os._exit(code)  # pylint: disable=protected-access

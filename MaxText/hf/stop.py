@@ -1,6 +1,6 @@
 """SIGTERM (a scheduler's stop) and SIGINT (Ctrl-C) for export_hf and import_hf: one line, exit 143 / 130, and
 nothing half-written left: OUT_DIR.tmp, orbax's temporary folders next to it and the lock are removed
-(MaxText/hf/output.py).
+(MaxText/hf/output.py), by a process image that no writer thread survives (MaxText/hf/reap.py).
 
 The first signal raises Stopped in the main thread, so that the writer's own clean-up runs as for any failure; a
 second one (a clean-up that hangs) removes the same paths and ends the process at once.
@@ -53,12 +53,16 @@ def on_signals(prog: str, out_dir: Path) -> Iterator[None]:
 
 
 def exit_stopped(prog: str, e: Stopped, out_dir: Path) -> NoReturn:
-  """Removes the partial output (where this process holds OUT_DIR's lock: a run refused because another holds it
-  leaves that one's alone), says so in one line, and ends the process without waiting for writer threads (orbax's,
-  mid-write, would go on writing into the folder just removed, and recreate it)."""
+  """Says so in one line and ends the process without waiting for writer threads (orbax's, mid-write, would go on
+  writing). Where this process holds OUT_DIR's lock (a run refused because another holds it leaves that one's
+  alone), the partial output and the lock are removed by reap.py once those threads are gone: removed before,
+  tensorstore's threads could create its folders again."""
   removed = f", {output.tmp_dir(out_dir)} removed" if output.claimed(out_dir) else ""
-  output.remove_partial(out_dir)
-  output.release(out_dir)
   what = f"{out_dir} was complete and is kept" if out_dir.exists() else f"{out_dir} not written"
   quiet.say(f"{prog}: stopped by {e.name}; {what}{removed}", in_handler=True)
-  quiet.exit_now(e.code)  # a write the signal interrupted: its flush fails there, and its bytes are lost either way
+  quiet.flush()
+  if output.held(out_dir):
+    output.exit_reaped(out_dir, e.code)
+    output.remove_partial(out_dir)  # the exec failed: the best this process can do
+    output.release(out_dir)
+  quiet.exit_now(e.code)
