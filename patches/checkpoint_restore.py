@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from MaxText.console import ending
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -191,26 +190,12 @@ def _quiet_failed_reads() -> None:
   _quieted.append(_DropFailedReadEchoes())
   for name in ECHO_LOGGERS:
     logging.getLogger(name).addFilter(_quieted[0])
-  excepthook, unraisablehook, thread_excepthook = sys.excepthook, sys.unraisablehook, threading.excepthook
-  _quieted.append((excepthook, unraisablehook, thread_excepthook))
-
-  def quiet_excepthook(kind, value, tb):
-    if not _of_the_failed_read(value):
-      excepthook(kind, value, tb)
-
-  def quiet_unraisablehook(unraisable):
-    if not (_of_the_failed_read(unraisable.exc_value) or _an_abandoned_orbax_read(unraisable.object)):
-      unraisablehook(unraisable)
-
-  def quiet_thread_excepthook(args):
-    if not _of_the_failed_read(args.exc_value):
-      thread_excepthook(args)
-
-  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
-  threading.excepthook = quiet_thread_excepthook
+  _quieted.append(ending.drop_errors(
+      _of_the_failed_read,
+      lambda unraisable: _of_the_failed_read(unraisable.exc_value) or _an_abandoned_orbax_read(unraisable.object)))
 
 
-_quieted: list[Any] = []  # the asyncio filter and the hooks it replaced, once a damaged read was quieted
+_quieted: list[Any] = []  # the echoes' log filter and the hooks' undo, once a damaged read was quieted
 # Set once any read failed for damage in this process: its abandoned reads' errors surface whenever their tasks are
 # collected, which may be after a later restore's good read (upstream restores more than once a run; the harness
 # runs cases in one process), so from then on the quiet stays until undo().
@@ -221,7 +206,7 @@ def _unquiet() -> None:
   if _quieted:
     for name in ECHO_LOGGERS:
       logging.getLogger(name).removeFilter(_quieted[0])
-    sys.excepthook, sys.unraisablehook, threading.excepthook = _quieted[1]
+    _quieted[1]()
     _quieted.clear()
 
 

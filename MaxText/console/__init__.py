@@ -1,2 +1,2 @@
 """What a long command says while it works: progress lines, heartbeats, the phase of a compile, ETAs and sizes
-(progress). Imports nothing else of ours, so the run, the planner and the patches all may use it."""
+(progress), and how our commands end (ending). Imports nothing else of ours, so the run, the planner and the patches all may use it."""

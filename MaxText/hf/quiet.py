@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Iterator, NoReturn
+from typing import Iterator
 
 # Where our lines go: stderr, or a copy of it while fd 2 is diverted (captured_stderr).
 _ours = {"fd": 2}
@@ -72,19 +72,3 @@ def _restore(sink, real: int) -> None:
   sink.seek(0)
   os.write(2, sink.read())
   sink.close()
-
-
-def flush() -> None:
-  """stdout and stderr flushed, as far as they can be: a write a signal interrupted fails here, and its bytes are
-  lost either way."""
-  for stream in (sys.stdout, sys.stderr):
-    try:
-      stream.flush()
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-
-def exit_now(code: int) -> NoReturn:
-  """Ends the process at once: a failed orbax write leaves threads that print, or wait, at exit."""
-  flush()
-  os._exit(code)  # pylint: disable=protected-access

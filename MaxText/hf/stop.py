@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Iterator, NoReturn
 
+from MaxText.console import ending
 from MaxText.hf import output, quiet
 from MaxText.hf.errors import INTERRUPTED, TERMINATED
 
@@ -60,9 +61,9 @@ def exit_stopped(prog: str, e: Stopped, out_dir: Path) -> NoReturn:
   removed = f", {output.tmp_dir(out_dir)} removed" if output.claimed(out_dir) else ""
   what = f"{out_dir} was complete and is kept" if out_dir.exists() else f"{out_dir} not written"
   quiet.say(f"{prog}: stopped by {e.name}; {what}{removed}", in_handler=True)
-  quiet.flush()
+  ending.flush()
   if output.held(out_dir):
     output.exit_reaped(out_dir, e.code)
     output.remove_partial(out_dir)  # the exec failed: the best this process can do
     output.release(out_dir)
-  quiet.exit_now(e.code)
+  ending.exit_now(e.code)

@@ -18,6 +18,7 @@ from MaxText import config as fork_config
 from MaxText.config import checks as config_checks
 from MaxText.config import command_line
 from MaxText.config import report as config_report
+from MaxText.console import ending
 from MaxText.run import quiet
 from MaxText.checkpoints import resume
 from MaxText.moe import overflow
@@ -146,9 +147,8 @@ def _exit_now(code: int, message: str) -> None:
   interrupted save leaves mid-write (a normal exit would print their errors
   after our line); a partial step directory is never resumed from."""
   print(f"maxtext-moe: {message}", file=sys.stderr, flush=True)
-  sys.stdout.flush()
   logging.shutdown()
-  os._exit(code)  # pylint: disable=protected-access
+  ending.exit_now(code)
 
 
 _ABORTED = "aborted by a second SIGINT; nothing saved since the last checkpoint"
@@ -159,11 +159,7 @@ def _abort_on_second_sigint() -> None:
   goes straight to fd 2 (print could re-enter a stream the main thread is in the middle of writing), then the
   process ends, as _exit_now's does."""
   os.write(2, f"maxtext-moe: {_ABORTED}\n".encode())
-  try:
-    sys.stdout.flush()
-  except Exception:  # pylint: disable=broad-except
-    pass  # a write the signal interrupted: its bytes are lost with the process either way
-  os._exit(command_line.EXIT_ABORTED)  # pylint: disable=protected-access
+  ending.exit_now(command_line.EXIT_ABORTED)
 
 
 def cli() -> None:

@@ -30,6 +30,8 @@ import os
 import sys
 import threading
 
+from MaxText.console import ending
+
 CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 
 # Upstream warnings that say nothing a user can change: upstream 0.2.5 passes dataset_type to its own checkpointer
@@ -128,15 +130,5 @@ def closed_loop_hooks(verbose: bool) -> None:
   other error prints as before. Idempotent."""
   if verbose or getattr(sys.excepthook, "closed_loop_quiet", False):
     return
-  excepthook, thread_excepthook = sys.excepthook, threading.excepthook
-
-  def quiet_excepthook(kind, value, tb):
-    if not _a_closed_loop_off_the_main_thread(value):
-      excepthook(kind, value, tb)
-
-  def quiet_thread_excepthook(args):
-    if not _a_closed_loop_off_the_main_thread(args.exc_value):
-      thread_excepthook(args)
-
-  quiet_excepthook.closed_loop_quiet = True
-  sys.excepthook, threading.excepthook = quiet_excepthook, quiet_thread_excepthook
+  ending.drop_errors(_a_closed_loop_off_the_main_thread)  # for the process: no undo
+  sys.excepthook.closed_loop_quiet = True
