@@ -150,6 +150,7 @@ def writing(out_dir: Path) -> Iterator[Path]:
     remove_partial(out_dir)
     release(out_dir)
     raise
-  except BaseException:  # a signal's Stopped: the lock stays held for stop.exit_stopped, which removes the partial
-    raise  # output once no writer thread is left (reap.py)
+  except BaseException:  # a signal's Stopped: removed now, and the lock kept for stop.exit_stopped, which removes
+    remove_partial(out_dir)  # what writer threads still add once none is left (reap.py)
+    raise
   release(out_dir)
