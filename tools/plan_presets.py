@@ -94,7 +94,7 @@ def main() -> int:
   done: dict[tuple[str, str], tuple[int, dict | None]] = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
     futures = {pool.submit(replan_recipes.plan_one, r, plans, a.timeout, overrides=tuple(o), env=e,
-                           name=f"{r.stem}.{'shipped' if w == 'as shipped' else w.split()[1] if a.split else 'other'}"): (r, w)
+                           name=f"{r.stem}.{'-'.join(w.split()[:2])}"): (r, w)
                for r, w, o, e in jobs}
     for future in concurrent.futures.as_completed(futures):
       recipe, what = futures[future]
