@@ -268,6 +268,25 @@ def test_a_fusion_reads_its_operands_and_writes_its_output_at_hbm_rate():
   assert t.gemm_s == 0 and t.collectives_s == 0
 
 
+def test_a_gemm_that_moves_more_than_it_computes_runs_at_hbm_rate():
+  """The roofline: a dot with a short contraction (attention written as dots: QK^T over a 64-wide head writes
+  S x S scores) takes its bytes at the HBM rate where they outlast its FLOPs at the GEMM rate."""
+  text = """\
+      HloModule m, is_scheduled=true
+
+      ENTRY %main (x: f32[256,8], y: f32[8,256]) -> f32[256,256] {
+        %x = f32[256,8]{1,0} parameter(0)
+        %y = f32[8,256]{1,0} parameter(1)
+        ROOT %scores = f32[256,256]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      }
+      """
+  t = _estimate(text)
+  flops, moved = 2 * 256 * 256 * 8, 4 * (256 * 8 + 8 * 256 + 256 * 256)
+  assert moved / 1e9 > flops / 1e10  # 272 us of bytes against 105 us of FLOPs at the test's rates
+  assert t.counts["gemm_flops"] == flops and t.gemm_s == pytest.approx(moved / 1e9)
+  assert t.step_s == pytest.approx(moved / 1e9) and t.memory_s == 0
+
+
 def test_grouped_gemm_and_attention_flops_from_their_shapes():
   gmm = op_cost.grouped_gemm_flops([[("s32", (32,))], [("bf16", (1024, 256))], [("bf16", (8, 256, 128))]],
                                     [("bf16", (1024, 128))])

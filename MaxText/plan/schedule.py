@@ -8,7 +8,9 @@ Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/har
   GEMM         dots, convolutions, cuBLAS custom calls, fusions holding a dot (Triton/cuBLAS/cuDNN GEMM
                fusions), our Mosaic GPU grouped GEMMs: FLOPs at the dense GEMM rate (with FP8 experts,
                the grouped GEMMs at the FP8 grouped rate, whose measurement includes the quantization
-               passes that are also costed as memory-bound: an upper bound by a few ms)
+               passes that are also costed as memory-bound: an upper bound by a few ms), or, where more, the
+               bytes it reads and writes at XLA's HBM rate (the roofline: attention written out as dots, with a
+               64-wide head, writes S x S scores for 128 FLOPs each)
   attention    cuDNN flash attention: FLOPs from Q, K, V and the mask, at its own rate
   memory-bound every other fusion and op (norms, softmax, routing, optimizer, elementwise, copies,
                gathers): bytes read and written at XLA's HBM rate
@@ -202,6 +204,9 @@ class _Walk:
     rate = {"gemm_s": self.gpu.gemm_flops, "attention_s": self.gpu.attention_flops,
             "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
     seconds = amount / rate
+    if kind in ("gemm_s", "fp8_gemm_s"):
+      # GPT-OSS's proxy (dot_product attention): 84 of its GEMMs are bound by bytes, 38.6 ms a step; the V3 proxy's, 0.5.
+      seconds = max(seconds, self._gemm_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
     state.clock += seconds
     state.terms.seconds[kind] += seconds
     state.terms.counts[{"gemm_s": "gemm_flops", "fp8_gemm_s": "fp8_flops", "attention_s": "attention_flops",
@@ -361,6 +366,11 @@ class _Walk:
         other, grouped = (other, grouped + flops) if is_grouped else (other + flops, grouped)
       self.gemm_cache[name] = (other, grouped)
     return self.gemm_cache[name]
+
+  def _gemm_bytes(self, instr: Instr, comp: Computation) -> float:
+    """Bytes a GEMM (a dot, or a fusion holding one) reads and writes, as a memory-bound op's are counted."""
+    called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs) if instr.opcode in ("fusion", "fusion-start") else []
+    return self._fusion_bytes(instr, comp, self.comps[called[0]]) if called else op_cost.op_bytes(instr, comp)
 
   def _fusion_bytes(self, instr: Instr, comp: Computation, fused: Computation) -> float:
     """Bytes a memory-bound fusion reads (its operands, or the slices it takes of them) and writes (its
