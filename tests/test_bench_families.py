@@ -43,6 +43,18 @@ def test_a_family_without_ours_has_no_ratios():
   assert "-" in families.format_tables([{"family": "llama4", "rows": [], "summary": s}], None)
 
 
+def test_a_row_faster_than_the_runs_own_gemm_is_flagged():
+  """The Llama 4 dense equivalent that ran one layer of four (0.228 s, 1,024 TFLOP/s/device against a 524 TF/s
+  GEMM in the same call): its row says so instead of passing as a reference."""
+  rows = [{"variant": "dense_equivalent", "returncode": 0, "median_step_time_s": 0.228,
+           "median_tflops_per_device": 1024.2},
+          {"variant": "ours", "returncode": 0, "median_step_time_s": 0.513, "median_tflops_per_device": 455.2}]
+  table = families.format_tables([{"family": "llama4", "rows": rows, "summary": families.family_row(
+      "llama4", rows, 522.0)}], 524.0)
+  flagged = [line for line in table.splitlines() if "its count is not what ran" in line]
+  assert len(flagged) == 1 and "dense_equivalent" in flagged[0] and "(524)" in flagged[0]
+
+
 def test_budget_starts_a_run_only_when_the_longest_so_far_fits():
   assert families.fits_budget(0, None, [])  # no budget: everything runs
   assert families.fits_budget(0, 300, [])  # the first run is bounded by a third of the budget

@@ -535,6 +535,24 @@ def test_each_family_proxy_runs_on_our_block_and_its_bench_variants_load(family,
       "base_moe_mlp_dim"]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_dense_equivalent_keeps_every_layer(family, monkeypatch):
+  """Upstream scans num_decoder_layers / inhomogeneous_layer_cycle_interval blocks (nnx_decoders.py's
+  _init_scanned_generic), each holding a cycle of layers only in the blocks built so (Llama 4's, GPT-OSS's). A dense
+  equivalent on a one-layer block must set the interval to 1: Llama 4's (interval 4) on Llama 2's block ran one
+  layer of four on the H200, 1,024 TFLOP/s/device by MaxText's count."""
+  bench_train = _bench_train(monkeypatch)
+  view = bench_train.model_view(str(REPO / f"configs/bench/{family}-proxy-1xh200.yml"))
+  dense = {**view, **dict(o.split("=", 1) for o in bench_train.dense_equivalent(view))}
+
+  def layers_built(c: dict) -> int:
+    interval = int(c.get("inhomogeneous_layer_cycle_interval", 1))
+    per_block = interval if c.get("decoder_block") in ("llama4", "gpt_oss") else 1
+    return int(c["base_num_decoder_layers"]) // interval * per_block
+
+  assert layers_built(dense) == layers_built(view) == int(view["base_num_decoder_layers"])
+
+
 RECIPES = sorted((REPO / "configs/recipes").glob("*-8xh100.yml"))
 
 

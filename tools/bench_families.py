@@ -88,7 +88,8 @@ def format_tables(results: list[dict], peak: float | None) -> str:
   lines = [f"{'family':<10} {'variant':<18} {'step s':>7} {'TFLOP/s':>8} {'peak GiB':>8}  note"]
   for res in results:
     for r in res["rows"]:
-      note = r.get("error", "") if r.get("returncode") != 0 else ""
+      note = r.get("error", "") if r.get("returncode") != 0 else bench_train.above_peak_note(
+          r.get("median_tflops_per_device"), peak)
       lines.append(f"{res['family']:<10} {r['variant']:<18} {_fmt(r.get('median_step_time_s'), '7.3f')} "
                    f"{_fmt(r.get('median_tflops_per_device'), '8.1f')} {_fmt(r.get('peak_device_memory_gib'), '8.1f')}"
                    f"  {note}")
