@@ -220,10 +220,15 @@ def steady_stats(row: dict, warmup: int) -> dict:
   return out
 
 
+# The calibration GEMM read 524-655 TF/s in three calls on one H200 (BENCHMARKS.md D6, E0, D7): a row is held to
+# the run's reading with that spread allowed.
+CALIBRATION_SPREAD = 1.25
+
+
 def above_peak_note(tflops: float | None, peak: float | None) -> str:
-  """A row faster than the dense GEMM measured in the same run did not run the FLOPs MaxText counts for it (the
-  Llama 4 dense equivalent once ran one layer of four: 1,024 TFLOP/s/device against a 524 TF/s GEMM)."""
-  if not tflops or not peak or tflops <= peak:
+  """A row faster than the dense GEMM measured in the same run (past its spread) did not run the FLOPs MaxText
+  counts for it (the Llama 4 dense equivalent once ran one layer of four: 1,024 TFLOP/s/device, a 524 TF/s GEMM)."""
+  if not tflops or not peak or tflops <= CALIBRATION_SPREAD * peak:
     return ""
   return f"{tflops:.0f} TFLOP/s is above the dense GEMM measured in this run ({peak:.0f}): its count is not what ran"
 

@@ -205,7 +205,7 @@ class _Walk:
             "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
     seconds = amount / rate
     if kind in ("gemm_s", "fp8_gemm_s"):
-      # GPT-OSS's proxy (dot_product attention): 84 of its GEMMs are bound by bytes, 38.6 ms a step; the V3 proxy's, 0.5.
+      # GPT-OSS's proxy (dot_product attention): its byte-bound GEMMs add 58 ms to a 434 ms step; the V3 proxy's, 0.5.
       seconds = max(seconds, self._gemm_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
     state.clock += seconds
     state.terms.seconds[kind] += seconds
