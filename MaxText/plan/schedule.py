@@ -206,7 +206,7 @@ class _Walk:
     seconds = amount / rate
     if kind in ("gemm_s", "fp8_gemm_s"):
       # GPT-OSS's proxy (dot_product attention): its byte-bound GEMMs add 58 ms to a 434 ms step; the V3 proxy's, 0.5.
-      seconds = max(seconds, self._gemm_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
+      seconds = max(seconds, self._op_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
     state.clock += seconds
     state.terms.seconds[kind] += seconds
     state.terms.counts[{"gemm_s": "gemm_flops", "fp8_gemm_s": "fp8_flops", "attention_s": "attention_flops",
@@ -342,9 +342,7 @@ class _Walk:
     grouped *= self.grouped_scale
     if other or grouped:
       return ("fp8_gemm_s" if grouped and self.fp8 else "gemm_s"), other + grouped, grouped
-    if called:
-      return "memory_s", self._fusion_bytes(instr, comp, self.comps[called[0]]), 0.0
-    return "memory_s", op_cost.op_bytes(instr, comp), 0.0
+    return "memory_s", self._op_bytes(instr, comp), 0.0
 
   def _note_opaque(self, instr: Instr) -> None:
     target = re.search(r'custom_call_target="([^"]+)"', instr.attrs) if instr.opcode == "custom-call" else None
@@ -367,8 +365,9 @@ class _Walk:
       self.gemm_cache[name] = (other, grouped)
     return self.gemm_cache[name]
 
-  def _gemm_bytes(self, instr: Instr, comp: Computation) -> float:
-    """Bytes a GEMM (a dot, or a fusion holding one) reads and writes, as a memory-bound op's are counted."""
+  def _op_bytes(self, instr: Instr, comp: Computation) -> float:
+    """Bytes one op on the stream reads and writes: a fusion's through its fused computation, any other op's
+    operands and output (op_cost.op_bytes). A memory-bound op's cost, and a GEMM's roofline."""
     called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs) if instr.opcode in ("fusion", "fusion-start") else []
     return self._fusion_bytes(instr, comp, self.comps[called[0]]) if called else op_cost.op_bytes(instr, comp)
 
