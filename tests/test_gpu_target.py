@@ -19,7 +19,8 @@ import sys
 import pytest
 
 from conftest import REPO, require_gpu_plan
-from MaxText.plan import aot, gpu_target, hardware, planner as plan
+from MaxText import hardware
+from MaxText.plan import aot, gpu_target, planner as plan
 from MaxText import config as fork_config
 
 

@@ -84,9 +84,11 @@ def test_a_circle_is_found():
 
 
 # Which package may import which: data flows down, from the entry points through the run's life to configuration,
-# checkpoints, the seams (patches) and the MoE pieces. The MoE block and the planner never import the run's life.
+# checkpoints, the seams (patches) and the MoE pieces. The MoE block and the planner never import the run's life, and
+# the run never imports the planner: the GPUs' facts both read (MaxText.hardware) sit below both and import neither.
 # An entry point (MaxText.train, MaxText.export_hf, MaxText.import_hf, the planner's __main__) may import anything.
 MAY_IMPORT = {
+    "MaxText.hardware": set(),
     "MaxText.console": set(),
     "MaxText.moe": set(),
     "MaxText.config": {"MaxText.console", "MaxText.moe", "patches"},
@@ -94,16 +96,17 @@ MAY_IMPORT = {
     # The seams raise the config's one-line error (MaxText.config.keys alone, which imports nothing of ours), and
     # read and write our checkpoint records around upstream's saves and restores.
     "patches": {"MaxText.config.keys", "MaxText.checkpoints", "MaxText.console", "MaxText.moe"},
-    "MaxText.plan": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "patches"},
+    "MaxText.plan": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.hardware", "MaxText.moe",
+                     "patches"},
     "MaxText.hf": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "patches"},
-    "MaxText.run": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "MaxText.plan",
+    "MaxText.run": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.hardware", "MaxText.moe",
                     "patches"},
 }
 ENTRY_POINTS = {"MaxText.train", "MaxText.export_hf", "MaxText.import_hf", "MaxText.plan.__main__"}
 
 
 def _package(module: str) -> str:
-  """The layer a module belongs to: its package under MaxText, or patches; MaxText itself for the shims."""
+  """The layer a module belongs to: its package under MaxText, or patches; the module itself for a flat one."""
   parts = module.split(".")
   return "patches" if parts[0] == "patches" else ".".join(parts[:2]) if len(parts) > 2 else module
 
@@ -115,11 +118,11 @@ def _allowed(importer: str, imported: str) -> bool:
   return _package(imported) in allowed or any(imported == a or imported.startswith(a + ".") for a in allowed)
 
 
-def test_maxtext_has_no_flat_module_but_the_entry_points_and_every_package_has_a_layer():
+def test_maxtext_has_no_flat_module_but_the_entry_points_and_the_hardware_facts_and_every_package_has_a_layer():
   flat = {p.stem for p in (REPO / "MaxText").glob("*.py")}
-  assert flat == {"__init__", "train", "export_hf", "import_hf"}
+  assert flat == {"__init__", "train", "export_hf", "import_hf", "hardware"}
   packages = {f"MaxText.{p.parent.name}" for p in (REPO / "MaxText").glob("*/__init__.py")}
-  assert packages == set(MAY_IMPORT) - {"patches"}
+  assert packages == set(MAY_IMPORT) - {"patches", "MaxText.hardware"}
 
 
 def test_each_package_imports_only_the_layers_below_it():
@@ -134,4 +137,8 @@ def test_the_layering_check_catches_an_upward_import():
   assert not _allowed("MaxText.moe.block", "MaxText.run.lifecycle")
   assert not _allowed("patches.routed_moe", "MaxText.config.loader")
   assert _allowed("patches.routed_moe", "MaxText.config.keys")
-  assert _allowed("MaxText.run.loop", "MaxText.plan.hardware")
+  assert not _allowed("MaxText.run.loop", "MaxText.plan.planner")  # the run reads the GPUs' facts, not the planner
+  assert not _allowed("MaxText.hardware", "MaxText.plan.planner")
+  assert not _allowed("MaxText.hardware", "MaxText.run.loop")
+  assert _allowed("MaxText.run.loop", "MaxText.hardware")
+  assert _allowed("MaxText.plan.schedule", "MaxText.hardware")

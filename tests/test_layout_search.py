@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO
 from MaxText.config import parallelism
-from MaxText.plan import hardware, layout_cost, layout_search
+from MaxText import hardware
+from MaxText.plan import layout_cost, layout_search
 from MaxText.plan.layout_cost import Layout, Shape
 
 RECIPE = "configs/recipes/deepseek3-671b-1024xh100.yml"

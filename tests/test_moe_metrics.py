@@ -164,7 +164,7 @@ def test_heatmap_lines_show_load_over_the_layer_mean_where_they_fit():
 
 def test_mfu_peak_from_the_gpu_table_or_the_override():
   from MaxText.run import metrics
-  from MaxText.plan import hardware
+  from MaxText import hardware
 
   assert hardware.mfu_peak("NVIDIA H200") == (989e12, "H200 dense bf16 989 TF/s")
   assert hardware.mfu_peak("NVIDIA B200")[0] == 2250e12
@@ -183,7 +183,7 @@ def test_progress_line_carries_the_step_and_says_the_mfu_reason_once(capsys):
   """One line a step with this step's loss, time, TFLOP/s and tokens/s per device, the ETA and MFU; what MFU is
   measured against (or why there is none) on the first line only."""
   from MaxText.run import metrics
-  from MaxText.plan import hardware
+  from MaxText import hardware
 
   _, label = hardware.mfu_peak("cpu")
   for peak, first, later in ((989e12, "MFU 50.0% of H200 dense bf16 989 TF/s", "MFU 50.0%"),

@@ -11,8 +11,9 @@ import textwrap
 
 import pytest
 
-from MaxText.plan import account, hardware, hlo_inventory, schedule, step_report
-from MaxText.plan.hardware import Figure
+from MaxText import hardware
+from MaxText.hardware import Figure
+from MaxText.plan import account, hlo_inventory, schedule, step_report
 
 GPU = dataclasses.replace(
     hardware.GPUS["h200"], gemm_flops=Figure(1e10, "test"), attention_flops=Figure(0.5e10, "test"),

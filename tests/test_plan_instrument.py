@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from MaxText.plan import hardware
+from MaxText import hardware
+from MaxText.plan import flops
 
 # --- the routed experts' FLOPs: every microbatch of the step -----------------------------------------------------
 
@@ -26,13 +27,13 @@ def test_routed_expert_flops_count_every_microbatch(monkeypatch):
   forward_one = 2 * 20 * 2 * 3 * 4 * 5 * 2  # tokens x top-k x 3 GEMMs x D x F x 2 MoE layers, one microbatch
   one = types.SimpleNamespace(remat_policy="full", gradient_accumulation_steps=1, **cfg)
   three = types.SimpleNamespace(remat_policy="full", gradient_accumulation_steps=3, **cfg)
-  assert hardware.routed_expert_flops(one) == 4 * forward_one
-  assert hardware.routed_expert_flops(three) == 3 * 4 * forward_one
+  assert flops.routed_expert_flops(one) == 4 * forward_one
+  assert flops.routed_expert_flops(three) == 3 * 4 * forward_one
   head_one = 2 * 20 * 4 * 1000 * 3
-  assert hardware.recompute_flops(three)[0] == (600e12 - 3 * head_one) / 3
+  assert flops.recompute_flops(three)[0] == (600e12 - 3 * head_one) / 3
   kept = types.SimpleNamespace(remat_policy="custom", moe_mlpwi_0="offload", moe_mlpwi_1="device",
                                gradient_accumulation_steps=3, **cfg)
-  assert hardware.recompute_flops(kept)[0] == (600e12 - 3 * head_one) / 3 - 3 * forward_one
+  assert flops.recompute_flops(kept)[0] == (600e12 - 3 * head_one) / 3 - 3 * forward_one
 
 
 # --- an async all-reduce's bytes: its transfer once ------------------------------------------------------------

@@ -12,8 +12,9 @@ import textwrap
 
 import pytest
 
-from MaxText.plan import hardware, op_cost, schedule
-from MaxText.plan.hardware import Figure
+from MaxText import hardware
+from MaxText.hardware import Figure
+from MaxText.plan import op_cost, schedule
 
 GPU = dataclasses.replace(
     hardware.GPUS["h200"], gemm_flops=Figure(1e10, "test"), attention_flops=Figure(0.5e10, "test"),

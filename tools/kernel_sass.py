@@ -166,7 +166,7 @@ def main() -> int:
   ap.add_argument("--kernels", default=",".join(KERNELS))
   ap.add_argument("--m", type=int, default=16384)
   ap.add_argument("--target", default=None,
-                  help="compile on the CPU for this compile-only GPU (a MaxText/plan/hardware.py key, e.g. h200) "
+                  help="compile on the CPU for this compile-only GPU (a MaxText/hardware.py key, e.g. h200) "
                        "instead of on this machine's GPU (needs scripts/bootstrap.sh --gpu-plan)")
   ap.add_argument("--fp8-tiling", default="", help="fp8_fwd's Fp8Tiling fields, e.g. stages=3,epi_n=128")
   ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: compile this kernel

@@ -12,7 +12,8 @@ version since d090e34 takes.
 import json
 import sys
 
-from MaxText.plan import hardware, schedule
+from MaxText import hardware
+from MaxText.plan import schedule
 
 
 def main(plan_path: str, hlo_path: str) -> None:

@@ -28,7 +28,7 @@ class ForkConfig(pydantic.BaseModel):
   mfu_peak_tflops: float | None = pydantic.Field(
       default=None, gt=0,
       description="Dense bf16 peak TF/s per device that MFU is measured against (progress line, perf/mfu); unset: "
-      "the GPU's datasheet figure (MaxText/plan/hardware.py PEAK_BF16_FLOPS), n/a on unknown devices and CPU.")
+      "the GPU's datasheet figure (MaxText/hardware.py PEAK_BF16_FLOPS), n/a on unknown devices and CPU.")
   allow_schedule_change: bool = pydantic.Field(
       default=False,
       description="Resume even when the learning-rate schedule differs from the checkpoint's (else refused; "
@@ -179,7 +179,7 @@ class ForkConfig(pydantic.BaseModel):
   # --- planner (MaxText/plan/planner.py) ---
   target_gpu: Literal["h100", "h200", "b200"] | None = pydantic.Field(
       default=None,
-      description="GPU the run is planned for: its HBM, GEMM rate and links (MaxText/plan/hardware.py); unset: the "
+      description="GPU the run is planned for: its HBM, GEMM rate and links (MaxText/hardware.py); unset: the "
       "local GPU's kind.")
   gpus_per_node: int = pydantic.Field(
       default=8, ge=1,

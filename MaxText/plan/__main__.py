@@ -10,7 +10,7 @@ full GPU count (`recipe_num_gpus`) on this machine, and prints
   estimate    step time and TFLOP/s/GPU read off the scheduled HLO
               (MaxText/plan/schedule.py): compute, memory-bound work,
               collectives exposed and overlapped, the critical path; every
-              constant with its source (MaxText/plan/hardware.py); and the
+              constant with its source (MaxText/hardware.py); and the
               analytic memory cross-check (MaxText/plan/analytic_memory.py)
 For a target GPU with a shipped XLA target config (target_gpu: h100, h200), the
 step is compiled by XLA's GPU compiler for compile-only devices of that GPU, on

@@ -24,7 +24,8 @@ import re
 from collections import Counter
 from typing import Any
 
-from MaxText.plan import hardware, hlo_inventory
+from MaxText import hardware
+from MaxText.plan import hlo_inventory
 from MaxText.plan.hlo_inventory import Computation, Instr
 
 TOLERANCE = 0.01  # relative: the rows against the walk

@@ -412,7 +412,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   the estimate off it: MaxText/plan/planner.py)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText.plan import bubble, hardware, memory_report  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import bubble, flops, memory_report  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:
@@ -420,7 +420,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   dumps = re.findall(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))  # XLA takes the last one
   buffers = memory_report.largest_buffers(Path(dumps[-1]), n=8) if dumps else []
   model_tflops = maxtext_utils.calculate_tflops_training_per_device(step.config, log=False)[0]
-  recompute, recompute_note = hardware.recompute_flops(step.config)
+  recompute, recompute_note = flops.recompute_flops(step.config)
   nodes = device_nodes(step.mesh, topology)
   return dict(
       compile_seconds=step.seconds,
@@ -428,7 +428,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       mesh={k: int(v) for k, v in step.mesh.shape.items()},
       model_tflops_per_device=float(model_tflops),
       recompute_flops=float(recompute), recompute_note=recompute_note,
-      routed_expert_flops=float(hardware.routed_expert_flops(step.config)),
+      routed_expert_flops=float(flops.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
       largest_buffers=buffers, nodes=nodes, layout=step.layout,
       pipeline_schedule=bubble.schedule(step.config),

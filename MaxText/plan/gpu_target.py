@@ -35,7 +35,7 @@ INSTALL_HINT = "scripts/bootstrap.sh --gpu-plan (installs jax's CUDA compiler pl
 
 
 def config_path(gpu: str) -> Path | None:
-  """The target config for a GPU key of MaxText/plan/hardware.py (None: none shipped)."""
+  """The target config for a GPU key of MaxText/hardware.py (None: none shipped)."""
   path = TARGETS_DIR / f"{gpu}.txtpb"
   return path if path.is_file() else None
 

@@ -23,7 +23,7 @@ Per GPU and step, T = per_device_batch_size x max_target_length tokens a microba
                remat, 5 between nodes for hierarchical) for the dispatch backend's buffers, hierarchical's
                stage 1 carrying a token to min(K, N, M) nodes, not K experts; moe_fp8 sends the passes towards
                the experts in e4m3 (1 + 4/128 B a value, MaxText/moe/fp8_dispatch.py); the stage permutes
-  compute      MaxText's FLOPs a GPU a step plus the remat recompute (hardware.recompute_flops) at the measured
+  compute      MaxText's FLOPs a GPU a step plus the remat recompute (flops.recompute_flops) at the measured
                GEMM rate, cuDNN attention at its rate, the routed experts at the FP8 rate under moe_fp8; under a
                pipeline, dot_product attention: the full S x S scores at the GEMM rate and 32 B a score through
                HBM (forward 8, backward 16, recompute 8); the pipelined layers' share / (1 - bubble),
@@ -34,7 +34,7 @@ Per GPU and step, T = per_device_batch_size x max_target_length tokens a microba
                accumulator, the dispatch's padded buffers, and what XLA prefetches where HBM has room, which
                the arithmetic does not count) <= HBM x the run's XLA_PYTHON_CLIENT_MEM_FRACTION
 
-Links (hardware.py): a ring over a group inside a node at NVLink's rate, across nodes at its members' NICs on a
+Links (MaxText/hardware.py): a ring over a group inside a node at NVLink's rate, across nodes at its members' NICs on a
 node together; an all-to-all at the measured 150 GB/s inside a node, across nodes at one NIC's rate; a permute
 across nodes at one NIC's. Nothing overlaps (conservative: the shipped recipes' compiled plans expose 80-95% of
 their collectives): step = compute + memory-bound + host offload copies + every link's seconds.
@@ -46,7 +46,8 @@ import dataclasses
 import math
 from typing import Any
 
-from MaxText.plan import analytic_comms, analytic_memory, hardware
+from MaxText import hardware
+from MaxText.plan import analytic_comms, analytic_memory
 
 ACT = 2  # bytes of a bf16 activation or gathered weight
 FP8_ROW = 1 + 4 / 128  # bytes a value of an e4m3 row with its f32 scale per 128 (MaxText/moe/fp8_dispatch.py)

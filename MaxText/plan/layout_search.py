@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 
 from MaxText import config as fork_config
 from MaxText.config import environment, parallelism, xla_presets
-from MaxText.plan import hardware, layout_cost
+from MaxText import hardware
+from MaxText.plan import flops, layout_cost
 from MaxText.plan import planner as plan
 from MaxText.plan.layout_cost import Layout, Shape
 
@@ -51,7 +52,7 @@ SHAPE_KEYS = ("base_emb_dim", "base_num_query_heads", "qk_nope_head_dim", "qk_ro
 
 
 class _With:
-  """Upstream's config with some attributes replaced (hardware.py's FLOP counts read attributes)."""
+  """Upstream's config with some attributes replaced (flops.py's FLOP counts read attributes)."""
 
   def __init__(self, config: Any, **overrides: Any):
     self._config, self._overrides = config, overrides
@@ -113,8 +114,8 @@ def shape_of(args: list[str]) -> tuple[fork_config.RunConfig, Shape]:
   shape = Shape(
       c=c, gpus=num_gpus, gpus_per_node=run.fork.gpus_per_node, gpu=gpu, usable_bytes=gpu.hbm_bytes.value * fraction,
       model_flops=total * 1e12, attention_flops=attention * 1e12,
-      recompute_flops={k: hardware.recompute_flops(v)[0] for k, v in remats.items()},
-      routed_flops={k: hardware.routed_expert_flops(v) for k, v in remats.items()},
+      recompute_flops={k: flops.recompute_flops(v)[0] for k, v in remats.items()},
+      routed_flops={k: flops.routed_expert_flops(v) for k, v in remats.items()},
       offloaded={"run": config.remat_policy == "custom" and str(getattr(config.decoder_layer_input, "value",
                                                                          config.decoder_layer_input)) == "offload",
                  "full": False},

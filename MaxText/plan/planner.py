@@ -17,7 +17,8 @@ from typing import Any
 
 from MaxText.config import parallelism
 from MaxText.console import progress
-from MaxText.plan import account, analytic_comms, aot, bubble, hardware, hlo_inventory, schedule, step_report
+from MaxText import hardware
+from MaxText.plan import account, analytic_comms, aot, bubble, hlo_inventory, schedule, step_report
 from MaxText import config as fork_config
 
 DEFAULT_TIMEOUT_S = 1800

@@ -4,7 +4,7 @@ put between its start and its done (MaxText/plan/planner.py prints the terms; al
 
   terms = schedule.estimate(hlo_text, hardware.GPUS["h200"], mesh_shape={"fsdp": 8}, nodes=[0] * 8)
 
-Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/plan/hardware.py's, each with its source):
+Each op's cost (MaxText/plan/op_cost.py reads it; the rates are MaxText/hardware.py's, each with its source):
   GEMM         dots, convolutions, cuBLAS custom calls, fusions holding a dot (Triton/cuBLAS/cuDNN GEMM
                fusions), our Mosaic GPU grouped GEMMs: FLOPs at the dense GEMM rate (with FP8 experts,
                the grouped GEMMs at the FP8 grouped rate, whose measurement includes the quantization
@@ -37,7 +37,8 @@ import re
 import sys
 from typing import Any
 
-from MaxText.plan import hardware, hlo_inventory, op_cost
+from MaxText import hardware
+from MaxText.plan import hlo_inventory, op_cost
 from MaxText.plan.hlo_inventory import Computation, Instr, nbytes
 
 # Ops that move no bytes of their own: structure, aliases, and the waits handled by the walk.
@@ -435,7 +436,7 @@ def estimate(text: str | Module, gpu: hardware.Gpu, mesh_shape: dict[str, int], 
   count has beyond the HLO's GEMMs and attention run at the GEMM rate after the stream (`hidden_flops_s`).
   Otherwise the HLO's count stands: it is what runs (the proxy's is 424 T against MaxText's 441 T, whose
   recompute includes a dense layer's forward that XLA does not run twice).
-  routed_flops: the routed experts' GEMM FLOPs per device by the config (hardware.routed_expert_flops, routing
+  routed_flops: the routed experts' GEMM FLOPs per device by the config (flops.routed_expert_flops, routing
   balanced). Our grouped GEMMs multiply only the rows their group sizes hold; where their buffers are padded
   (a2a_padded's receive buffer holds the worst case), their shapes overcount, and every grouped GEMM is
   scaled down to this count. (The 1-GPU proxy's buffers hold exactly its tokens: 138.5 T both ways. Widths

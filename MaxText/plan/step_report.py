@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from MaxText.plan import hardware, schedule
-from MaxText.plan.hardware import Figure, Gpu
+from MaxText.hardware import Figure, Gpu
+from MaxText.plan import schedule
 
 
 def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,

@@ -10,6 +10,7 @@ import sys
 from typing import Any, Sequence
 
 from MaxText import config as fork_config
+from MaxText import hardware
 from MaxText.checkpoints import compat as checkpoint_compat
 from MaxText.checkpoints import resume
 from MaxText.config import checks as config_checks
@@ -20,7 +21,6 @@ from MaxText.config import report as config_report
 from MaxText.config import xla_presets
 from MaxText.console import progress as progress_lines
 from MaxText.run import quiet
-from MaxText.plan import hardware
 from MaxText.run import disk_full
 from MaxText.run import launch
 from MaxText.run import lifecycle

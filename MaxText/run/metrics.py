@@ -47,7 +47,7 @@ class ProgressTracker:
   expert_load: list[float] = field(default_factory=list)  # max/mean tokens per expert, per MoE layer call
   moe_load: dict[str, Any] | None = None  # the last kept step's moe/ statistics (moe_metrics_every_n_steps)
   started: float = field(default_factory=time.monotonic)
-  peak_flops: float | None = None  # per device, for MFU (MaxText/plan/hardware.py mfu_peak); None: n/a
+  peak_flops: float | None = None  # per device, for MFU (MaxText/hardware.py mfu_peak); None: n/a
   peak_label: str = "n/a"
   _peak_said: bool = field(default=False, repr=False)  # the MFU's peak (or why none) goes on the first line only
 
