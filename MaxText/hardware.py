@@ -136,14 +136,20 @@ GPUS: dict[str, Gpu] = {
     ),
     "b200": Gpu(
         "B200 180 GB",
-        hbm_bytes=Figure(180 * GB, "datasheet: 180 GB HBM3e (DGX B200: 1,440 GB / 8)"),
-        gemm_flops=Figure(2250e12 * 648 / 989, "not measured: datasheet 2,250 TF/s dense bf16 x the H200's measured/datasheet"),
-        nvlink_bytes=Figure(900 * GB, "datasheet: NVLink 5, 1.8 TB/s bidirectional"),
-        ib_bytes=_IB_NDR,
+        hbm_bytes=Figure(180 * GB, "datasheet: 180 GB HBM3e (DGX B200: 1,440 GB / 8); it reports 191.5e9 B (XLA's B200 "
+                         "spec, MaxText/data/gpu_targets/b200.txtpb)"),
+        gemm_flops=Figure(2250e12 * 648 / 989, "datasheet, not measured: 2,250 TF/s dense bf16 x the H200's "
+                          "measured/datasheet (648 / 989)"),
+        nvlink_bytes=Figure(900 * GB, "datasheet: NVLink 5, 1.8 TB/s bidirectional (18 links)"),
+        ib_bytes=Figure(_IB_NDR.value, "datasheet: one 400 Gb/s ConnectX-7 per GPU (DGX B200), one direction"),
+        a2a_nvlink_bytes=Figure(_A2A_H200.value * 900 / 450, "not measured: the H200's measured all_to_all share of "
+                                "its NVLink (150 of 450 GB/s) x NVLink 5's 900 GB/s"),
+        ragged_a2a_bytes=Figure(_RAGGED_H200.value * 900 / 450, "not measured: the H200's measured ragged_all_to_all "
+                                "x NVLink 5's / NVLink 4's bandwidth (900 / 450)"),
         hbm_bandwidth=Figure(8e12 * _XLA_HBM_SHARE, "not measured: datasheet 8 TB/s x the share of its datasheet the "
                              "H200's XLA fusions reach (3.3 of 4.8 TB/s)"),
-        attention_flops=Figure(_H200_ATTENTION.value * 2250 / 989, "not measured: the H200's cuDNN attention rate x "
-                               "the dense bf16 datasheets' ratio (2,250 / 989)"),
+        attention_flops=Figure(_H200_ATTENTION.value * 2250 / 989, "datasheet, not measured: the H200's cuDNN "
+                               "attention rate x the dense bf16 datasheets' ratio (2,250 / 989)"),
         host_bytes=_PCIE5,
         a2a_ib_share=_A2A_IB,
     ),

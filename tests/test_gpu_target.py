@@ -37,7 +37,33 @@ def test_the_h100_target_is_the_captured_h200_with_the_h100s_memory():
   assert int(b["device_memory_size"]) == 84_942_979_072  # what an H100 80 GB reports (79.1 GiB)
   assert int(a["device_memory_size"]) == 150_109_880_320  # read on the workplace H200
   assert a["core_count"] == b["core_count"] == "132"
-  assert set(hardware.GPUS) >= {"h100", "h200"} and gpu_target.config_path("b200") is None
+  assert set(hardware.GPUS) >= {"h100", "h200", "b200"}
+
+
+def test_the_b200_target_is_blackwells_hardware_with_the_images_software():
+  """sm_100a, 148 SMs, 191.5e9 B (XLA's B200 spec); the driver, CUDA and cuDNN of the image the H200 was read on,
+  so the compile takes the same cuDNN paths."""
+  h200, b200 = (gpu_target.config_path(g).read_text() for g in ("h200", "b200"))
+  a, b = _fields(h200), _fields(b200)
+  assert (b["core_count"], b["device_memory_size"], b["l2_cache_size"], b["name"]) == (
+      "148", "191514411008", "132644864", '"NVIDIA B200"')
+  assert re.search(r"cuda_compute_capability \{\s*major: 10\n\s*feature_extension: ACCELERATED_FEATURES", b200)
+  assert b["platform_version"] == '"Compute Capability 10.0a"' and "active_links" in b
+  for software in ("driver_version", "runtime_version", "compile_time_toolkit_version", "dnn_version", "cub_version"):
+    assert a[software] == b[software], software
+  assert gpu_target.device_memory_size("b200") == 191_514_411_008 > hardware.GPUS["b200"].hbm_bytes.value
+
+
+def test_a_kernel_stand_in_reports_hopper_for_blackwell():
+  """Our grouped GEMMs do not compile for sm_100a here: a MoE step for a B200 compiles for sm_90a devices with the
+  B200's memory and SMs; a step without them, and any Hopper target, compiles as the target."""
+  text = gpu_target.config_path("b200").read_text()
+  hopper = gpu_target.with_compute_capability(text, "9.0")
+  assert re.search(r"cuda_compute_capability \{\s*major: 9\n\s*feature_extension", hopper)
+  assert _fields(hopper)["core_count"] == "148" and hopper.count("major: 10") == 0
+  assert "minor: 3" in gpu_target.with_compute_capability(text, "10.3")
+  assert gpu_target.kernel_stand_in("b200", True)[0] == "9.0"
+  assert gpu_target.kernel_stand_in("b200", False) is None and gpu_target.kernel_stand_in("h200", True) is None
 
 
 def test_one_slice_per_node_and_one_process_per_gpu():
@@ -53,7 +79,8 @@ def test_the_planner_compiles_for_the_target_only_where_it_can(monkeypatch):
   assert aot.choose_topology(128, 8, 1, "h100", mode="mock").platform == "gpu"
   assert aot.choose_topology(128, 8, 1, "h100", mode="cpu").platform == "cpu"
   assert aot.choose_topology(4, 8, 0, None).platform == "cpu"  # no target named
-  assert aot.choose_topology(4, 8, 0, "b200").platform == "cpu"  # no target config shipped
+  assert aot.choose_topology(4, 8, 0, "b200").platform == "gpu_target"
+  assert aot.choose_topology(4, 8, 0, "gb200").platform == "cpu"  # no target config shipped
   with pytest.raises(aot.PlanError, match="--mock compiles on this machine's GPU"):
     aot.choose_topology(4, 8, 0, "h100", mode="mock")
   monkeypatch.setattr(gpu_target, "plugin_importable", lambda: False)
@@ -70,6 +97,27 @@ def test_a_target_the_planner_cannot_compile_for_says_why(monkeypatch, capsys):
               local_gpus=0)
   assert "not compiling for compile-only h100 devices: jax's CUDA plugin is not installed: scripts/bootstrap.sh --gpu-plan" \
       in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, stand_in", [(["moe_block=ours", "moe_gmm_backend=te"], True),
+                                             (["moe_block=upstream"], False)])
+def test_a_b200_moe_plan_compiles_hopper_kernels_for_te_and_says_so(monkeypatch, capsys, extra, stand_in):
+  seen = {}
+
+  def child(args, topology, *rest, **kw):
+    seen.update(args=args, topology=topology)
+    return {"config_error": "stop here"}
+
+  monkeypatch.setattr(gpu_target, "plugin_importable", lambda: True)
+  monkeypatch.setattr(plan, "compile_in_child", child)
+  with pytest.raises(fork_config.ConfigError, match="stop here"):
+    plan.plan(["configs/deepseek3-tiny.yml", "target_gpu=b200", "recipe_num_gpus=4", "ici_fsdp_parallelism=4", *extra],
+              local_gpus=0)
+  out = capsys.readouterr().out
+  assert seen["topology"].platform == "gpu_target" and seen["topology"].target_gpu == "b200"
+  assert seen["topology"].compute_capability == ("9.0" if stand_in else None)
+  assert ('moe_gmm_backend="auto"' in seen["args"]) == stand_in
+  assert ("Hopper's kernels standing in for TE's grouped GEMM" in out) == stand_in
 
 
 def test_only_the_expert_load_callback_is_left_out_of_a_gpu_plan():

@@ -74,6 +74,8 @@ class Topology:
     local_gpus: GPUs on this machine (0 on CPU).
     lower_only: trace and lower, do not compile (CPU, more than MAX_CPU_DEVICES).
     target_gpu: the GPU key compiled for (gpu_target only).
+    compute_capability: what the compile-only devices report instead of the target's (gpu_target only; a
+      stand-in for kernels that do not compile for the target here: gpu_target.KERNEL_STAND_INS).
   """
 
   platform: Literal["gpu_target", "gpu", "cpu"]
@@ -82,6 +84,7 @@ class Topology:
   local_gpus: int
   lower_only: bool = False
   target_gpu: str | None = None
+  compute_capability: str | None = None
 
   @property
   def compiles_for_gpu(self) -> bool:
@@ -177,7 +180,7 @@ def configure_backend(topology: Topology) -> None:
   if topology.platform == "gpu_target":
     from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
-    gpu_target.enter(topology.target_gpu, topology.num_devices, topology.gpus_per_node)
+    gpu_target.enter(topology.target_gpu, topology.num_devices, topology.gpus_per_node, topology.compute_capability)
   elif topology.platform == "cpu":
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", topology.num_devices)

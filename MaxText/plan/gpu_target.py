@@ -46,6 +46,24 @@ def device_memory_size(gpu: str) -> int | None:
   return int(_field(path.read_text(), "device_memory_size")) if path else None
 
 
+# Targets whose XLA programs compile here but whose MoE kernels do not: the compute capability the compile-only
+# devices report instead, and why. The B200's: ptxas rejects our Mosaic GPU kernels' wgmma for sm_100a (they are
+# Hopper's), tokamax 0.0.17's sm100 kernel has no dW form (a ragged contraction) and cannot take shard_map-varying
+# operands (Pallas's mpmd_map), and Transformer Engine (Blackwell's grouped GEMM, moe_gmm_backend=te) is not
+# installed for the compile. Compiled for sm_90a, the step is the same program with Hopper's kernels in place of
+# TE's, scheduled against the B200's memory, SM count and clocks; the planner costs it at the B200's rates.
+KERNEL_STAND_INS = {
+    "b200": ("9.0", "our grouped GEMMs have no Blackwell kernel that compiles here (Mosaic GPU's wgmma is sm_90a; "
+             "tokamax 0.0.17's sm100 kernel has no dW; Transformer Engine is not installed): compiled for sm_90a "
+             "with the B200's memory, SMs and clocks, Hopper's kernels standing in for TE's grouped GEMM"),
+}
+
+
+def kernel_stand_in(gpu: str | None, grouped_gemms: bool) -> tuple[str, str] | None:
+  """(compute capability to compile for, why) where a step with our grouped GEMMs needs a stand-in on `gpu`."""
+  return KERNEL_STAND_INS.get(gpu or "") if grouped_gemms else None
+
+
 def plugin_importable() -> bool:
   """jax's CUDA plugin can be imported here (from site-packages or GPU_PLAN_SITE)."""
   return any((Path(base) / "jax_plugins" / "xla_cuda13").is_dir() for base in (*sys.path, str(GPU_PLAN_SITE)) if base)
@@ -54,7 +72,7 @@ def plugin_importable() -> bool:
 def unavailable_reason(gpu: str | None) -> str | None:
   """None when a compile for `gpu` can run here without one; else why not."""
   if gpu is None:
-    return "no target_gpu: name one (target_gpu=h100|h200) to compile for it without a GPU"
+    return "no target_gpu: name one (target_gpu=h100|h200|b200) to compile for it without a GPU"
   if config_path(gpu) is None:
     shipped = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb")))
     return f"no XLA target config for target_gpu={gpu} (shipped: {shipped})"
@@ -71,8 +89,16 @@ def topology_spec(num_devices: int, gpus_per_node: int) -> str:
   return f"{max(1, num_devices // per_node)}x{per_node}x1"
 
 
-def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
-  """Makes this process see `num_devices` compile-only `gpu` devices; returns them.
+def with_compute_capability(text: str, capability: str) -> str:
+  """The target config `text` with its cuda_compute_capability replaced by `capability` ("9.0")."""
+  major, _, minor = capability.partition(".")
+  fields = f"major: {major}\n" + (f"    minor: {minor}\n" if minor and minor != "0" else "")
+  return re.sub(r"(cuda_compute_capability \{\s*)major: \d+\n(\s*minor: \d+\n)?", rf"\g<1>{fields}", text, count=1)
+
+
+def enter(gpu: str, num_devices: int, gpus_per_node: int, compute_capability: str | None = None) -> list:
+  """Makes this process see `num_devices` compile-only `gpu` devices; returns them. compute_capability: what they
+  report instead of the target's (KERNEL_STAND_INS).
 
   Must run before anything starts a jax backend. jax's own backend is CPU (nothing
   runs on a GPU), and the public device queries upstream and our code ask
@@ -86,6 +112,8 @@ def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
     sys.path.append(str(GPU_PLAN_SITE))  # after site-packages: an image's own plugin wins
   jax.config.update("jax_platforms", "cpu")
   text = config_path(gpu).read_text()  # type: ignore[union-attr]
+  if compute_capability:
+    text = with_compute_capability(text, compute_capability)
   devices = list(topologies.get_topology_desc(platform="cuda", target_config=text,
                                               topology=topology_spec(num_devices, gpus_per_node)).devices)
   local = [d for d in devices if d.process_index == 0]
@@ -100,6 +128,9 @@ def enter(gpu: str, num_devices: int, gpus_per_node: int) -> list:
   }
   for name, answer in answers.items():
     setattr(jax, name, answer)
+  # tokamax picks its kernel (Mosaic GPU's sm90 or sm100, else TPU's) by the backend's default device.
+  from jax.extend import backend  # pylint: disable=import-outside-toplevel
+  backend.get_default_device = lambda: devices[0]
   # Upstream's multi-node mesh groups devices into nodes by slice_index, which compile-only devices leave at 0
   # (jax 0.11.2): patches/cpu_slices.py groups them by id instead, one GPU per process, gpus_per_node a node.
   _answer_cudnn_checks(text)

@@ -68,14 +68,26 @@ def cpu_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
   return {k: v for k, v in out.items() if up.get(k) != v}
 
 
-def gpu_target_substitutes(run: fork_config.RunConfig) -> dict[str, Any]:
+def gpu_target_substitutes(run: fork_config.RunConfig, stand_in: bool = False) -> dict[str, Any]:
   """A host callback needs a GPU runtime to lower, which a compile-only device has not: expert-load logging
   is one, and is left out of the plan (for measurements only). The dispatch overflow check has none (it is
-  reduced in the step and read by the host after it, MaxText/moe/overflow.py): the plan compiles the run's program."""
+  reduced in the step and read by the host after it, MaxText/moe/overflow.py): the plan compiles the run's program.
+  stand_in (gpu_target.KERNEL_STAND_INS): the Blackwell grouped GEMM (te, or tokamax's sm100 kernel) compiles as
+  auto's Hopper kernels on the stand-in's sm_90a devices."""
   out: dict[str, Any] = {}
   if run.fork.moe_log_expert_load:
     out["moe_log_expert_load"] = False
+  if stand_in and run.fork.moe_gmm_backend in ("te", "tokamax"):
+    out["moe_gmm_backend"] = "auto"
   return out
+
+
+def uses_grouped_gemm_kernels(run: fork_config.RunConfig) -> bool:
+  """The step's routed experts run our grouped GEMMs: our block, or upstream's with moe_gmm_backend or tokamax."""
+  up = run.upstream
+  if int(up.get("num_experts", 1) or 1) <= 1:
+    return False
+  return run.fork.moe_block == "ours" or run.fork.moe_gmm_backend != "upstream" or bool(up.get("use_tokamax_gmm"))
 
 
 _FATAL = re.compile(r"^(F\d{4} |\*\*\* |.*Check failed|.*Fatal Python error|terminate called|.*what\(\):|"
@@ -292,6 +304,8 @@ def print_report(r: dict[str, Any]) -> None:
   verb = "lowered" if r.get("lowered_only") else "compiled"
   print(f"\n== plan: {r['config']}\n{r['num_gpus']} GPUs ({r['gpus_per_node']} per node), mesh {mesh}; "
         f"{verb} on {where} in {r['compile_seconds']:.1f} s")
+  if r.get("kernel_stand_in"):
+    print(f"  compiled for compute capability {r['kernel_stand_in']['compute_capability']}: {r['kernel_stand_in']['why']}")
   for k, v in r["cpu_substitutes"].items():
     print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the compile'}: {k}={v}")
   if r.get("lowered_only"):
@@ -401,11 +415,17 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
     # Before compiling: config_checks refuses moe_fp8 on this GPU at run time (sm_90a e4m3 wgmma).
     raise fork_config.ConfigError(f"moe_fp8={run.fork.moe_fp8}: the {hardware.GPUS[gpu_key].name} cannot run it "
                                   "(the FP8 grouped GEMM is Hopper's); plan for h100/h200 or set moe_fp8=none")
-  if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":
-    from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
+  if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":
     log(f"not compiling for compile-only {run.fork.target_gpu} devices: {gpu_target.unavailable_reason(run.fork.target_gpu)}")
-  substitutes = {"cpu": cpu_substitutes, "gpu_target": gpu_target_substitutes}.get(topology.platform, lambda _: {})(run)
+  stand_in = topology.platform == "gpu_target" and gpu_target.kernel_stand_in(topology.target_gpu,
+                                                                               uses_grouped_gemm_kernels(run))
+  if stand_in:
+    topology = dataclasses.replace(topology, compute_capability=stand_in[0])
+    log(f"{topology.target_gpu}: {stand_in[1]}")
+  substitutes = {"cpu": cpu_substitutes, "gpu_target": lambda r: gpu_target_substitutes(r, bool(stand_in))}.get(
+      topology.platform, lambda _: {})(run)
   if topology.nodes > 1 and "num_slices" not in run.explicit:
     # What upstream would count from the devices' slice_index on the cluster; named so the mock needs none
     # (and simulated CPU devices, which have none, are grouped into nodes by patches/cpu_slices.py).
@@ -431,5 +451,7 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
     report = lowered_report(run, num_gpus, topology, child, substitutes)
   else:
     report = build_report(run, num_gpus, topology, child, substitutes, hlo_text)
+  if stand_in:
+    report["kernel_stand_in"] = {"compute_capability": stand_in[0], "why": stand_in[1]}
   report["recipe"] = summary.recipe_facts(run, child["mesh"])  # every axis, the precision: what a header states
   return report
