@@ -62,6 +62,12 @@ GLUS: dict[str, Callable] = {
 }
 
 
+# The dispatched rows' checkpoint name: upstream's for its sorted MoE tokens (its remat_policy=custom key
+# moe_x_sorted: remat | device | offload). Kept (device) or offloaded, the backward's recompute of the layer
+# reads them instead of exchanging them again: one EP exchange a layer fewer (tests/test_ep_remat.py).
+DISPATCHED_ROWS = "moe_x_sorted"
+
+
 @dataclasses.dataclass(frozen=True)
 class Router:
   """Router parameters: kernel_DE, and the routing bias_E (or None)."""
@@ -192,12 +198,17 @@ def dispatch_ffn_combine(x_TD, ids_TK, weights_TK, experts: Experts, cfg: BlockC
 
 
 def _dispatch(x_TD, ids_TK, cfg: BlockConfig, dispatcher: Dispatcher):
-  """(x_MD, x_tiles or None, meta): the rows at their experts."""
+  """(x_MD, x_tiles or None, meta): the rows at their experts, named DISPATCHED_ROWS for the remat policy."""
   with jax.named_scope("dispatch"):
     if cfg.fp8_dispatch:
-      return fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
+      x_MD, x_tiles, meta = fp8_dispatch.dispatch(dispatcher, x_TD.astype(cfg.dtype), ids_TK)
+      return checkpoint_name(x_MD, DISPATCHED_ROWS), jax.tree.map(_keep_rows, x_tiles), meta
     x_MD, meta = dispatcher.dispatch(x_TD.astype(cfg.dtype), ids_TK)
-    return x_MD, None, meta
+    return checkpoint_name(x_MD, DISPATCHED_ROWS), None, meta
+
+
+def _keep_rows(a):
+  return checkpoint_name(a, DISPATCHED_ROWS)
 
 
 def _up(moved, experts: Experts, cfg: BlockConfig):
