@@ -14,7 +14,7 @@ grain train iterator (the eval iterator is another function: its end is the end 
      data as fork key `data_exhausted` says:
        repeat  starts another pass over the same files (upstream's own reset(): a fresh grain iterator), says so
                in one line, and counts the passes: the step's `data/pass` scalar in TensorBoard, `data_passes`
-               in the summary, each pass's first step in <run>/maxtext-moe/data_passes.json (MaxText/run/loop.py,
+               in the summary, each pass's first step in <run>/maxtext-moe/data_passes.json (MaxText/checkpoints/run_records.py,
                through hooks.on_data_pass) so that a resume knows which pass its checkpoint was in;
        stop    saves the last step trained (patches/checkpoint_guard.save_last_step), fills `exhausted`, and
                ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 9 with one

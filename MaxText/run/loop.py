@@ -11,8 +11,7 @@ from typing import Any, Sequence
 
 from MaxText import config as fork_config
 from MaxText import hardware
-from MaxText.checkpoints import compat as checkpoint_compat
-from MaxText.checkpoints import resume
+from MaxText.checkpoints import run_records
 from MaxText.config import checks as config_checks
 from MaxText.config import data_checks
 from MaxText.config import command_line
@@ -71,19 +70,6 @@ class _StepHook:
           step=step)
 
 
-def _previous_overrides(run: fork_config.RunConfig) -> dict[str, Any]:
-  try:
-    previous = json.loads((run.run_dir / resume.RUN_FILES / "effective_config.json").read_text())
-    return dict(previous["upstream_overrides"])
-  except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-    return {}  # only the refusal's hint uses it: without it, the hint names no keys
-
-
-def _changed_keys(before: dict[str, Any], now: dict[str, Any]) -> str:
-  keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ("steps", "run_name"))
-  return ", ".join(f"{k} {before.get(k, '(default)')} -> {now.get(k, '(default)')}" for k in keys[:6])
-
-
 def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None = None,
                  dry_run: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
   """Trains; the summary's "stopped" entry says whether a stop signal ended the run early. With
@@ -104,31 +90,32 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   config_checks.check_backends(run)  # our MoE backends against this platform, before the patches resolve them
   tracker: list[_StepHook] = []
   on_restored: list[Any] = []
+  on_data_pass: list[Any] = []
   hooks = patches.Hooks(on_train_step=lambda step, scalars: tracker[0](step, scalars),
                         on_expert_counts=lambda counts_E: tracker[0].tracker.on_expert_counts(counts_E),
                         stop_signal=lambda: stop.signal_name, step_scalars=step_metrics.latest_scalars,
                         on_restored=lambda step: on_restored[0](step),
-                        on_data_pass=lambda pass_no, step: lead and resume.record_data_pass(run.run_dir, pass_no, step))
+                        on_data_pass=lambda pass_no, step: on_data_pass[0](pass_no, step))
   applied, config = environment.apply_patches_and_validate(run, hooks)
+  # Every process trains and keeps its own summary (<run>/maxtext-moe/summary.rank<k>.json in a multi-process
+  # job); only the first writes the run's own files and prints the [progress] lines, the compile and checkpoint
+  # lines and the closing summary (torchtitan's LOG_RANK=0), which would otherwise come once per process.
+  lead = process.process_id == 0
+  records = run_records.RunRecords(run, config, lead)  # the run directory's records: resume, schedule, data passes
+  on_data_pass.append(records.data_pass)
   if elsewhere is None:
     config_checks.check_devices(run, config)
     if not dry_run:
       launch.check_mesh_on_hosts(config)  # a node's ici_* group on one host, before anything is compiled
-  checkpoint_compat.check_resume(run)  # before anything is compiled: the routing bias's semantics must match
-  checkpoint_compat.check_pipeline_resume(run, config)  # and the pipeline layout the checkpoint was written with
-  checkpoint_compat.check_load_parameters(run)
+  records.check()  # before anything is compiled: the routing bias's semantics and the pipeline layout
   check_data_on_process_0(run, config, process.process_id)  # before the run directory exists
   if dry_run:
-    for line in _resume_preview(run, config):  # read-only; a run checks this under the lock
+    for line in records.preview():  # read-only; a run checks this under the lock
       log(line)
     for line in config_report.dry_run_report(run, process, elsewhere, overrides):
       log(line)
     return {}
 
-  # Every process trains and keeps its own summary (<run>/maxtext-moe/summary.rank<k>.json in a multi-process
-  # job); only the first writes the run's own files and prints the [progress] lines, the compile and checkpoint
-  # lines and the closing summary (torchtitan's LOG_RANK=0), which would otherwise come once per process.
-  lead = process.process_id == 0
   import jax  # pylint: disable=import-outside-toplevel
 
   peak_flops, peak_label = hardware.mfu_peak(jax.devices()[0].device_kind, run.fork.mfu_peak_tflops)
@@ -142,32 +129,18 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
     lock.acquire()
     stop.on_abort(lock.release)
   try:
-    set_aside = resume.set_aside_unusable(run.run_dir) if lead else []  # before orbax lists the steps
-    resumed_from, warnings = resume.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
-                                                    run.fork.allow_data_change)
-    previous = _previous_overrides(run)
+    opened = records.open()  # before upstream's main: checkpoints set aside, what the resume changes
 
     def record_run(restored: int | None) -> None:
       """Once upstream's restore settled where the run starts; a resume refused there writes nothing."""
-      data_passes.start(0 if restored is None else restored + 1, resume.data_pass_at(run.run_dir, restored))
+      start = records.start(restored)
+      data_passes.start(start.step, start.data_pass)
       if lead:
         write_run_files(run, env, applied, xla_presets.report(composed))
-        checkpoint_compat.record_pipeline_layout(run, config)
-        if restored is None or warnings:  # a new run (or one whose checkpoints all failed), or an allowed change
-          resume.record_schedule(run.run_dir, config)
-          resume.record_data(run.run_dir, config)
 
     on_restored.append(record_run)
     log(f"run directory {run.run_dir}")
-    for line in set_aside:
-      log(line)
-    if resumed_from is not None:
-      log(f"resuming from checkpoint step {resumed_from}")
-      stop_record = resume.nonfinite_stop(run.run_dir) or {}
-      if not run.fork.nonfinite_skip_batches and stop_record.get("checkpoint") == resumed_from:
-        log("this run last stopped at a non-finite step after this checkpoint and replays its batches; "
-            "nonfinite_skip_batches=K skips them")
-    for line in warnings:
+    for line in opened:
       log(line)
     for line in start_lines(run, process, composed, env, applied):
       log(line)
@@ -190,18 +163,17 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
       if e.code not in (0, None):
         raise
     except checkpoint_guard.NonFiniteState as e:
-      if lead and e.step is not None:  # what the next resume skips with nonfinite_skip_batches
-        skip = checkpoint_restore.skipped
-        resume.record_nonfinite(run.run_dir, e.step, (skip["checkpoint"], skip["batches"]) if skip else None)
+      records.nonfinite_stop(e.step, checkpoint_restore.skipped)  # what the next resume skips
       raise
     except fork_config.ConfigError as e:
-      if resumed_from is not None and _changed_keys(previous, run.upstream):
-        raise fork_config.ConfigError(f"{e}; config keys changed since: {_changed_keys(previous, run.upstream)}") from e
+      changed = records.changed_since()
+      if changed:
+        raise fork_config.ConfigError(f"{e}; config keys changed since: {changed}") from e
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       if not disk_full.is_storage_failure(e):  # a full disk, whoever wrote first: TensorBoard, metrics, a checkpoint
         raise
-      written = disk_full.try_write(lambda: close_summary(run, progress, compiles, process, lead))
+      written = disk_full.try_write(lambda: close_summary(records, progress, compiles, process))
       raise disk_full.StorageFailure(disk_full.line(e, run.run_dir, written)) from e
     finally:
       compiles.stop()
@@ -209,7 +181,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   finally:
     if lock:
       lock.release()
-  summary = close_summary(run, progress, compiles, process, lead)
+  summary = close_summary(records, progress, compiles, process)
   if lead:
     metrics.print_summary(summary)
   if summary.get("data_exhausted"):
@@ -226,12 +198,12 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
   return summary
 
 
-def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
-                  compiles: progress_lines.CompileWatch, process: launch.ProcessInfo, lead: bool) -> dict[str, Any]:
+def close_summary(records: run_records.RunRecords, progress: metrics.ProgressTracker,
+                  compiles: progress_lines.CompileWatch, process: launch.ProcessInfo) -> dict[str, Any]:
   """The closing summary, written to summary.json (process 0) and summary.rank<k>.json (several processes)."""
   from patches import checkpoint_guard, data_passes, step_metrics  # pylint: disable=import-outside-toplevel
 
-  run_dir = run.run_dir
+  run, run_dir = records.run, records.run.run_dir
   stopped = dict(checkpoint_guard.stopped)
   if stopped and (not progress.records or progress.records[-1].step < stopped["step"]):
     # The stop ended the loop before upstream's metric logger saw the saved step (it runs a step behind).
@@ -245,8 +217,8 @@ def close_summary(run: fork_config.RunConfig, progress: metrics.ProgressTracker,
   summary["data_passes"] = data_passes.current_pass() if data_passes.reading() else None  # grain's passes
   summary["data_exhausted"] = dict(data_passes.exhausted) or None
   if process.num_processes > 1:
-    metrics.write_summary(summary, run_dir / resume.RUN_FILES, f"summary.rank{process.process_id}.json")
-  if lead:
+    metrics.write_summary(summary, records.files, f"summary.rank{process.process_id}.json")
+  if records.lead:
     metrics.write_summary(summary, run_dir)
   return summary
 
@@ -277,18 +249,6 @@ def start_lines(run: fork_config.RunConfig, process: launch.ProcessInfo, compose
   if verbose or xla_flags != environment.NEUTRAL_XLA_FLAGS:
     lines.append(f"XLA_FLAGS={xla_flags}")
   return lines
-
-
-def _resume_preview(run: fork_config.RunConfig, config: Any) -> list[str]:
-  """What this run would do to an existing run directory (nothing written): the step directories it would set
-  aside and the checkpoint it would resume; FinishedRun or a refused resume raise as they would under the lock."""
-  lines = resume.set_aside_unusable(run.run_dir, dry_run=True)
-  resumed_from, warnings = resume.check_resume(run.run_dir, config, run.fork.allow_schedule_change,
-                                                  run.fork.allow_data_change)
-  if resumed_from is not None:
-    resume.batches_to_skip(run.run_dir, resumed_from, run.fork.nonfinite_skip_batches)  # a garbled record
-    lines.append(f"the run would resume from checkpoint step {resumed_from}")
-  return lines + warnings
 
 
 def _watch_train_step_compile(lead: bool) -> progress_lines.CompileWatch:
