@@ -9,7 +9,8 @@ the same step again (a 200-document corpus at steps=400 ended at step 92, every 
 `create_data_iterator` looks the maker up by this name when it is called, so the replacement sees every
 grain train iterator (the eval iterator is another function: its end is the end of an eval pass). It
   1. refuses a dataset that cannot fill even one batch before the train step is compiled (a ConfigError
-     naming grain_train_files: one line, exit 2), from a probe iterator of its own, closed after;
+     naming grain_train_files: one line, exit 2), from a probe iterator of its own, closed after; with several
+     processes, on every process when any one's shard is that short (named);
   2. gives the iterator (upstream's MultiHostDataLoadIterator) a subclass whose __next__ meets the end of the
      data as fork key `data_exhausted` says:
        repeat  starts another pass over the same files (upstream's own reset(): a fresh grain iterator), says so
@@ -18,7 +19,9 @@ grain train iterator (the eval iterator is another function: its end is the end 
                through hooks.on_data_pass) so that a resume knows which pass its checkpoint was in;
        stop    saves the last step trained (patches/checkpoint_guard.save_last_step), fills `exhausted`, and
                ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 9 with one
-               line naming the files and the step.
+               line naming the files and the step. With several processes, whose shards end at different steps,
+               every batch is agreed on first (one all-gather of a flag): all stop at the first step any process
+               lacks a batch for, and one that had read it puts it back (grain's get_state/set_state).
 The elastic and colocated iterators are other classes and are left as upstream builds them.
 """
 
@@ -76,20 +79,33 @@ def _close(iterator) -> None:
 
 
 def _check_one_batch(it, config) -> None:
-  """A ConfigError when the pipeline yields no batch at all: a probe iterator over the same dataset."""
+  """A ConfigError when the pipeline yields no batch at all: a probe iterator over the same dataset. Every
+  process probes its own shard, and all stop, or none: one whose shard is empty would otherwise leave the
+  others waiting in the first step's collectives."""
   from MaxText.config.keys import ConfigError  # pylint: disable=import-outside-toplevel
+  from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
 
   probe = iter(it.dataloader)
   try:
     next(probe)
+    filled = True
   except StopIteration:
-    raise ConfigError(
-        f"config key 'grain_train_files' = {_position['files']!r}: the data does not fill one batch of "
-        f"{config.global_batch_size_to_load} sequences of max_target_length={config.max_target_length} tokens "
-        "(too few documents, or empty ones), so not even one step could train; add data, or lower "
-        "per_device_batch_size or max_target_length") from None
+    filled = False
   finally:
     _close(probe)
+  filled_by_process = checkpoint_restore.agree(filled)
+  empty = [str(i) for i, ok in enumerate(filled_by_process) if not ok]
+  n, batch = len(filled_by_process), config.global_batch_size_to_load
+  if empty:
+    whose = f"the data does not fill one batch of {batch} sequences" if n == 1 else (
+        f"{'processes' if len(empty) > 1 else 'process'} {', '.join(empty)} of {n} (grain shards the data per "
+        f"process) {'read' if len(empty) > 1 else 'reads'} too little to fill {batch // n} of a batch's {batch} "
+        "sequences")
+    raise ConfigError(
+        f"config key 'grain_train_files' = {_position['files']!r}: {whose} of "
+        f"max_target_length={config.max_target_length} tokens "
+        "(too few documents, or empty ones), so not even one step could train; add data, or lower "
+        "per_device_batch_size or max_target_length")
 
 
 _classes: dict[type, type] = {}
@@ -108,22 +124,46 @@ def _make_passes_class(base):
     def __next__(self):
       from patches import metric_logger  # pylint: disable=import-outside-toplevel
 
-      try:
-        batch = super().__next__()
-      except StopIteration:
-        batch = self._end_of_pass()
+      if _mode[0] == "stop" and _process_count() > 1:
+        batch = self._next_agreed()
+      else:
+        try:
+          batch = super().__next__()
+        except StopIteration:
+          batch = self._end_of_pass()
       step = _position["step"]
       metric_logger.add_scalars(step, {"data/pass": float(_position["pass"])})
       _position["step"] = step + 1
       return batch
 
-    def _end_of_pass(self):
+    def _next_agreed(self):
+      """The next batch, once every process has read one: grain shards the data per process, so the processes
+      run out at different steps. One that stopped alone would check and save its state while the others wait
+      in the next step's collectives, all of them for good. A process that read a batch the others lack puts
+      it back, so that the checkpoint's position is that of the last step trained."""
+      from patches import checkpoint_restore  # pylint: disable=import-outside-toplevel
+
+      before = self.local_iterator.get_state()
+      try:
+        batch = super().__next__()
+      except StopIteration:
+        batch = None
+      have = checkpoint_restore.agree(batch is not None)  # one all-gather of a flag a process
+      if all(have):
+        return batch
+      if batch is not None:
+        self.local_iterator.set_state(before)
+      return self._end_of_pass(lacking=[i for i, ok in enumerate(have) if not ok])
+
+    def _end_of_pass(self, lacking: list[int] | None = None):
       step, pass_no, files = _position["step"], _position["pass"], _position["files"]
       if _mode[0] == "stop":
         from patches import checkpoint_guard  # pylint: disable=import-outside-toplevel
 
         saved = checkpoint_guard.save_last_step(f"the data ran out at step {step}")
         exhausted.update(step=step, saved=saved, files=files, **{"pass": pass_no})
+        if lacking is not None:
+          exhausted["processes"] = lacking  # whose shard ran out (several processes)
         raise StopIteration  # upstream's loader makes it StopTraining, which ends its loop normally
       _log(f"data: pass {pass_no} over {files} ended before step {step}; starting pass {pass_no + 1} "
            "(data_exhausted=repeat)")
@@ -136,6 +176,12 @@ def _make_passes_class(base):
 
   DataPasses.__name__ = DataPasses.__qualname__ = "DataPasses"
   return DataPasses
+
+
+def _process_count() -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return jax.process_count()
 
 
 def wrap(original):

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
 import text_fixture
 import patches
-from conftest import run_train
+from conftest import REPO, run_train
 from MaxText.checkpoints import resume
 from MaxText.config import ConfigError
+from MaxText.run import loop
 
 TINY = "configs/deepseek3-tiny.yml"
+PEER_TIMEOUT_S = 90  # two processes start (jax, orbax) and save once: about 20 s on two busy cores
 
 
 def _iterator(n_batches: int):
@@ -75,6 +81,38 @@ def test_stop_fills_exhausted_naming_the_files_and_the_step(seam):
   assert data_passes.exhausted == {"step": 7, "pass": 2, "saved": None, "files": "corpus.array_record"}
 
 
+def _two_processes(monkeypatch, other_has_a_batch: bool):
+  """This process as process 0 of 2, the all-gather answered for process 1 (whether it read a batch)."""
+  from patches import checkpoint_restore, data_passes  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(data_passes, "_process_count", lambda: 2)
+  monkeypatch.setattr(checkpoint_restore, "agree", lambda ok: [ok, other_has_a_batch])
+
+
+def test_with_several_processes_stop_agrees_and_puts_back_a_batch_the_others_lack(seam, monkeypatch):
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  it = seam("stop")(_iterator(3))
+  data_passes.start(0, 1)
+  _two_processes(monkeypatch, other_has_a_batch=True)
+  assert [int(next(it)["inputs"][0, 0]) for _ in range(2)] == [0, 1]
+  _two_processes(monkeypatch, other_has_a_batch=False)  # process 1's shard ran out before step 2
+  with pytest.raises(StopIteration):
+    next(it)
+  assert data_passes.exhausted == {"step": 2, "pass": 1, "saved": None, "files": "corpus.array_record",
+                                   "processes": [1]}
+  assert it.local_iterator.get_state() == {"next_index": 2}  # batch 2 is put back: a resume reads it
+  assert loop.data_exhausted_line(data_passes.exhausted).startswith(
+      "data exhausted: grain_train_files 'corpus.array_record' ran out at step 2 on process 1 (pass 1, ")
+
+
+def test_a_process_whose_shard_cannot_fill_its_part_of_a_batch_stops_every_process(seam, monkeypatch):
+  _two_processes(monkeypatch, other_has_a_batch=False)
+  with pytest.raises(ConfigError, match="config key 'grain_train_files' = 'corpus.array_record': process 1 of 2 "
+                     r"\(grain shards the data per process\) reads too little to fill 0 of a batch's 1 sequences"):
+    seam("stop")(_iterator(3))
+
+
 def test_a_dataset_without_one_batch_is_refused(seam):
   with pytest.raises(ConfigError, match="config key 'grain_train_files' = 'corpus.array_record': the data does not "
                      "fill one batch of 1 sequences of max_target_length=4"):
@@ -127,3 +165,42 @@ def test_data_that_runs_out_starts_another_pass_by_default(tmp_path, small_corpu
   acc.Reload()
   passes = {e.step: e.value for e in acc.Scalars("data/pass")}
   assert passes[9] == 1 and passes[10] == 2, passes
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_processes_whose_shards_run_out_at_different_steps_stop_together(tmp_path):
+  """Two CPU processes, 3 batches on one and 2 on the other (tests/data_passes_peer.py): both stop before step 2
+  and save step 1 together, the position saved for the process that had a third batch before it. Before the
+  agreement, the process that ran out checked and saved its state alone while the other waited in step 2's
+  collective: both hung for good (JAX's preemption notifier takes SIGTERM, so only a SIGKILL ended them)."""
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+  port = str(_free_port())
+  procs = [subprocess.Popen([sys.executable, "tests/data_passes_peer.py", str(i), port, str(tmp_path)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=PEER_TIMEOUT_S))
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    said = [p.communicate()[0].strip().splitlines()[-1:] for p in procs]
+    pytest.fail(f"the processes hung (still running after {PEER_TIMEOUT_S} s); their last lines: {said}")
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+  for result in results:
+    assert result["steps"] == 2 and result["w"] == 4 * (1 + 2 + 3 + 4), result  # steps 0 and 1: batches 1+2, 3+4
+    assert result["exhausted"] == {"step": 2, "pass": 1, "saved": 1, "files": "corpus.array_record",
+                                   "processes": [1]}, result
+  assert resume.checkpoint_steps(tmp_path) == [1]
+  iterators = tmp_path / "checkpoints" / "1" / "iter"  # grain's position a process, saved with step 1
+  positions = {p.name: json.loads(p.read_text()) for p in iterators.glob("process_*.json")}
+  # Process 0 read its third batch before the agreement and put it back: a resume reads it again.
+  assert positions == {f"process_{i}-of-2.json": {"next_index": 2} for i in range(2)}, positions

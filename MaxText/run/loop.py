@@ -229,7 +229,9 @@ def data_exhausted_line(e: dict[str, Any]) -> str:
     saved = f"checkpoint of step {e['saved']}, the last step trained, saved"
   else:
     saved = "no step trained by this invocation, its last checkpoint kept"
-  return (f"data exhausted: grain_train_files {e['files']!r} ran out at step {e['step']} (pass {e['pass']}, "
+  lacking = e.get("processes")  # several processes: whose shard ran out (the others stopped with them)
+  where = f" on process{'es' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}" if lacking else ""
+  return (f"data exhausted: grain_train_files {e['files']!r} ran out at step {e['step']}{where} (pass {e['pass']}, "
           f"data_exhausted=stop); {saved}; add data, or set data_exhausted=repeat for another pass, and run again "
           f"with the same run_name (exit {command_line.EXIT_DATA_EXHAUSTED})")
 
