@@ -32,17 +32,20 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 manifest="$repo/docker/manifest.yaml"
 die() { echo "build_container: error: $1" >&2; exit "${2:-1}"; }
 
+# An option's value: the next word, unless there is none or it is another option.
+need() { [ $# -ge 3 ] && [ -n "$3" ] && [ "${3#--}" = "$3" ] || die "$1 needs $2" 2; }
+
 engine="" base="" wheels=online sqsh="" push=0 dry=0 standin=0 smoke=0 isolation="" no_cache=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --engine) engine="${2:?--engine needs docker or podman}"; shift 2 ;;
-    --base) base="${2:?--base needs an image}"; shift 2 ;;
+    --engine) need "$1" "a value: docker or podman" "${@:2:1}"; engine="$2"; shift 2 ;;
+    --base) need "$1" "an image" "${@:2:1}"; base="$2"; shift 2 ;;
     --standin) standin=1 smoke=1; shift ;;
     --smoke-cpu) smoke=1; shift ;;
-    --isolation) isolation="${2:?--isolation needs chroot or oci}"; shift 2 ;;
+    --isolation) need "$1" "a value: chroot or oci" "${@:2:1}"; isolation="$2"; shift 2 ;;
     --offline) wheels=offline; shift ;;
     --no-cache) no_cache=(--no-cache); shift ;;
-    --sqsh) sqsh="${2:?--sqsh needs a file name}"; shift 2 ;;
+    --sqsh) need "$1" "a file name" "${@:2:1}"; sqsh="$2"; shift 2 ;;
     --push) push=1; shift ;;
     --dry-run) dry=1; shift ;;
     -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -90,6 +93,18 @@ engine_ok() {  # the CLI exists AND its engine answers (a docker CLI without a d
     podman) podman info >/dev/null 2>&1 ;;
   esac
 }
+if [ "$dry" = 0 ] && [ -n "$engine" ] && ! engine_ok "$engine"; then
+  # An engine chosen (--engine, or podman for --standin): the message is about that one alone.
+  why="--engine $engine"; [ "$standin" = 1 ] && why="--standin (it builds with podman)"
+  if ! command -v "$engine" >/dev/null 2>&1; then
+    die "$why: $engine is not installed$([ "$engine" = podman ] && echo " (apt-get install podman)")"
+  fi
+  case "$engine" in
+    docker) docker info >/dev/null 2>&1 && die "$why: docker answers but has no buildx plugin (install docker-buildx)"
+            die "$why: no Docker engine answers ('docker info' fails; is dockerd running, and may this user reach its socket?)" ;;
+    podman) die "$why: 'podman info' fails" ;;
+  esac
+fi
 if [ "$dry" = 0 ]; then
   if [ -z "$engine" ]; then
     for cand in docker podman; do engine_ok "$cand" && { engine="$cand"; break; }; done
@@ -110,7 +125,12 @@ fi
 if [ "$engine" = podman ] && [ -z "$isolation" ]; then
   isolation=oci; [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] || isolation=chroot
 fi
-args=(-f "$repo/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" --build-arg "WHEELS=$wheels")
+# The image's labels (the Dockerfile's last step): the release, and the commit built ("-dirty": with changes
+# not committed; "unknown": not a git checkout).
+revision="$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)"
+[ "$revision" != unknown ] && ! git -C "$repo" diff --quiet HEAD 2>/dev/null && revision="$revision-dirty"
+args=(-f "$repo/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" --build-arg "WHEELS=$wheels"
+      --build-arg "VERSION=$(pyproject_version)" --build-arg "REVISION=$revision")
 case "$engine" in
   docker) build=(docker buildx build --load "${args[@]}") ;;
   podman) build=(podman build --format docker --isolation="$isolation" "${args[@]}") ;;

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "build_container.sh"
+DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
 # What build_container.sh runs besides an engine (bash itself is started by absolute path).
 SCRIPT_TOOLS = ("dirname", "awk", "sed", "head", "mktemp", "stat", "grep", "tee", "rm", "cat", "realpath", "tail")
 
@@ -92,11 +94,61 @@ def test_standin_builds_the_image_then_its_cpu_smoke_stage_under_a_name_apart(tm
     (["--engine", "docker", "--isolation", "chroot"], "--isolation is podman's"),
     (["--standin", "--base", "debian:12"], "--standin and --base both name the base"),
     (["--frobnicate"], "unknown argument: --frobnicate"),
+    (["--engine"], "--engine needs a value: docker or podman"),  # before: bash's "2: parameter null or not set"
+    (["--engine", "--dry-run"], "--engine needs a value: docker or podman"),
+    (["--isolation"], "--isolation needs a value: chroot or oci"),
+    (["--base"], "--base needs an image"),
+    (["--sqsh"], "--sqsh needs a file name"),
 ])
 def test_wrong_input_is_one_line_with_exit_2(tmp_path, args, says):
   proc = build(fake_bin(tmp_path, {}), *args)
   assert proc.returncode == 2 and says in proc.stderr, proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+
+
+def test_standin_without_podman_speaks_of_podman_alone(tmp_path):
+  """--standin builds with podman: its absence is the line, not docker's daemon (before: "no container engine
+  available: the docker CLI is installed but no Docker engine answers ...")."""
+  proc = build(fake_bin(tmp_path, {"docker": DOCKER_DOWN}), "--standin")
+  assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert "--standin (it builds with podman): podman is not installed" in proc.stderr
+  assert "docker" not in proc.stderr.lower()
+  proc = build(fake_bin(tmp_path, {"docker": DOCKER_DOWN, "podman": PODMAN_BROKEN}), "--standin")
+  assert proc.returncode == 1 and "--standin (it builds with podman): 'podman info' fails" in proc.stderr
+  assert "docker" not in proc.stderr.lower()
+  (tmp_path / "bin" / "docker").unlink()
+  proc = build(fake_bin(tmp_path, {"podman": "exit 0"}), "--engine", "docker")
+  assert proc.returncode == 1 and "--engine docker: docker is not installed" in proc.stderr, proc.stderr
+
+
+def test_the_build_labels_the_image_with_its_version_and_commit():
+  """The Dockerfile's last step labels the image with the release and the commit the script passes: the checkout's
+  HEAD, with -dirty when it has changes not committed."""
+  proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, check=True, timeout=60)
+  head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                        check=True).stdout.strip()
+  dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"], check=False).returncode != 0
+  version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+  assert f"--build-arg VERSION={version} --build-arg REVISION={head}{'-dirty' if dirty else ''} " in proc.stdout
+  runtime = DOCKERFILE.split("FROM base AS runtime")[1].split("\nFROM ")[0]
+  assert 'org.opencontainers.image.version="${VERSION}"' in runtime
+  assert 'org.opencontainers.image.revision="${REVISION}"' in runtime
+
+
+def test_the_entrypoint_runs_a_command_as_given_and_trains_on_a_config(tmp_path):
+  runtime = DOCKERFILE.split("FROM base AS runtime")[1].split("\nFROM ")[0]
+  assert 'ENTRYPOINT ["/opt/maxtext-moe/docker/entrypoint.sh"]' in runtime and "COPY docker/ docker/" in runtime
+  entrypoint = REPO / "docker" / "entrypoint.sh"
+  assert os.access(entrypoint, os.X_OK)
+  env = fake_bin(tmp_path, {"python3": 'echo "python3 $*"'})
+  env["PATH"] += ":" + os.path.dirname(shutil.which("bash"))
+  run = lambda *args: subprocess.run([str(entrypoint), *args], capture_output=True, text=True, env=env,  # noqa: E731
+                                     check=False, timeout=30)
+  assert run("configs/deepseek3-tiny.yml", "steps=3").stdout == "python3 -m MaxText.train " \
+                                                               "configs/deepseek3-tiny.yml steps=3\n"
+  assert run("python3", "-m", "MaxText.plan", "x").stdout == "python3 -m MaxText.plan x\n"
+  proc = run()
+  assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "no command given" in proc.stderr
 
 
 def test_a_failed_build_is_one_line_with_its_known_cause(tmp_path):

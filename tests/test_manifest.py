@@ -121,6 +121,33 @@ def test_dockerfile_installs_without_an_index_and_never_reinstalls_the_bases_jax
   assert any("docker/check_image.py" in r for r in runs), "the build must check the manifest's pins"
 
 
+def stage_instructions(name: str) -> list[tuple[str, str]]:
+  """The instructions of the stage `FROM ... AS name`, in order."""
+  out, inside = [], False
+  for word, rest in dockerfile_instructions(DOCKERFILE):
+    if word == "FROM":
+      inside = rest.partition(" AS ")[2].strip() == name
+    elif inside:
+      out.append((word, rest))
+  return out
+
+
+def test_the_layer_installing_our_package_is_keyed_on_the_wheels_content():
+  """A cached layer is reused while its instruction's key and every key before it match. podman (buildah) keys a
+  RUN on its text alone, a bind mount's content not included; a COPY on the digest of what it copies (BuildKit
+  both). So our wheel enters the runtime stage by COPY, before the RUN that installs it from where it was copied:
+  changed code, a new wheel, a new digest, a reinstall. Read through a RUN's bind mount from own-wheel, podman 4.3
+  reused the install after a code change (the image kept the old code and still passed its smoke)."""
+  runtime = stage_instructions("runtime")
+  assert not [r for w, r in runtime if w == "RUN" and re.search(r"--mount=\S*from=own-wheel", r)], \
+      "a RUN reads our wheel through a bind mount: podman's cache key leaves its content out"
+  installs = [i for i, (w, r) in enumerate(runtime) if w == "RUN" and "pip install" in r and ".whl" in r]
+  copies = {i: r.split()[-1] for i, (w, r) in enumerate(runtime) if w == "COPY" and r.startswith("--from=own-wheel ")}
+  ours = [i for i in installs if any(c < i and runtime[i][1].split("pip install")[1].find(dst) >= 0
+                                     for c, dst in copies.items())]
+  assert len(ours) == 1, "no RUN installs the wheel a COPY --from=own-wheel brought in"
+
+
 def test_dockerfile_runs_as_non_root_with_a_healthcheck():
   words = dockerfile_instructions(DOCKERFILE)
   users = [rest for word, rest in words if word == "USER"]
