@@ -161,3 +161,39 @@ def test_the_best_layout_for_1024_h100s_pipelines_or_spreads_ep_over_nodes(recip
   assert shipped.fits and own.ep_nodes == 8 and shipped.tflops_per_gpu > 1.5 * before.tflops_per_gpu
   planned = json.loads((REPO / "configs/recipes/plans/deepseek3-671b-1024xh100.json").read_text())["memory"]["device_gib"]
   assert math.isclose(shipped.memory_bytes * shipped.memory_factor / 2**30, planned, rel_tol=1e-3)  # its compiled plan
+
+
+def _plan_report(tflops: float, violations: tuple[str, ...] = ()) -> dict:
+  """A compiled plan's report as the search reads it: the figures and the account (MaxText/plan/account.py)."""
+  return {"verdict": {"fits": True}, "memory": {"device_total": 3 * 2**30},
+          "estimate": {"step_s": 6.48 / tflops, "tflops_per_gpu": tflops},
+          "account": {"ok": not violations, "lines": [], "violations": list(violations)}}
+
+
+def test_compiled_layouts_whose_account_is_violated_are_marked_left_out_of_the_best_and_exit_9(monkeypatch,
+                                                                                               capsys):
+  """--search-layouts --compile 3 on the hand-sized shape: the compiler's best by TF/s has a violated account. It is
+  marked, the best compiled is the next, and the search exits 9 as a single plan does (before: ranked, exit 0)."""
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import __main__ as plan_cli  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import planner  # pylint: disable=import-outside-toplevel
+
+  tiny = str(REPO / "configs/deepseek3-tiny.yml")
+  run = fork_config.load([tiny])
+  monkeypatch.setattr(layout_search, "shape_of", lambda args: (run, _tiny_shape()))
+  monkeypatch.setattr(layout_search, "loader_pass", lambda args, n, ranked, top, refused: ranked[:top])
+  wrong = "microbatch loop mb: 8 trips + 2 peeled = 10 microbatches walked, gradient_accumulation_steps 11"
+  reports = iter([_plan_report(300.0), _plan_report(500.0, (wrong,)), _plan_report(400.0)])
+  monkeypatch.setattr(planner, "plan", lambda *a, **k: next(reports))
+  assert plan_cli.main([tiny, "--search-layouts", "--top", "3", "--compile", "3"]) == 9
+  out, err = capsys.readouterr()
+  compiled = [l for l in out.splitlines() if "| compiler" in l]
+  assert len(compiled) == 3 and f"ACCOUNT VIOLATED (1): {wrong}" in compiled[1]
+  assert "ACCOUNT VIOLATED" not in compiled[0] + compiled[2]
+  assert "best compiled (1 left out: account violated): 3 at 400.0 TF/s" in out
+  assert err == (f"maxtext-moe: plan invariant violated in 1 of 3 compiled layouts (left out of the best): 2: "
+                 f"{wrong}\n")
+  reports = iter([_plan_report(300.0), _plan_report(500.0), _plan_report(400.0)])
+  assert plan_cli.main([tiny, "--search-layouts", "--top", "3", "--compile", "3"]) == 0
+  out, err = capsys.readouterr()
+  assert "best compiled: 2 at 500.0 TF/s" in out and err == ""

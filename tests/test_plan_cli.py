@@ -55,6 +55,35 @@ def test_overrides_and_options_mix_in_any_order(monkeypatch):
   assert seen == {"args": [TINY, "steps=3", "recipe_num_gpus=1"], "timeout_s": 60.0, "mode": "cpu", "heartbeat_s": 0.0}
 
 
+def test_search_marks_a_plan_whose_account_is_violated_keeps_it_out_of_the_best_and_exits_9(tmp_path, monkeypatch,
+                                                                                             capsys):
+  """--search on the tiny config, every candidate's plan a report: the fastest has a violated account. It is
+  marked in the table, not among the best, and the search exits 9 with one line, as a single plan does (before: it
+  was ranked first and the search exited 0)."""
+  wrong = "rows = walk: all-gather over fsdp 3 in the rows, 2 walked"
+  calls = []
+
+  def plan(args, timeout_s, heartbeat_s):  # the run as given is the fastest, and violated
+    calls.append(args)
+    violations = [wrong] if len(calls) == 1 else []
+    return {"verdict": {"fits": True}, "memory": {"device_total": 2**30},
+            "estimate": {"step_s": 0.1, "tflops_per_gpu": 900.0 if len(calls) == 1 else 100.0 + len(calls)},
+            "account": {"ok": not violations, "lines": [], "violations": violations}}
+
+  monkeypatch.setattr(planner, "plan", plan)
+  assert plan_cli.main([TINY, "recipe_num_gpus=4", "--search", "--json", str(tmp_path / "s.json")]) == 9
+  out, err = capsys.readouterr()
+  assert len(calls) >= 2
+  row = next(l for l in out.splitlines() if l.strip().startswith("(as given)"))
+  assert f"ACCOUNT VIOLATED (1): {wrong}" in row
+  best = out.split("\nbest ")[1]
+  assert best.startswith(f"{min(3, len(calls) - 1)} (") and "1 left out: account violated" in best.splitlines()[0]
+  assert "900.0" not in best and "(as given)" not in best
+  assert err == (f"maxtext-moe: plan invariant violated in 1 of {len(calls)} layouts (left out of the best): "
+                 f"(as given): {wrong}\n")
+  assert (tmp_path / "s.json").exists()
+
+
 def _children_of(tmp: Path) -> list[int]:
   """Processes whose command line names the folder: the compile child reads its request from there."""
   found = []

@@ -30,7 +30,9 @@ compiler rejects. SIGINT (Ctrl-C) and SIGTERM end the compile child and remove
 the temporary folders (/tmp/maxtext-plan-*), with one line: exit 130 or 143.
 A plan whose one account is violated (MaxText/plan/account.py: the rows against
 the walk, the loops against the config's microbatches) is printed and written
-whole, then exits 9 with one line: its figures are not to be trusted.
+whole, then exits 9 with one line: its figures are not to be trusted. A search
+(--search, --search-layouts --compile) marks such a plan, leaves it out of the
+best, and exits 9 the same way.
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ from typing import Any
 
 from MaxText import config as fork_config
 from MaxText.config import command_line
-from MaxText.plan import layout_search, planner, search
+from MaxText.plan import account, layout_search, planner, search
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
-# Past the train step's codes (MaxText/config/command_line.py, 0-8), so no number means two things across the entry points.
-EXIT_INVARIANT = 9
+EXIT_INVARIANT = account.EXIT_VIOLATED  # 9
 EXIT_CODES = {
     command_line.EXIT_OK: "planned (the report printed), or --help",
     command_line.EXIT_ERROR: "anything unexpected (a traceback on stderr)",
@@ -57,7 +58,8 @@ EXIT_CODES = {
     command_line.EXIT_ABORTED: "Ctrl-C (SIGINT): the compile child stopped and the temporary folder removed, one line",
     EXIT_TERMINATED: "SIGTERM: the same",
     EXIT_INVARIANT: "planned, but the one account is violated (rows against the walk, loops against the microbatches): "
-                    "the report and --json are written, each violation named; one line",
+                    "the report and --json are written, each violation named; one line. --search and "
+                    "--search-layouts --compile: a plan among them violated, marked and left out of the best",
 }
 
 
@@ -192,7 +194,7 @@ def _main(args: list[str]) -> int:
   if json_path:
     planner.write_json(report, json_path)
     planner.log(f"wrote {json_path}")
-  violations = (report.get("account") or {}).get("violations", [])  # a plan only lowered has no account
+  violations = account.violations_of(report)
   if violations:
     print(f"maxtext-moe: plan invariant violated ({len(violations)}): {violations[0]}", file=sys.stderr, flush=True)
     return EXIT_INVARIANT

@@ -28,8 +28,16 @@ from MaxText import hardware
 from MaxText.plan import hlo_inventory
 from MaxText.plan.hlo_inventory import Computation, Instr
 
+# What a plan (and a search, any of whose plans) exits with when its account is violated: past the train step's
+# codes (MaxText/config/command_line.py, 0-8), so no number means two things across the planner's entry points.
+EXIT_VIOLATED = 9
 TOLERANCE = 0.01  # relative: the rows against the walk
 _SLACK_S = 1e-9  # float rounding in seconds
+
+
+def violations_of(report: dict[str, Any]) -> list[str]:
+  """A plan report's violated invariants (none for a plan only lowered, which has no account)."""
+  return list((report.get("account") or {}).get("violations", []))
 
 
 def rows(collectives: list[dict[str, Any]], walk_rows: dict[tuple, list[float]], gpu: hardware.Gpu) -> list[dict]:

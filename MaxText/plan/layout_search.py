@@ -19,7 +19,8 @@ are the EP nodes (MaxText/config/moe_keys.py). The rest are ranked by layout_cos
 dropped; then, best first, each is given to the real config loader (our keys and checks, the launcher's topology
 check, the presets, upstream's own validation at the run's device count) until `top` pass, each refusal counted
 by its reason. With --compile N the best N are planned for real (MaxText/plan/planner.py) and printed beside
-their arithmetic.
+their arithmetic, with the best of them by the compiler; one whose account is violated (MaxText/plan/account.py)
+is marked, left out of that best, and the search exits 9 (a single plan's code) with one line naming it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import sys
 from typing import Any, Callable, Iterator
 
 from MaxText import config as fork_config
 from MaxText.config import environment, parallelism, xla_presets
 from MaxText import hardware
-from MaxText.plan import flops, layout_cost
+from MaxText.plan import account, flops, layout_cost
 from MaxText.plan import planner as plan
 from MaxText.plan.layout_cost import Layout, Shape
 
@@ -326,9 +328,26 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
   results = [{"overrides": changed(run, r.keys), "tflops_per_gpu": r.estimate.tflops_per_gpu,
               "step_s": r.estimate.step_s, "memory_gib": r.estimate.memory_bytes / 2**30,
               "links_s": {k: v.seconds for k, v in r.estimate.links.items()}} for r in best[:top]]
-  for i, r in enumerate(best[:compile_n], 1):
+  violated = compile_best(run, args, best[:compile_n], results, timeout_s, mode, heartbeat_s)
+  if json_path:
+    plan.write_json({"search_layouts": results, "refused": dict(refused)}, json_path)
+  if violated:
+    i, first = violated[0]
+    print(f"maxtext-moe: plan invariant violated in {len(violated)} of {min(compile_n, len(best))} compiled layouts "
+          f"(left out of the best): {i}: {first}", file=sys.stderr, flush=True)
+    return account.EXIT_VIOLATED
+  return 0 if best else 2
+
+
+def compile_best(run: fork_config.RunConfig, args: list[str], best: list[Ranked], results: list[dict[str, Any]],
+                 timeout_s: float, mode: str, heartbeat_s: float) -> list[tuple[int, str]]:
+  """Plans each of `best` for real, printed beside its arithmetic and recorded in results[i]["compiled"]; then the
+  best compiled by the compiler's TF/s among those whose account holds. Returns (rank, first violation) of each
+  whose account is violated: marked, its figures not trusted, never the best."""
+  violated, held = [], []
+  for i, r in enumerate(best, 1):
     keys = args_of(changed(run, r.keys))
-    plan.log(f"search-layouts: planning {i} of {compile_n}: {' '.join(keys)}")
+    plan.log(f"search-layouts: planning {i} of {len(best)}: {' '.join(keys)}")
     try:
       report = plan.plan([*args, *keys], timeout_s, mode=mode, heartbeat_s=heartbeat_s)
     except ValueError as e:
@@ -337,11 +356,19 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
       continue
     est = report.get("estimate") or {}
     gib = report["memory"]["device_total"] / 2**30 if report.get("verdict") else float("nan")
+    wrong = account.violations_of(report)
+    mark = f"  ACCOUNT VIOLATED ({len(wrong)}): {wrong[0]}" if wrong else ""
     print(f"  {i:2d}  arithmetic {r.estimate.tflops_per_gpu:6.1f} TF/s {r.estimate.step_s:7.2f} s "
           f"{r.estimate.memory_bytes / 2**30:5.1f} GiB | compiler {est.get('tflops_per_gpu', float('nan')):6.1f} TF/s "
-          f"{est.get('step_s', float('nan')):7.2f} s {gib:5.1f} GiB")
+          f"{est.get('step_s', float('nan')):7.2f} s {gib:5.1f} GiB{mark}")
     results[i - 1]["compiled"] = {"tflops_per_gpu": est.get("tflops_per_gpu"), "step_s": est.get("step_s"),
-                                  "memory_gib": gib}
-  if json_path:
-    plan.write_json({"search_layouts": results, "refused": dict(refused)}, json_path)
-  return 0 if best else 2
+                                  "memory_gib": gib, "violations": wrong}
+    if wrong:
+      violated.append((i, wrong[0]))
+    elif est.get("tflops_per_gpu") is not None and (report.get("verdict") or {}).get("fits") is not False:
+      held.append((est["tflops_per_gpu"], i, keys))
+  if best:
+    tflops, i, keys = max(held, default=(None, None, None))
+    print(f"  best compiled{f' ({len(violated)} left out: account violated)' if violated else ''}: "
+          + (f"{i} at {tflops:.1f} TF/s  {' '.join(keys) or '(as given)'}" if held else "none"))
+  return violated

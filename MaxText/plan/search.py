@@ -13,17 +13,21 @@ neighbours of a sensible recipe, not the whole product):
   batch          per_device_batch_size halved and doubled
 Those that fit are ranked by estimated TFLOP/s/GPU (MaxText's count, so runs of
 different batch compare by throughput), and the best few are printed as the
-key=value lines `python -m MaxText.train` takes.
+key=value lines `python -m MaxText.train` takes. A plan whose account is violated
+(MaxText/plan/account.py) is marked in the table, never ranked, and the search
+then exits 9 (a single plan's code) with one line naming it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from MaxText import config as fork_config
 from MaxText.config import parallelism
 from MaxText.console import progress
+from MaxText.plan import account
 from MaxText.plan import planner as plan
 
 BEST = 3
@@ -97,7 +101,7 @@ def main(args: list[str], timeout_s: float, json_path: str | None, heartbeat_s: 
     results.append({"overrides": overrides, "report": report})
   print(f"\n== search: {run.config_path.name}, {num_gpus} GPUs")
   print(f"  {'layout':60s} {'GiB/GPU':>8s} {'fits':>5s} {'step ms':>9s} {'TFLOP/s':>8s}")
-  ranked = []
+  ranked, bad = [], []
   for r in results:
     label = " ".join(_args(r["overrides"])) or "(as given)"
     if "error" in r:
@@ -110,15 +114,25 @@ def main(args: list[str], timeout_s: float, json_path: str | None, heartbeat_s: 
     fits = rep["verdict"]["fits"] if rep["verdict"] else None
     gib = rep["memory"]["device_total"] / plan.GiB if rep["verdict"] else float("nan")  # CPU: no GPU figure
     est = rep["estimate"]
-    print(f"  {label:60s} {gib:8.1f} {str(fits):>5s} {est['step_s'] * 1e3:9.2f} {est['tflops_per_gpu']:8.1f}")
-    if fits is not False:
+    violated = account.violations_of(rep)
+    mark = f"  ACCOUNT VIOLATED ({len(violated)}): {violated[0]}" if violated else ""
+    print(f"  {label:60s} {gib:8.1f} {str(fits):>5s} {est['step_s'] * 1e3:9.2f} {est['tflops_per_gpu']:8.1f}{mark}")
+    if violated:  # its figures are not to be trusted: not ranked
+      bad.append((label, violated))
+    elif fits is not False:
       ranked.append((est["tflops_per_gpu"], label, r["overrides"]))
   ranked.sort(key=lambda t: -t[0])
   if not any(r.get("report", {}).get("verdict") for r in results):
     print("  (no GPU: 'fits' is unknown, ranked by estimate alone)")
-  print(f"\nbest {min(BEST, len(ranked))} (python -m MaxText.train {run.config_path} <args> ...):")
+  print(f"\nbest {min(BEST, len(ranked))} (python -m MaxText.train {run.config_path} <args> ...)"
+        f"{f', {len(bad)} left out: account violated' if bad else ''}:")
   for tflops, _, overrides in ranked[:BEST]:
     print(f"  {tflops:7.1f} TFLOP/s/GPU  {' '.join(_args(overrides)) or '(as given)'}")
   if json_path:
     plan.write_json({"search": results}, json_path)
+  if bad:
+    label, violated = bad[0]
+    print(f"maxtext-moe: plan invariant violated in {len(bad)} of {len(results)} layouts (left out of the best): "
+          f"{label}: {violated[0]}", file=sys.stderr, flush=True)
+    return account.EXIT_VIOLATED
   return 0 if ranked else 2
