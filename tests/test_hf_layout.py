@@ -226,6 +226,44 @@ def test_import_refuses_another_architecture_and_missing_shards(tmp_path, capsys
   assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
 
+@pytest.mark.parametrize("architecture, says", [
+    ("DeepseekV3ForCausalLM", "the biases of q_a_proj, kv_a_proj_with_mqa and o_proj have no place here"),
+    ("Qwen3MoeForCausalLM", "the biases of q, k, v and o_proj have no place here"),
+])
+def test_import_refuses_attention_bias_for_the_biases_we_lack(architecture, says, tmp_path, capsys):
+  """attention_bias true, its biases saved with the weights (config and weights agree): the line names what our
+  attention lacks, before the model is built (before: a bias tensor 'has no place in the config's model', blaming
+  a config that describes another model). transformers' own save of such a model is in tests/test_hf_published.py's
+  families; here config.json alone decides, so a one-tensor directory suffices."""
+  from MaxText.hf import import_cli as import_hf  # pylint: disable=import-outside-toplevel
+
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  config = {"architectures": [architecture], "attention_bias": True, "norm_topk_prob": True}
+  (hf_dir / "config.json").write_text(json.dumps(config))
+  safetensors.write(hf_dir, [("model.norm.weight", (4,))], lambda i: np.ones(4, np.float32), np.dtype(np.float32),
+                    1 << 20)
+  assert import_hf.main([str(hf_dir), str(tmp_path / "out")]) == BAD_INPUT
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("import_hf: config.json attention_bias true: ") and says in err and "\n" not in err, err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_config_keys_that_change_the_numbers_not_the_shapes_are_carried_refused_or_named():
+  """Beside rope_interleave (tests/test_hf_published.py): YaRN over part of the columns is refused (transformers
+  turns head_dim x partial_rotary_factor of them, ours all), and the training-only keys are named as not carried."""
+  from MaxText.hf import config_json, deepseek  # pylint: disable=import-outside-toplevel
+
+  yarn = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}
+  with pytest.raises(errors.BadInput, match="partial_rotary_factor 0.5: our YaRN turns every RoPE column"):
+    deepseek.maxtext_keys({"max_position_embeddings": 163840, "rope_parameters": {**yarn, "partial_rotary_factor": 0.5}})
+  assert deepseek.maxtext_keys({"max_position_embeddings": 163840, "rope_parameters": yarn})["rope_type"] == "yarn"
+  assert config_json.training_only({"attention_dropout": 0.1, "router_jitter_noise": 0.0}, "mixtral") == [
+      "attention_dropout 0.1"]
+  assert config_json.training_only({"router_jitter_noise": 0.01}, "mixtral") == ["router_jitter_noise 0.01"]
+  assert config_json.training_only({"router_jitter_noise": 0.01}, "qwen3_moe") == []  # not a Qwen3MoeConfig key
+
+
 def test_the_export_reads_an_ep_sharded_array_a_stored_chunk_at_a_time():
   """An array [experts 8, layers 3, ...] stored in chunks of 4 experts x every layer (EP over 2): pieces come layer by
   layer, expert by expert; read so, each chunk would be decoded once per layer with a one-chunk cache. Ordered, the

@@ -109,6 +109,16 @@ def test_deepseek_v3_as_transformers_saves_it_imports_without_mtp_and_gives_its_
   assert proc.returncode == BAD_INPUT and line.startswith("import_hf: config.json rms_norm_eps 0.0001: "), line
 
 
+def test_deepseek_v3_rope_interleave_false_is_carried(hf_python, tmp_path):
+  """rope_interleave false: transformers turns the halves of the RoPE columns, as ours does, so nothing is moved
+  (before, the import moved them as for DeepSeek's interleaved pairs: exit 0 and logits 5.3 off; with the released
+  YaRN, 9.9 off, and 1.9e-5 after: the same columns, kept to this one case for CI's time)."""
+  hf_dir = hf_helpers.make(hf_python, tmp_path / "hf", "DeepseekV3ForCausalLM", **DEEPSEEK,
+                           n_group=4, topk_group=2, rope_interleave=False, num_nextn_predict_layers=0)
+  assert json.loads((hf_dir / "config.json").read_text())["rope_interleave"] is False
+  assert _logits_match(hf_python, hf_dir, tmp_path, "DeepseekV3ForCausalLM") < TOL
+
+
 # The released configs' rope_scaling: DeepSeek-V3 (163,840 positions from 4,096) and Kimi-K2 (131,072; its base
 # 50,000), both run by transformers' DeepseekV3 class. Kimi-K2's one group is no group limit.
 YARN = {

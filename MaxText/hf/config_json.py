@@ -44,6 +44,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": None, "num_experts_per_tok": 2, "num_experts": 8,
     },
 }
+# model_type -> the attention's bias tensors attention_bias true gives (transformers' DeepseekV3Attention,
+# Qwen3MoeAttention; MixtralConfig has no such key and its attention no biases)
+ATTENTION_BIASES = {"deepseek_v3": "q_a_proj, kv_a_proj_with_mqa and o_proj", "qwen3_moe": "q, k, v and o_proj"}
+# model_type -> the keys that change only training (dropout, router noise), which the import does not carry: a
+# run's own keys (dropout_rate) say what it trains with.
+TRAINING_ONLY = {"deepseek_v3": ("attention_dropout",), "qwen3_moe": ("attention_dropout",),
+                 "mixtral": ("attention_dropout", "router_jitter_noise")}
 # The base wavelength when config.json names none (the class's default_theta).
 DEFAULT_THETA = {"deepseek_v3": 10_000.0, "qwen3_moe": 10_000.0, "mixtral": 1_000_000.0}
 # model_type -> {the name we read: the other names transformers has written it under}
@@ -80,7 +87,15 @@ def read(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
   out["rope"] = rope
   if out["tie_word_embeddings"]:
     raise BadInput(f"config.json tie_word_embeddings true: not imported: {TIED}")
+  if model_type in ATTENTION_BIASES and out["attention_bias"]:
+    raise BadInput(f"config.json attention_bias true: the biases of {ATTENTION_BIASES[model_type]} have no place "
+                   "here: upstream's attention (ours too) has no bias terms")
   return out
+
+
+def training_only(hf: Mapping[str, Any], model_type: str) -> list[str]:
+  """The keys config.json sets that change training but not the model's function, which the import leaves out."""
+  return [f"{k} {hf[k]}" for k in TRAINING_ONLY[model_type] if hf.get(k)]
 
 
 def get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -99,6 +114,9 @@ def yarn_keys(rope: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
   mscale_all_dim is set. Upstream: the same frequencies (rope_truncate); cos and sin times get_mscale(factor) with
   rope_attention_scaling, else 1; the softmax scale times get_mscale(factor, mscale)^2 whenever
   max_position_embeddings > original_max_position_embeddings."""
+  part = rope.get("partial_rotary_factor", 1.0)
+  if part is not None and float(part) != 1.0:  # transformers' YaRN then turns head_dim x part of the columns
+    raise BadInput(f"config.json rope_parameters partial_rotary_factor {part}: our YaRN turns every RoPE column")
   factor = float(rope.get("factor") or 0)
   if factor <= 1:
     raise BadInput(f"config.json rope_parameters factor {rope.get('factor')!r}: YaRN needs a factor above 1")

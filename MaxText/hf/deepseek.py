@@ -78,6 +78,14 @@ def _rope_interleaved(c: Any) -> bool:
   return _rope_type(c) == "yarn" and bool(c.rope_interleave)
 
 
+def _rope_columns_to_move(c: Any, hf_interleaved: bool) -> int:
+  """How many RoPE columns of each head the layout moves between the halves and the interleaved order: all of
+  them where the HF side turns pairs (rope_interleave true) and ours the halves, none where ours turns the same
+  columns (an import always builds the halves: yarn_keys sets rope_interleave false, and a config saying
+  otherwise is refused by import_cli.disagreement)."""
+  return c.qk_rope_head_dim if hf_interleaved and not _rope_interleaved(c) else 0
+
+
 def hf_config(c: Any, dtype: str) -> dict[str, Any]:
   """config.json for transformers' DeepseekV3Config (and DeepSeek's own inference code's names)."""
   return {
@@ -121,8 +129,8 @@ def hf_config(c: Any, dtype: str) -> dict[str, Any]:
   }
 
 
-def _attention(c: Any) -> list[tuple[tuple[str, ...], str, layout.Transform]]:
-  r = 0 if _rope_interleaved(c) else c.qk_rope_head_dim  # the RoPE columns to move
+def _attention(c: Any, r: int) -> list[tuple[tuple[str, ...], str, layout.Transform]]:
+  """The attention's tensors; `r` RoPE columns of each head moved to (or from) the interleaved order."""
   query = ([(("self_attention", "wq_a", "kernel"), "self_attn.q_a_proj.weight", layout.LINEAR),
             (("self_attention", "q_norm", "scale"), "self_attn.q_a_layernorm.weight", layout.SAME),
             (("self_attention", "wq_b", "kernel"), "self_attn.q_b_proj.weight", layout.heads_in(rope=r))]
@@ -169,13 +177,18 @@ def _layer(src: layout.Source, root, layer, hf_prefix: str, rules, c, moe: bool,
       add(sub, f"mlp.experts.{e}.{hf}", layout.LINEAR, picks={0: e})
 
 
-def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any) -> list[layout.Piece]:
+def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any,
+           hf: Mapping[str, Any] | None = None) -> list[layout.Piece]:
   """Every HF tensor of the model, in the order they are written: the embedding, each layer, the MTP modules, the
   final norm and head. Expert arrays are walked expert-major within a layer group so that each stored chunk is
-  decoded once (MaxText/hf/checkpoint.py)."""
+  decoded once (MaxText/hf/checkpoint.py). `hf`: the config.json being imported, whose rope_interleave says the
+  RoPE columns' order (transformers turns the halves where it is false, as ours does: nothing moves); None on
+  export, which writes them interleaved (hf_config's rope_interleave true)."""
   why = refusal(c, fork)
   if why:
     raise BadInput(why)
+  hf_interleaved = bool(config_json.read(hf, MODEL_TYPE)["rope_interleave"]) if hf is not None else True
+  attention = _attention(c, _rope_columns_to_move(c, hf_interleaved))
   src = layout.Source(shapes, c.param_scan_axis)
   need_bias = bool(c.routed_bias)
   out: list[layout.Piece] = []
@@ -189,17 +202,18 @@ def pieces(shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any)
       raise BadInput(f"the checkpoint has no {'/'.join(sub)}: not a DeepSeek-V3 parameter tree")
     out.append(layout.Piece(name, found[0], found[1], transform, found[2]))
   dense, n = c.first_num_dense_layers, c.num_decoder_layers
-  groups = [("dense_layers", dense, 0, _attention(c) + DENSE_MLP, False),
-            ("moe_layers", n - dense, dense, _attention(c) + MOE_MLP, True)]
+  groups = [("dense_layers", dense, 0, attention + DENSE_MLP, False),
+            ("moe_layers", n - dense, dense, attention + MOE_MLP, True)]
   for group, count, first, rules, moe in groups:
     for i, (root, layer) in enumerate(src.layer_roots(group, count)):
       _layer(src, root, layer, f"model.layers.{first + i}", rules, c, moe, out, need_bias)
   for k in range(1, c.mtp_num_layers + 1):
-    out.extend(_mtp(src, c, k, f"model.layers.{n + k - 1}", out, need_bias))
+    out.extend(_mtp(src, c, k, f"model.layers.{n + k - 1}", out, need_bias, attention))
   return out
 
 
-def _mtp(src: layout.Source, c: Any, k: int, prefix: str, exported: list[layout.Piece], need_bias: bool) -> list[layout.Piece]:
+def _mtp(src: layout.Source, c: Any, k: int, prefix: str, exported: list[layout.Piece], need_bias: bool,
+         attention: list) -> list[layout.Piece]:
   """MTP module k as DeepSeek publishes it: its own norms and projection, a MoE decoder layer, and copies of the
   shared embedding and head (MaxText shares them with the main model)."""
   root = ("mtp_block", f"mtp_layer_{k}")
@@ -212,7 +226,7 @@ def _mtp(src: layout.Source, c: Any, k: int, prefix: str, exported: list[layout.
     if found is None:
       raise BadInput(f"the checkpoint has no {'/'.join(root + sub)} though mtp_num_layers = {c.mtp_num_layers}")
     out.append(layout.Piece(f"{prefix}.{name}", found[0], found[1], transform, found[2]))
-  _layer(src, root + (f"mtp_{k}_transformer_layer",), None, prefix, _attention(c) + MOE_MLP, c, True, out, need_bias)
+  _layer(src, root + (f"mtp_{k}_transformer_layer",), None, prefix, attention + MOE_MLP, c, True, out, need_bias)
   by_name = {p.name: p for p in exported}
   head = by_name.get("lm_head.weight") or by_name["model.embed_tokens.weight"]
   embed = by_name["model.embed_tokens.weight"]

@@ -32,6 +32,10 @@ class Family:
   qk_norm: bool
   DEFAULT_CONFIG: str
 
+  @property
+  def MODEL_TYPE(self) -> str:  # pylint: disable=invalid-name  # as MaxText/hf/deepseek.py names it
+    return self.model_type
+
   def refusal(self, c: Any, fork: Any) -> str | None:  # pylint: disable=unused-argument
     checks = [("mlp_activations", list(c.mlp_activations), ["silu", "linear"]),
               ("rope_type", str(getattr(c.rope_type, "value", c.rope_type)), "default"),
@@ -102,7 +106,9 @@ class Family:
     """Keys a given config may change without changing the function: plain RoPE's table of positions."""
     return {"max_position_embeddings"}
 
-  def pieces(self, shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any) -> list[layout.Piece]:
+  def pieces(self, shapes: Mapping[tuple[str, ...], tuple[int, ...]], c: Any, fork: Any,
+             hf: Mapping[str, Any] | None = None) -> list[layout.Piece]:  # pylint: disable=unused-argument
+    """Every HF tensor of the model; `hf` (the config.json imported) changes nothing: both classes turn halves."""
     why = self.refusal(c, fork)
     if why:
       raise BadInput(why)

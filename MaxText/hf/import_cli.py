@@ -28,7 +28,7 @@ import numpy as np
 
 import patches
 from MaxText import config as fork_config
-from MaxText.hf import checkpoint, deepseek, gqa, output, quiet, run as hf_run, safetensors, sink, stop
+from MaxText.hf import checkpoint, config_json, deepseek, gqa, output, quiet, run as hf_run, safetensors, sink, stop
 from MaxText.hf.errors import BadInput, Damaged, HFError
 
 # config.json's architecture -> what lays it out (pieces, maxtext_keys, free_keys, DEFAULT_CONFIG)
@@ -204,6 +204,10 @@ def import_(hf_dir: Path, out_dir: Path, args: list[str]) -> dict[str, Any]:
 def _import(hf_dir: Path, tmp: Path, args: list[str]) -> dict[str, Any]:
   hf, family, reader = read_hf(hf_dir)
   keys = family.maxtext_keys(hf)
+  left_out = config_json.training_only(hf, family.MODEL_TYPE)
+  if left_out:
+    log(f"not carried: config.json {', '.join(left_out)} (training settings, not the model's function: the run's "
+        "own keys, such as dropout_rate, say how it trains)")
   keys = {**keys, "mtp_num_layers": mtp_layers(hf, reader, keys)} if "mtp_num_layers" in keys else keys
   argv = config_argv(keys, family, args)
   try:
@@ -216,7 +220,7 @@ def _import(hf_dir: Path, tmp: Path, args: list[str]) -> dict[str, Any]:
     raise BadInput(why)
   patches.apply_all(run.fork)  # the model as the trainer builds it (DeepSeek-V3's bias a MoEBiasVar at any model_name)
   shapes, dtypes = abstract_shapes(config)
-  pieces = family.pieces(shapes, config, run.fork)
+  pieces = family.pieces(shapes, config, run.fork, hf)
   left = unused(pieces, reader)
   n, hf_mtp = config.num_decoder_layers, hf.get("num_nextn_predict_layers") or 0
   skipped = tuple(f"model.layers.{i}." for i in range(n + getattr(config, "mtp_num_layers", 0), n + hf_mtp))
