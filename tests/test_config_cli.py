@@ -196,6 +196,20 @@ def test_every_recipe_prints_and_dry_runs_without_its_gpus(tmp_path, recipe):
   assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize("keys, line", [
+    (["recipe_num_gpus=16", "gpus_per_node=6"], "recipe_num_gpus=16 is not whole nodes of gpus_per_node=6: give a "
+     "multiple of 6 (recipe_num_gpus: command line; gpus_per_node: command line)"),  # before: "2 nodes of 6", exit 0
+    (["recipe_num_gpus=12"], "recipe_num_gpus=12 is not whole nodes of gpus_per_node=8: give a multiple of 8 "
+     "(recipe_num_gpus: command line; gpus_per_node: default)"),  # before: a line about the mesh
+])
+def test_a_recipe_of_part_nodes_is_one_line_naming_both_keys(keys, line, tmp_path):
+  with pytest.raises(fork_config.ConfigError) as e:
+    fork_config.load([f"configs/recipes/{RECIPES[0].name}", *keys])
+  assert str(e.value) == line
+  dry = _cli(tmp_path, "--dry-run", f"configs/recipes/{RECIPES[0].name}", *keys)
+  assert dry.returncode == 2 and dry.stdout == "" and dry.stderr == f"maxtext-moe: config error: {line}\n"
+
+
 def test_model_only_yaml_is_one_line_not_a_traceback(tmp_path):
   result = run_rejected(tmp_path, "configs/models/deepseek3-tiny.yml")
   assert result.returncode == 2

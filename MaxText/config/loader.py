@@ -272,6 +272,11 @@ def load(args: list[str]) -> RunConfig:
     raise ConfigError(f"config keys 'moe_profile_every_n_steps' = {fork.moe_profile_every_n_steps} "
                       f"({origins['moe_profile_every_n_steps']}) and 'profiler' = {theirs['profiler']!r} "
                       f"({origins['profiler']}) contradict each other: one profiler trace at a time; unset one")
+  gpus, per_node = fork.recipe_num_gpus, fork.gpus_per_node
+  if gpus and gpus > per_node and gpus % per_node:  # fewer than a node is one node, partly used
+    raise ConfigError(f"recipe_num_gpus={gpus} is not whole nodes of gpus_per_node={per_node}: give a multiple of "
+                      f"{per_node} (recipe_num_gpus: {origins.get('recipe_num_gpus')}; gpus_per_node: "
+                      f"{origins.get('gpus_per_node', 'default')})")
   if "num_slices" not in merged and (slices := recipe_num_slices(fork, theirs)):
     theirs["num_slices"] = slices  # print-config names its source (MaxText/config/report.py)
   if fork.moe_log_expert_load and fork.moe_block != "ours":
