@@ -13,10 +13,15 @@ grain train iterator (the eval iterator is another function: its end is the end 
      processes, on every process when any one's shard is that short (named);
   2. gives the iterator (upstream's MultiHostDataLoadIterator) a subclass whose __next__ meets the end of the
      data as fork key `data_exhausted` says:
-       repeat  starts another pass over the same files (upstream's own reset(): a fresh grain iterator), says so
-               in one line, and counts the passes: the step's `data/pass` scalar in TensorBoard, `data_passes`
-               in the summary, each pass's first step in <run>/maxtext-moe/data_passes.json (MaxText/checkpoints/run_records.py,
-               through hooks.on_data_pass) so that a resume knows which pass its checkpoint was in;
+       repeat  starts another pass over the same files, says so in one line, and counts the passes: the step's
+               `data/pass` scalar in TensorBoard, `data_passes` in the summary, each pass's first step in
+               <run>/maxtext-moe/data_passes.json (MaxText/checkpoints/run_records.py, through
+               hooks.on_data_pass) so that a resume knows which pass its checkpoint was in. Each pass is shuffled
+               anew, as upstream's num_epoch shuffles each epoch (grain's shuffle seeds epoch e with seed + e):
+               pass p is upstream's pipeline built again with data_shuffle_seed moved on by the epochs of the
+               passes before, (p - 1) * num_epoch; a resume in pass p builds it so too, then takes the restored
+               position. With enable_data_shuffling=false each pass reads the files in the same order, as
+               upstream's own repeat does;
        stop    saves the last step trained (patches/checkpoint_guard.save_last_step), fills `exhausted`, and
                ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 9 with one
                line naming the files and the step. With several processes, whose shards end at different steps,
@@ -27,6 +32,7 @@ The elastic and colocated iterators are other classes and are left as upstream b
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from patches._seam import Seam
@@ -48,10 +54,33 @@ _position = {"pass": 1, "step": 0, "files": ""}  # the pass being read and the s
 exhausted: dict[str, Any] = {}  # filled when the data ran out with data_exhausted=stop: {"step", "pass", "saved", "files"}
 
 
+_live: list[Any] = []  # a weak reference to this process's DataPasses iterator, once built
+
+
 def start(step: int, pass_no: int) -> None:
   """Where this invocation's first batch falls: the step after the restored checkpoint (0 for a new run) and the
-  pass that checkpoint's iterator was in."""
+  pass that checkpoint's iterator was in. The iterator, built before the restore for pass 1, then reads that
+  pass's order from the position restored."""
   _position.update(step=step, **{"pass": pass_no})
+  it = _live[0]() if _live else None
+  if it is not None and it.pass_built != pass_no and it.shuffled():
+    old = it.local_iterator
+    it.read_pass(pass_no)
+    it.local_iterator.set_state(old.get_state())
+    _close(old)
+
+
+class _PassConfig:
+  """Upstream's config as pass `pass_no` reads it: data_shuffle_seed moved on by the epochs of the passes before
+  (upstream's pipeline holds num_epoch epochs, the k-th shuffled with seed + k), every other key as it is."""
+
+  def __init__(self, config: Any, pass_no: int):
+    self._config = config
+    epochs_before = (pass_no - 1) * max(1, int(config.num_epoch))
+    self.data_shuffle_seed = (int(config.data_shuffle_seed) + epochs_before) % 2**32  # grain's seeds are uint32
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._config, name)
 
 
 def current_pass() -> int:
@@ -168,11 +197,30 @@ def _make_passes_class(base):
       _log(f"data: pass {pass_no} over {files} ended before step {step}; starting pass {pass_no + 1} "
            "(data_exhausted=repeat)")
       old = self.local_iterator
-      self.reset()  # upstream's: a fresh iterator over the same pipeline
+      if self.shuffled():
+        self.read_pass(pass_no + 1)
+      else:
+        self.reset()  # upstream's: a fresh iterator over the same pipeline, in the same order
       _close(old)
       _position["pass"] = pass_no + 1
       _on_pass(pass_no + 1, step)
       return super().__next__()  # a StopIteration here is a dataset that was checked to fill a batch and no longer does
+
+    def shuffled(self) -> bool:
+      return bool(getattr(self.passes_config, "enable_data_shuffling", False))
+
+    def read_pass(self, pass_no: int) -> None:
+      """Reads pass `pass_no` from its start: upstream's maker builds the pipeline again with that pass's seed
+      (_PassConfig), and this iterator takes the new one's dataloader and grain iterator, as reset() would.
+      The caller closes the iterator it replaces."""
+      from maxtext.input_pipeline import multihost_dataloading  # pylint: disable=import-outside-toplevel
+
+      fresh = self.make_pass(_PassConfig(self.passes_config, pass_no))
+      self.dataloader, self.local_iterator = fresh.dataloader, fresh.local_iterator
+      del fresh.dataloader, fresh.local_iterator  # its close(), when it is collected, must leave them to us
+      multihost_dataloading._GLOBAL_MULTIHOST_ITERATORS.discard(fresh)  # pylint: disable=protected-access
+      self.out_of_data, self.last_local_data, self._reset_and_unread = False, None, True  # as reset() leaves them
+      self.pass_built = pass_no
 
   DataPasses.__name__ = DataPasses.__qualname__ = "DataPasses"
   return DataPasses
@@ -194,6 +242,9 @@ def wrap(original):
     _position["files"] = config.grain_train_files or config.grain_train_mixture_config_path or ""
     _check_one_batch(it, config)
     it.__class__ = _passes_class(multihost_dataloading.MultiHostDataLoadIterator)
+    it.passes_config, it.pass_built = config, 1
+    it.make_pass = lambda pass_config: original(pass_config, global_mesh, process_indices)
+    _live[:] = [weakref.ref(it)]
     return it
 
   make_grain_train_iterator.__wrapped__ = original
@@ -210,6 +261,7 @@ def apply(fork=None, hooks=None) -> None:
   _on_pass = getattr(hooks, "on_data_pass", None) or (lambda pass_no, step: None)
   _position.update(step=0, files="", **{"pass": 1})
   exhausted.clear()
+  _live.clear()
   ITERATOR.check()
   SEAM.apply(wrap)
 
@@ -219,4 +271,5 @@ def undo() -> None:
   _mode[0] = "repeat"
   _on_pass = lambda pass_no, step: None  # noqa: E731
   exhausted.clear()
+  _live.clear()
   SEAM.undo()

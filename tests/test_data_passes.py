@@ -41,6 +41,36 @@ class _Config:
   grain_train_mixture_config_path = ""
   global_batch_size_to_load = 1
   max_target_length = 4
+  enable_data_shuffling = False  # the stand-in iterators above read in order; _upstream_maker shuffles
+  data_shuffle_seed = 0
+  num_epoch = 1
+
+
+def _upstream_maker(n_batches: int):
+  """A stand-in for upstream's maker that shuffles, repeats num_epoch times and shards as upstream's does for
+  every grain file type (grain_data_processing._apply_mapdataset_transforms, its own function), over batch
+  numbers 0..n_batches-1, and builds upstream's MultiHostDataLoadIterator over them."""
+  import grain  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from maxtext.input_pipeline import grain_data_processing, multihost_dataloading  # pylint: disable=import-outside-toplevel
+
+  def make(config, mesh, process_indices):  # pylint: disable=unused-argument
+    ds = grain_data_processing._apply_mapdataset_transforms(  # pylint: disable=protected-access
+        grain.MapDataset.range(n_batches), config.enable_data_shuffling, config.data_shuffle_seed, config.num_epoch,
+        0, 1, 1, 1)
+    ds = ds.map(lambda i: {"inputs": np.full((1, 4), i, np.int32)})
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    return multihost_dataloading.MultiHostDataLoadIterator(ds, mesh)
+
+  return make
+
+
+def _config(**keys) -> _Config:
+  config = _Config()
+  for key, value in keys.items():
+    setattr(config, key, value)
+  return config
 
 
 @pytest.fixture
@@ -52,7 +82,8 @@ def seam(monkeypatch):
   def apply(mode: str, on_pass=lambda p, s: None):
     patches.apply_module(data_passes, type("Fork", (), {"data_exhausted": mode})(),
                          patches.Hooks(on_data_pass=on_pass))
-    return lambda it: data_passes.wrap(lambda config, mesh, indices: it)(_Config(), None, [0])
+    return lambda it, config=None: data_passes.wrap(it if callable(it) else lambda c, m, i: it)(
+        config or _Config(), None, [0])
 
   yield apply
   patches.undo_module(data_passes)
@@ -67,6 +98,56 @@ def test_repeat_starts_another_pass_and_counts_it(seam):
   firsts = [int(next(it)["inputs"][0, 0]) for _ in range(7)]
   assert firsts == [0, 1, 2, 0, 1, 2, 0]  # pass 2 from the first batch, and pass 3
   assert passes == [(2, 3), (3, 6)] and data_passes.current_pass() == 3 and not data_passes.exhausted
+
+
+def _batches(it, n: int) -> list[int]:
+  return [int(next(it)["inputs"][0, 0]) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_epoch", [1, 2])
+def test_repeat_shuffles_each_pass_as_upstreams_num_epoch_does(seam, num_epoch):
+  """Pass p reads what upstream's own pipeline with num_epoch * p epochs reads in its last num_epoch of them:
+  grain's shuffle seeds epoch k with data_shuffle_seed + k. Before, every pass replayed pass 1's order."""
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  n, per_pass = 8, 8 * num_epoch
+  wrap = seam("repeat")
+  it = wrap(_upstream_maker(n), _config(enable_data_shuffling=True, data_shuffle_seed=3, num_epoch=num_epoch))
+  data_passes.start(0, 1)
+  read = _batches(it, 3 * per_pass)
+  passes = [read[i * per_pass:(i + 1) * per_pass] for i in range(3)]
+  assert passes[0] != passes[1] != passes[2] != passes[0]
+  assert all(sorted(p) == sorted(list(range(n)) * num_epoch) for p in passes)  # each pass reads every batch
+  upstream = _upstream_maker(n)(_config(enable_data_shuffling=True, data_shuffle_seed=3, num_epoch=3 * num_epoch),
+                                None, [0])
+  assert read == _batches(upstream, 3 * per_pass) and data_passes.current_pass() == 3
+  again = wrap(_upstream_maker(n), _config(enable_data_shuffling=True, data_shuffle_seed=3, num_epoch=num_epoch))
+  data_passes.start(0, 1)
+  assert _batches(again, 3 * per_pass) == read  # the same seed, the same order, pass after pass
+  other = wrap(_upstream_maker(n), _config(enable_data_shuffling=True, data_shuffle_seed=4, num_epoch=num_epoch))
+  data_passes.start(0, 1)
+  assert _batches(other, 3 * per_pass) != read
+
+
+def test_a_resume_in_a_later_pass_reads_that_pass_from_the_position_restored(seam):
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  config = _config(enable_data_shuffling=True, data_shuffle_seed=3)
+  it = seam("repeat")(_upstream_maker(8), config)
+  data_passes.start(0, 1)
+  unbroken = _batches(it, 24)
+  resumed = seam("repeat")(_upstream_maker(8), config)  # built for pass 1, as upstream builds it before the restore
+  resumed.local_iterator.set_state({"next_index": 3})  # upstream's restore of a checkpoint in pass 2 (step 10)
+  data_passes.start(11, 2)
+  assert _batches(resumed, 13) == unbroken[11:24] and data_passes.current_pass() == 3
+
+
+def test_without_shuffling_each_pass_reads_the_files_in_the_same_order(seam):
+  from patches import data_passes  # pylint: disable=import-outside-toplevel
+
+  it = seam("repeat")(_upstream_maker(5), _config(enable_data_shuffling=False))
+  data_passes.start(0, 1)
+  assert _batches(it, 10) == [0, 1, 2, 3, 4] * 2  # upstream's own repeat without a shuffle
 
 
 def test_stop_fills_exhausted_naming_the_files_and_the_step(seam):
@@ -155,10 +236,16 @@ def test_data_that_runs_out_stops_with_exit_9_and_the_last_step_saved(tmp_path, 
 def test_data_that_runs_out_starts_another_pass_by_default(tmp_path, small_corpus):
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # pylint: disable=import-outside-toplevel
 
-  result = run_train(tmp_path, *_grain(small_corpus, "steps=14"))
+  # learning_rate=0: the weights stay as they start (V3's router bias still moves a little), so a loss tells its batch.
+  result = run_train(tmp_path, *_grain(small_corpus, "steps=14", "learning_rate=0"))
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"data: pass 1 over {small_corpus} ended before step 10; starting pass 2" in result.stdout
-  assert result.summary["data_passes"] == 2 and sorted(result.losses()) == list(range(14))
+  losses = result.losses()
+  assert result.summary["data_passes"] == 2 and sorted(losses) == list(range(14))
+  # Pass 2 is shuffled anew through upstream's own pipeline (patches/data_passes.py's _PassConfig): its batches
+  # are not pass 1's in pass 1's order, which gave the same losses to 0.003.
+  moved = [abs(losses[step] - losses[step - 10]) for step in range(10, 14)]
+  assert sum(d > 0.01 for d in moved) >= 3, moved  # 0.044, 0.064, 0.0002, 0.045 at data_shuffle_seed 0
   assert "pass 2 over the grain data" in result.stdout
   events = glob.glob(str(result.run_dir / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
   acc = EventAccumulator(events[0], size_guidance={"scalars": 0})
