@@ -45,8 +45,9 @@ class Gpu:
     ib_bytes: per-GPU InfiniBand bandwidth, one direction, B/s.
     a2a_nvlink_bytes: jax.lax.all_to_all inside a node, B/s (None: nvlink_bytes).
     ragged_a2a_bytes: jax.lax.ragged_all_to_all, B/s (None: as all_to_all).
-    fp8_grouped_flops: the routed experts' GEMMs under moe_fp8, FLOP/s, their quantization passes
-      included (None: the kernel does not run on this GPU).
+    fp8_grouped_flops: the routed experts' GEMMs under moe_fp8=fp8_recipe, FLOP/s, their quantization passes
+      included (None: no FP8 grouped GEMM runs on this GPU).
+    fp8_recipe: the moe_fp8 this GPU runs: "blockwise" (our sm_90a kernels) or "mxfp8" (TE on Blackwell).
     hbm_bandwidth: bytes read + written per second by memory-bound XLA fusions, B/s.
     attention_flops: cuDNN flash attention, FLOP/s.
     host_bytes: host offload's copies, one direction, B/s.
@@ -65,6 +66,7 @@ class Gpu:
   attention_flops: Figure | None = None
   host_bytes: Figure | None = None
   a2a_ib_share: Figure | None = None
+  fp8_recipe: str | None = None
 
   def figures(self) -> dict[str, Figure]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Figure)}
@@ -119,6 +121,7 @@ GPUS: dict[str, Gpu] = {
         attention_flops=Figure(_H200_ATTENTION.value, "the H200's measured cuDNN attention rate (same GH100 SMs and clocks)"),
         host_bytes=_PCIE5,
         a2a_ib_share=_A2A_IB,
+        fp8_recipe="blockwise",
     ),
     "h200": Gpu(
         "H200 SXM 141 GB",
@@ -133,6 +136,7 @@ GPUS: dict[str, Gpu] = {
         attention_flops=_H200_ATTENTION,
         host_bytes=_PCIE5,
         a2a_ib_share=_A2A_IB,
+        fp8_recipe="blockwise",
     ),
     "b200": Gpu(
         "B200 180 GB",
@@ -146,12 +150,17 @@ GPUS: dict[str, Gpu] = {
                                 "its NVLink (150 of 450 GB/s) x NVLink 5's 900 GB/s"),
         ragged_a2a_bytes=Figure(_RAGGED_H200.value * 900 / 450, "not measured: the H200's measured ragged_all_to_all "
                                 "x NVLink 5's / NVLink 4's bandwidth (900 / 450)"),
+        fp8_grouped_flops=Figure(2250e12 * 648 / 989 * 4500 / 2250, "datasheet, not measured: MXFP8 through "
+                                 "Transformer Engine at the bf16 rate above x the dense FP8/bf16 datasheets' ratio "
+                                 "(4,500 / 2,250), its quantization passes not counted (the H200's blockwise FP8 "
+                                 "reached 1.36x its bf16 end to end)"),
         hbm_bandwidth=Figure(8e12 * _XLA_HBM_SHARE, "not measured: datasheet 8 TB/s x the share of its datasheet the "
                              "H200's XLA fusions reach (3.3 of 4.8 TB/s)"),
         attention_flops=Figure(_H200_ATTENTION.value * 2250 / 989, "datasheet, not measured: the H200's cuDNN "
                                "attention rate x the dense bf16 datasheets' ratio (2,250 / 989)"),
         host_bytes=_PCIE5,
         a2a_ib_share=_A2A_IB,
+        fp8_recipe="mxfp8",
     ),
 }
 DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")

@@ -319,6 +319,8 @@ def gmm_backend(fork) -> str:
   has refused GPUs it cannot run on), else moe_gmm_backend."""
   if fork.moe_fp8 == "blockwise":
     return "mgpu_fp8" if jax.default_backend() == "gpu" else "xla_fp8"
+  if fork.moe_fp8 == "mxfp8":
+    return "te_mxfp8" if jax.default_backend() == "gpu" else "xla_mxfp8"
   return fork.moe_gmm_backend
 
 

@@ -401,7 +401,7 @@ def test_the_key_picks_the_fp8_backend_and_refuses_what_it_does_not_support(tmp_
   with pytest.raises(fork_config.ConfigError, match="'moe_fp8' = 'blockwise' .* and 'moe_gmm_backend' = 'mgpu'"):
     fork_config.load([tiny, "moe_block=ours", "moe_fp8=blockwise", "moe_gmm_backend=mgpu"])
   with pytest.raises(fork_config.ConfigError, match="moe_fp8"):
-    fork_config.load([tiny, "moe_block=ours", "moe_fp8=mxfp8"])
+    fork_config.load([tiny, "moe_block=ours", "moe_fp8=nvfp4"])
 
 
 DW_CASES = {  # name: (sizes, group_offset, num_local, out_dtype, K)

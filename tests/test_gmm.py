@@ -195,5 +195,5 @@ def test_auto_picks_xla_on_cpu_and_logs_the_pick_once(capsys):
 
 
 def test_backend_literal_lists_every_backend_module():
-  assert gmm_lib.BACKENDS == ("xla", "tokamax", "mgpu", "te", "mgpu_fp8", "xla_fp8")
+  assert gmm_lib.BACKENDS == ("xla", "tokamax", "mgpu", "te", "mgpu_fp8", "xla_fp8", "te_mxfp8", "xla_mxfp8")
   assert gmm_lib.CHOICES[0] == "auto"

@@ -187,3 +187,14 @@ def test_tokamax_adapter_zeroes_foreign_rows_before_dw(monkeypatch):
   want = jnp.stack([lhs[10:10].T @ dout[10:10], lhs[10:30].T @ dout[10:30], lhs[30:35].T @ dout[30:35]])
   assert np.isfinite(np.asarray(dw)).all()
   assert rel_err(dw, want) < 1e-5
+
+
+def test_auto_on_blackwell_passes_over_tokamax_for_te(monkeypatch):
+  """tokamax 0.0.17's sm100 kernel has no dW form: on a B200 auto skips it for TE's grouped GEMM (then xla)."""
+  b200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", compute_capability="10.0")
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: [b200])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert "no dW form" in tokamax_backend.unavailable_reason()
+  _install_fake_te(monkeypatch, _fake_te_grouped_gemm([]))
+  gmm_lib._import_backend.cache_clear()  # pylint: disable=protected-access
+  assert gmm_lib._auto("gpu")[0] == "te"  # pylint: disable=protected-access

@@ -100,6 +100,7 @@ def test_a_target_the_planner_cannot_compile_for_says_why(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("extra, stand_in", [(["moe_block=ours", "moe_gmm_backend=te"], True),
+                                             (["moe_block=ours", "moe_fp8=mxfp8"], True),
                                              (["moe_block=upstream"], False)])
 def test_a_b200_moe_plan_compiles_hopper_kernels_for_te_and_says_so(monkeypatch, capsys, extra, stand_in):
   seen = {}
@@ -116,7 +117,8 @@ def test_a_b200_moe_plan_compiles_hopper_kernels_for_te_and_says_so(monkeypatch,
   out = capsys.readouterr().out
   assert seen["topology"].platform == "gpu_target" and seen["topology"].target_gpu == "b200"
   assert seen["topology"].compute_capability == ("9.0" if stand_in else None)
-  assert ('moe_gmm_backend="auto"' in seen["args"]) == stand_in
+  assert ('moe_gmm_backend="auto"' in seen["args"]) == ("moe_gmm_backend=te" in extra)
+  assert ('moe_fp8="none"' in seen["args"]) == ("moe_fp8=mxfp8" in extra)  # TE quantizes inside: bf16's program
   assert ("Hopper's kernels standing in for TE's grouped GEMM" in out) == stand_in
 
 

@@ -26,7 +26,7 @@ def recipe():
   """The recipe through the real loader (its model's shapes, FLOPs and compiled plan), and its layouts ranked."""
   run, shape = layout_search.shape_of([RECIPE])
   own = layout_search.run_layout(run)
-  layouts, refused = layout_search.enumerate_layouts(shape, own, fp8_ok=True)
+  layouts, refused = layout_search.enumerate_layouts(shape, own, fp8="blockwise")
   return run, shape, own, layouts, refused
 
 
@@ -154,7 +154,7 @@ def test_the_best_layout_for_1024_h100s_pipelines_or_spreads_ep_over_nodes(recip
   best = layout_search.loader_pass([RECIPE], 1024, ranked, top=1, refused=refused)[0]
   assert best.layout.stages > 1 or best.layout.ep_nodes > 1
   fsdp_over_nodes = dataclasses.replace(own, ep_nodes=1, fsdp=64, data=2, dispatch="a2a_padded", node_limited=False,
-                                        hierarchical_capacity=0.0, fp8=False)
+                                        hierarchical_capacity=0.0, fp8="")
   before = layout_cost.estimate(shape, fsdp_over_nodes)
   assert best.estimate.tflops_per_gpu > 1.5 * before.tflops_per_gpu
   shipped = layout_cost.estimate(shape, own)  # the re-laid recipe: EP 64 over 8 nodes

@@ -241,7 +241,10 @@ def test_routed_expert_flops_and_the_fp8_rate_held_to_its_measurement(monkeypatc
   # per step saved 58.0 ms in FP8 (0.7666 -> 0.7086 s per step).
   routed = 138.5e12
   assert 0.053 < routed / h200.gemm_flops.value - routed / h200.fp8_grouped_flops.value < 0.063
-  assert hardware.GPUS["b200"].fp8_grouped_flops is None
+  b200 = hardware.GPUS["b200"]  # MXFP8 through TE: the datasheet's FP8/bf16 ratio on the bf16 rate, not measured
+  assert (h200.fp8_recipe, b200.fp8_recipe) == ("blockwise", "mxfp8")
+  assert b200.fp8_grouped_flops.value == pytest.approx(2 * b200.gemm_flops.value)
+  assert "not measured" in b200.fp8_grouped_flops.source
 
 
 # --- bad input: one line naming the key, exit 2, nothing compiled ----------------------------
@@ -252,9 +255,10 @@ def test_routed_expert_flops_and_the_fp8_rate_held_to_its_measurement(monkeypatc
     (["recipe_num_gpus=3", "ici_fsdp_parallelism=1", "ici_expert_parallelism=3"], "num_experts=8"),
     (["recipe_num_gpus=4", "target_gpu=a100"], "target_gpu"),
     (["recipe_num_gpus=4", "stepz=3"], "stepz"),
-    (["recipe_num_gpus=4", "target_gpu=b200", "moe_block=ours", "moe_fp8=blockwise"], "moe_fp8=blockwise"),
+    (["recipe_num_gpus=4", "target_gpu=b200", "moe_block=ours", "moe_fp8=blockwise"], "moe_fp8=blockwise: the B200"),
+    (["recipe_num_gpus=4", "target_gpu=h200", "moe_block=ours", "moe_fp8=mxfp8"], "MXFP8 needs a Blackwell GPU"),
     (["recipe_num_gpus=4", "--heartbeat", "soon"], "--heartbeat soon: give seconds"),
-], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper", "heartbeat"])
+], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper", "mxfp8-off-blackwell", "heartbeat"])
 def test_bad_input_is_one_line_and_exit_2(args, key):
   out = _plan_cli("configs/deepseek3-tiny.yml", *args, timeout=120)
   assert out.returncode == 2, out.stderr[-1000:]

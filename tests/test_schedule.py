@@ -340,7 +340,8 @@ def test_bubble_and_fp8_and_opaque_kernels():
   with pytest.raises(ValueError, match="bubble_fraction"):
     _estimate(mosaic, bubble_fraction=1.0)
   with pytest.raises(ValueError, match="moe_fp8"):
-    schedule.estimate(textwrap.dedent(mosaic), hardware.GPUS["b200"], MESH, ONE_NODE, fp8_experts=True)
+    schedule.estimate(textwrap.dedent(mosaic), dataclasses.replace(hardware.GPUS["b200"], fp8_grouped_flops=None), MESH,
+                      ONE_NODE, fp8_experts=True)
 
 
 def test_the_honesty_check_reads_the_plan_and_bench_train_and_judges_at_the_tolerance():

@@ -55,19 +55,26 @@ def check_fork(run: RunConfig) -> None:
                       "pip install 'maxtext-moe[te]' on a CUDA machine, or use moe_block=ours")
 
 
-def fp8_gpu_refusal(compute_capability: str) -> str | None:
-  """Why moe_fp8's kernel (sm_90a e4m3 wgmma) cannot run on a GPU of this compute capability, or None."""
+def fp8_gpu_refusal(compute_capability: str, recipe: str = "blockwise", te_missing: str | None = None) -> str | None:
+  """Why moe_fp8=`recipe` cannot run on a GPU of this compute capability, or None. blockwise: our sm_90a e4m3 wgmma
+  kernels. mxfp8: Transformer Engine's grouped GEMM on Blackwell's block-scaled tensor cores; te_missing: why TE
+  cannot be used here (None: it can)."""
   major, _, minor = compute_capability.partition(".")
+  name = f"this GPU (compute capability {compute_capability or 'unknown'})"
+  if recipe == "mxfp8":
+    if not major.isdigit() or int(major) < 10:
+      return (f"{name} has no MXFP8 tensor cores (Blackwell, compute capability 10.x, is needed); use "
+              "moe_fp8=blockwise on Hopper or moe_fp8=none")
+    return f"MXFP8 experts run Transformer Engine's grouped GEMM: {te_missing}; or use moe_fp8=none" if te_missing else None
   if major == "9":
     return None
-  name = f"this GPU (compute capability {compute_capability or 'unknown'})"
   if not major.isdigit() or (int(major), int(minor or 0)) < (8, 9):
     return f"{name} has no FP8 tensor cores (Hopper, compute capability 9.x, is needed); use moe_fp8=none"
   if int(major) == 8:
     return (f"{name} has FP8 tensor cores, but our blockwise kernel is written for Hopper's wgmma (sm_90a); "
             "use moe_fp8=none")
   return (f"{name} is past Hopper: our blockwise kernel is sm_90a-only, and Blackwell's FP8 path is Transformer "
-          "Engine's MXFP8 (not wired to our block yet); use moe_fp8=none")
+          "Engine's MXFP8: use moe_fp8=mxfp8 or moe_fp8=none")
 
 
 def check_upstream_values(run: RunConfig, config: Any) -> None:
@@ -258,7 +265,11 @@ def check_devices(run: RunConfig, config: Any) -> None:
                       f"{jax.device_count()} device(s) gives a global batch of {global_batch:g}, which must be a "
                       "whole number >= 1")
   if run.fork.moe_fp8 != "none" and backend == "gpu":
-    why = fp8_gpu_refusal(str(getattr(jax.devices()[0], "compute_capability", "")))
+    te_missing = None
+    if run.fork.moe_fp8 == "mxfp8":
+      from MaxText.moe.gmm import te  # pylint: disable=import-outside-toplevel
+      te_missing = te.unavailable_reason()
+    why = fp8_gpu_refusal(str(getattr(jax.devices()[0], "compute_capability", "")), run.fork.moe_fp8, te_missing)
     if why:
       raise ConfigError(f"config key 'moe_fp8' = {run.fork.moe_fp8!r} ({_origin(run, 'moe_fp8')}): {why}")
   if run.fork.moe_block == "te" and (jax.process_count() < 2 or jax.local_device_count() != 1):

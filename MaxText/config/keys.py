@@ -68,13 +68,15 @@ class ForkConfig(pydantic.BaseModel):
       data = {**data, "moe_gmm_backend": "auto" if data.get("moe_block") == "ours" else "upstream"}
     return data
 
-  moe_fp8: Literal["none", "blockwise"] = pydantic.Field(
+  moe_fp8: Literal["none", "blockwise", "mxfp8"] = pydantic.Field(
       default="none",
       description="Our block's expert GEMMs in FP8. blockwise: DeepSeek-V3's recipe (e4m3; 1x128 activation "
       "tiles, 128x128 weight blocks; f32 promotion every 128 of the contraction) on Hopper (grouped-GEMM backend "
       "mgpu_fp8; xla_fp8 emulates it on CPU). The forward, dlhs and dW GEMMs all run in FP8 (dW's operands in "
-      "128x1 tiles along the rows, each expert's rows 128-aligned). Needs moe_block=ours and moe_gmm_backend unset "
-      "(auto).")
+      "128x1 tiles along the rows, each expert's rows 128-aligned). mxfp8: OCP MXFP8 (e4m3, one power-of-two E8M0 "
+      "scale per 32 values along each product's contraction) through Transformer Engine's grouped GEMM on Blackwell "
+      "(te_mxfp8; xla_mxfp8 emulates it on CPU; refused on other GPUs). Needs moe_block=ours and moe_gmm_backend "
+      "unset (auto; te also with mxfp8).")
 
   # --- MoE block (MaxText/moe/block.py, patches/routed_moe.py) ---
   moe_block: Literal["upstream", "ours", "te"] = pydantic.Field(

@@ -37,9 +37,9 @@ def check_moe_keys(fork: ForkConfig, origins: dict[str, str]) -> None:
     raise clash("moe_block", "moe_gmm_backend", "TE's MoE block runs TE's own grouped GEMM")
   if fork.moe_fp8 != "none" and fork.moe_block != "ours":
     raise clash("moe_fp8", "moe_block", "FP8 experts are our block's (moe_block=ours)")
-  if fork.moe_fp8 != "none" and fork.moe_gmm_backend != "auto":
-    raise clash("moe_fp8", "moe_gmm_backend", "moe_fp8 picks its own grouped GEMM (mgpu_fp8 on Hopper, xla_fp8 on "
-                "CPU); leave moe_gmm_backend unset")
+  if fork.moe_fp8 != "none" and fork.moe_gmm_backend not in ("auto", *(("te",) if fork.moe_fp8 == "mxfp8" else ())):
+    raise clash("moe_fp8", "moe_gmm_backend", "moe_fp8 picks its own grouped GEMM (blockwise: mgpu_fp8 on Hopper; "
+                "mxfp8: TE's te_mxfp8 on Blackwell; xla_fp8 or xla_mxfp8 on CPU); leave moe_gmm_backend unset")
   if fork.moe_block != "ours" and "moe_dispatch_backend" in origins:
     raise clash("moe_block", "moe_dispatch_backend", "only our block (moe_block=ours) dispatches with it")
 

@@ -68,7 +68,7 @@ class Layout:
   batch: int = 1  # per_device_batch_size, one microbatch
   accum: int = 1  # gradient_accumulation_steps
   remat: str = "run"  # "run": the run's own remat policy; "full"
-  fp8: bool = False  # moe_fp8=blockwise
+  fp8: str = ""  # moe_fp8: "blockwise" or "mxfp8" ("": bf16 experts)
   dispatch: str = "a2a_padded"  # a2a_padded or hierarchical
   node_limited: bool = False  # moe_node_limited_routing
   hierarchical_capacity: float = 0.0  # moe_hierarchical_capacity_factor (0: the run's)
@@ -234,8 +234,9 @@ def _expected_layout(s: Shape, l: Layout, tokens: float, moe_runs: int, pipeline
 
 
 def _fp8_share(row: dict[str, Any], l: Layout) -> float:
-  """Bytes a bf16 value costs, averaged over the passes: those towards the experts go in e4m3 under moe_fp8."""
-  if not l.fp8 or row["kind"] not in ("all-to-all", "ragged-all-to-all"):
+  """Bytes a bf16 value costs, averaged over the passes: those towards the experts go in e4m3 under moe_fp8=blockwise
+  (MaxText/moe/fp8_dispatch.py; under mxfp8 Transformer Engine quantizes inside its GEMM: the exchanges stay bf16)."""
+  if l.fp8 != "blockwise" or row["kind"] not in ("all-to-all", "ragged-all-to-all"):
     return 1.0
   passes = 5 if row["crosses_nodes"] and l.dispatch == "hierarchical" else 6
   towards = 3  # the dispatch, the combine's transpose, the recompute's dispatch

@@ -11,7 +11,7 @@ The class enumerated (MaxText/plan/layout_cost.py's Layout): every GPU of a node
   the rest      fsdp x data over the nodes left (every split; data > 1 is HSDP), ZeRO-1 where data > 1
   batch         per_device_batch_size x gradient_accumulation_steps = the run's, so the global batch is kept
   remat         the run's policy, or full
-  experts       bf16, or moe_fp8=blockwise where the GPU runs it
+  experts       bf16, or the GPU's moe_fp8 (blockwise on Hopper, mxfp8 on a B200)
 Rules the repo knows are applied before any arithmetic, each refusal counted by its reason: the experts split
 over EP; fsdp x expert divides MLA's kv_lora_rank (upstream shards it over both: the 671B recipes' IndivisibleError
 at 1,024 ways); ZeRO-1 only without FSDP (upstream's types.py); node-limited routing only where the routing groups
@@ -149,7 +149,7 @@ def run_layout(run: fork_config.RunConfig) -> Layout:
                 ep_nodes=dcn["dcn_expert_parallelism"], fsdp=dcn["dcn_fsdp_parallelism"] * ici["ici_fsdp_parallelism"],
                 data=dcn["dcn_data_parallelism"], zero1=bool(up.get("shard_optimizer_over_data", False)),
                 batch=int(up.get("per_device_batch_size", 1)), accum=int(up.get("gradient_accumulation_steps", 1)),
-                fp8=run.fork.moe_fp8 != "none",
+                fp8="" if run.fork.moe_fp8 == "none" else run.fork.moe_fp8,
                 dispatch="hierarchical" if run.fork.moe_dispatch_backend == "hierarchical" else "a2a_padded",
                 node_limited=run.fork.moe_node_limited_routing,
                 # as the class writes it: node-limited layouts name their capacity, the others take the run's (0)
@@ -160,8 +160,9 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(s: Shape, run_layout_: Layout, fp8_ok: bool) -> tuple[list[Layout], collections.Counter]:
-  """Every layout of the class (module docstring) and the count of those a known rule refuses, by rule."""
+def enumerate_layouts(s: Shape, run_layout_: Layout, fp8: str = "") -> tuple[list[Layout], collections.Counter]:
+  """Every layout of the class (module docstring) and the count of those a known rule refuses, by rule. fp8: the
+  moe_fp8 recipe the GPU runs ("": none), tried beside bf16."""
   c, refused, out = s.c, collections.Counter(), []
   moe_layers = c["base_num_decoder_layers"] - c["first_num_dense_layers"]
   sequences = run_layout_.batch * run_layout_.accum  # a GPU a step, kept
@@ -187,7 +188,7 @@ def enumerate_layouts(s: Shape, run_layout_: Layout, fp8_ok: bool) -> tuple[list
             refused["ZeRO-1 with FSDP (upstream types.py refuses shard_optimizer_over_data with fsdp > 1)"] += 1
             continue
           for layout in _knobs(s, Layout(stages=stages, repeats=repeats, ep_nodes=k, fsdp=fsdp, data=data,
-                                         zero1=zero1), sequences, fp8_ok):
+                                         zero1=zero1), sequences, fp8):
             if layout.node_limited and c["n_routing_groups"] not in (-1, layout.ep_nodes):
               refused["node-limited routing needs n_routing_groups = dcn_expert_parallelism (moe_keys.py)"] += 1
               continue
@@ -195,19 +196,19 @@ def enumerate_layouts(s: Shape, run_layout_: Layout, fp8_ok: bool) -> tuple[list
   return out, refused
 
 
-def _knobs(s: Shape, base: Layout, sequences: int, fp8_ok: bool) -> Iterator[Layout]:
+def _knobs(s: Shape, base: Layout, sequences: int, fp8: str) -> Iterator[Layout]:
   """The batch split, pipeline microbatches, remat, precision and dispatch of one mesh."""
   for batch in _divisors(sequences):
     micros = [base.stages * j for j in _divisors(batch)] if base.stages > 1 else [1]
     for micro in micros:
       for remat_ in s.recompute_flops:  # "run", and "full" where the run's policy is another
-        for fp8 in ((False, True) if fp8_ok else (False,)):
+        for precision in (("", fp8) if fp8 else ("",)):
           dispatches = [("a2a_padded", False, 0.0)]
           if base.ep_nodes > 1:
             dispatches += [("hierarchical", False, 0.0), ("hierarchical", True, NODE_LIMITED_CAPACITY)]
           for dispatch, limited, capacity in dispatches:
             yield dataclasses.replace(base, pipeline_micro=micro, batch=batch, accum=sequences // batch,
-                                      remat=remat_, fp8=fp8, dispatch=dispatch, node_limited=limited,
+                                      remat=remat_, fp8=precision, dispatch=dispatch, node_limited=limited,
                                       hierarchical_capacity=capacity)
 
 
@@ -225,7 +226,7 @@ def overrides(s: Shape, l: Layout) -> dict[str, Any]:
   if l.remat == "full":
     out["remat_policy"] = "full"
   if l.fp8:
-    out["moe_fp8"] = "blockwise"
+    out["moe_fp8"] = l.fp8
   if l.ep_nodes > 1:
     out["moe_dispatch_backend"] = l.dispatch
   if l.node_limited:
@@ -306,7 +307,7 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
          json_path: str | None = None, heartbeat_s: float = plan.HEARTBEAT_S, mode: str = "auto") -> int:
   run, s = shape_of(args)
   own = run_layout(run)
-  layouts, refused = enumerate_layouts(s, own, s.gpu.fp8_grouped_flops is not None)
+  layouts, refused = enumerate_layouts(s, own, (s.gpu.fp8_recipe or "") if s.gpu.fp8_grouped_flops else "")
   enumerated = len(layouts) + sum(refused.values())
   ranked, over = rank(s, layouts)
   best = loader_pass(args, s.gpus, ranked, max(top, compile_n), refused)

@@ -73,12 +73,15 @@ def gpu_target_substitutes(run: fork_config.RunConfig, stand_in: bool = False) -
   is one, and is left out of the plan (for measurements only). The dispatch overflow check has none (it is
   reduced in the step and read by the host after it, MaxText/moe/overflow.py): the plan compiles the run's program.
   stand_in (gpu_target.KERNEL_STAND_INS): the Blackwell grouped GEMM (te, or tokamax's sm100 kernel) compiles as
-  auto's Hopper kernels on the stand-in's sm_90a devices."""
+  auto's Hopper kernels on the stand-in's sm_90a devices, and moe_fp8=mxfp8 as bf16 (the estimate costs the routed
+  GEMMs at the MXFP8 rate)."""
   out: dict[str, Any] = {}
   if run.fork.moe_log_expert_load:
     out["moe_log_expert_load"] = False
   if stand_in and run.fork.moe_gmm_backend in ("te", "tokamax"):
     out["moe_gmm_backend"] = "auto"
+  if stand_in and run.fork.moe_fp8 == "mxfp8":  # TE quantizes inside its GEMM: the program around it is bf16's
+    out["moe_fp8"] = "none"
   return out
 
 
@@ -411,10 +414,12 @@ def plan(args: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, hlo_path: str | 
   check_layout(run, num_gpus)
   local = aot.local_gpu_count() if local_gpus is None else local_gpus
   topology = aot.choose_topology(num_gpus, run.fork.gpus_per_node, local, run.fork.target_gpu, mode)
-  if run.fork.moe_fp8 != "none" and hardware.GPUS[gpu_key := target_gpu(run, topology)[0]].fp8_grouped_flops is None:
-    # Before compiling: config_checks refuses moe_fp8 on this GPU at run time (sm_90a e4m3 wgmma).
-    raise fork_config.ConfigError(f"moe_fp8={run.fork.moe_fp8}: the {hardware.GPUS[gpu_key].name} cannot run it "
-                                  "(the FP8 grouped GEMM is Hopper's); plan for h100/h200 or set moe_fp8=none")
+  if run.fork.moe_fp8 != "none" and (gpu := hardware.GPUS[target_gpu(run, topology)[0]]).fp8_recipe != run.fork.moe_fp8:
+    # Before compiling: config_checks refuses it on this GPU at run time (blockwise: sm_90a e4m3 wgmma; mxfp8: TE on
+    # Blackwell's block-scaled tensor cores).
+    why = "the blockwise kernels are Hopper's" if run.fork.moe_fp8 == "blockwise" else "MXFP8 needs a Blackwell GPU"
+    raise fork_config.ConfigError(f"moe_fp8={run.fork.moe_fp8}: the {gpu.name} cannot run it ({why}); "
+                                  f"use moe_fp8={gpu.fp8_recipe or 'none'}" + (" or none" if gpu.fp8_recipe else ""))
   from MaxText.plan import gpu_target  # pylint: disable=import-outside-toplevel
 
   if mode == "auto" and run.fork.target_gpu and topology.platform != "gpu_target":

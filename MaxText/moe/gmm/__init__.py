@@ -48,16 +48,19 @@ BackendName = Literal[
     "te",  # Transformer Engine's cuBLAS grouped GEMM (needs transformer_engine.jax)
     "mgpu_fp8",  # blockwise FP8 (DeepSeek-V3's tiles and blocks) Hopper kernels (mgpu/fp8.py)
     "xla_fp8",  # the same FP8 quantization emulated in float32: the CPU path and mgpu_fp8's reference
+    "te_mxfp8",  # Transformer Engine's grouped GEMM with MXFP8 block scaling (Blackwell)
+    "xla_mxfp8",  # MXFP8 emulated by quantize-dequantize in float32: the CPU path and te_mxfp8's reference
 ]
 BACKENDS: tuple[str, ...] = typing.get_args(BackendName)
 # Backends that take lhs already quantized (gmm's lhs_tiles: the FP8 dispatch moved it in e4m3).
 FP8_BACKENDS = ("mgpu_fp8", "xla_fp8")
-# "auto" picks per platform: GPU -> mgpu, else tokamax, else xla; CPU/TPU -> xla.
+# "auto" picks per platform: GPU -> mgpu (Hopper), else tokamax, else te (Blackwell: tokamax 0.0.17 has no dW
+# there), else xla; CPU/TPU -> xla.
 Choice = BackendName | Literal["auto"]
 CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 # Backend name -> its module under this package, where the two differ (our kernels live in the mgpu package).
 _MODULES = {"mgpu": "mgpu.bf16", "mgpu_fp8": "mgpu.fp8"}
-_GPU_PREFERENCE = ("mgpu", "tokamax", "xla")
+_GPU_PREFERENCE = ("mgpu", "tokamax", "te", "xla")
 
 
 class BackendUnavailable(RuntimeError):

@@ -218,3 +218,59 @@ def group_row_blocks_KP(q_PbKB: jax.Array) -> jax.Array:
   """quantize_group_row_blocks's blocks as one [K, P] matrix (the emulation and tests)."""
   pb, k, _ = q_PbKB.shape
   return q_PbKB.transpose(1, 0, 2).reshape(k, pb * BLOCK)
+
+
+# --- MXFP8 (OCP Microscaling, as Blackwell's tensor cores and Transformer Engine's MXFP8_1D_SCALING take it) ---
+#
+# Blocks of 32 consecutive values along a product's contraction dim share one E8M0 scale: a bare power of two,
+# stored as its biased exponent in a byte (2^(e - 127), e in [0, 254]). Values are e4m3. The scale is the
+# smallest power of two s with amax / s <= 448, i.e. 2^ceil(log2(amax / 448)): Transformer Engine rounds the
+# exponent up (its float_to_e8m0), so no value saturates except by the f32 rounding of amax / 448, which the
+# clip to +-448 absorbs (e4m3fn has no infinity: past 464 a cast gives NaN). An all-zero block gets scale 1.
+# Each tensor is quantized along the dim its product contracts: a weight twice (along K for the forward, N for
+# dlhs), an activation along its row for the forward and along its rows (32 of them, within one expert) for dW.
+
+MX_BLOCK = 32
+E8M0_BIAS = 127
+# E8M0 reaches 2^-127, a subnormal float32, which XLA flushes to zero (CPU and GPU): the emulation's smallest
+# scale is 2^-126. Only blocks whose amax is under 448 x 2^-126 (5.3e-36) see it.
+MX_MIN_EXPONENT = -126
+
+
+def mx_exponent(amax: jax.Array) -> jax.Array:
+  """int32 ceil(log2(amax / 448)) clamped to [MX_MIN_EXPONENT, 127]; 0 where amax is 0. Exact, from amax's own
+  frexp (amax / 448 can be subnormal where amax is not): amax = m 2^e with m in [0.5, 1) and 448 = 0.875 2^9, so
+  amax / 448 = (m / 0.875) 2^(e - 9), whose first factor lies in (0.5, 1] for m <= 0.875, else in (1, 2)."""
+  mantissa, exponent = jnp.frexp(amax.astype(jnp.float32))
+  up = exponent - 9 + (mantissa > 0.875).astype(exponent.dtype)
+  return jnp.where(amax > 0, jnp.clip(up, MX_MIN_EXPONENT, E8M0_BIAS), 0).astype(jnp.int32)
+
+
+def quantize_mx(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """x -> (q e4m3, like x; scale_e8m0 uint8, x's shape with `axis` divided by 32): blocks of 32 along `axis`."""
+  axis = axis % x.ndim
+  size = x.shape[axis]
+  if size % MX_BLOCK:
+    raise ValueError(f"MXFP8: the blocked dim = {size} must be a multiple of {MX_BLOCK}")
+  moved = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  blocks = moved.reshape(*moved.shape[:-1], size // MX_BLOCK, MX_BLOCK)
+  exponent = mx_exponent(jnp.max(jnp.abs(blocks), axis=-1))
+  scaled = blocks * jnp.ldexp(jnp.float32(1.0), -exponent)[..., None]  # exact: a power of two
+  q = jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(E4M3).reshape(moved.shape)
+  return jnp.moveaxis(q, -1, axis), jnp.moveaxis((exponent + E8M0_BIAS).astype(jnp.uint8), -1, axis)
+
+
+def dequantize_mx(q: jax.Array, scale_e8m0: jax.Array, axis: int) -> jax.Array:
+  """The float32 values `quantize_mx`'s output stands for."""
+  axis = axis % q.ndim
+  scale = jnp.ldexp(jnp.float32(1.0), scale_e8m0.astype(jnp.int32) - E8M0_BIAS)
+  return q.astype(jnp.float32) * jnp.repeat(scale, MX_BLOCK, axis=axis)
+
+
+def mx_values(x: jax.Array, axis: int) -> jax.Array:
+  """x rounded to MXFP8 along `axis` (zero-padded there to a multiple of 32, then cut back), in float32.
+  Exact in bf16 as well: an e4m3 value times a power of two has 4 significant bits."""
+  size = x.shape[axis % x.ndim]
+  padded = _pad.pad_axes(x, {axis % x.ndim: MX_BLOCK})
+  values = dequantize_mx(*kept(quantize_mx(padded, axis)), axis)
+  return jax.lax.slice_in_dim(values, 0, size, axis=axis % x.ndim)

@@ -44,6 +44,10 @@ def unavailable_reason() -> str | None:
   kind = jax.devices()[0].device_kind
   if "NVIDIA" not in kind:
     return f"tokamax's mosaic ragged_dot needs an NVIDIA GPU; the device here is {kind}"
+  if str(getattr(jax.devices()[0], "compute_capability", "")).startswith("10."):
+    # Its sm100 kernel takes only the default dimension numbers (pallas_mosaic_gpu.py): no dW, and Pallas's
+    # mpmd_map refuses shard_map-varying operands (seen compiling for a compile-only B200).
+    return "tokamax 0.0.17's Blackwell kernel has no dW form (a ragged contraction); moe_gmm_backend=te runs there"
   return None
 
 
