@@ -164,6 +164,11 @@ GPUS: dict[str, Gpu] = {
     ),
 }
 DEFAULT_MEM_FRACTION = Figure(0.75, "jax's default XLA_PYTHON_CLIENT_MEM_FRACTION")
+# Compute beside a collective is not free: NCCL's kernels (and DeepEP's) run on SMs the GEMMs then lack. The planner's
+# walk runs a kernel at (1 - this) of its rate while any NCCL transfer is in flight (host offload's copies, on the
+# copy engines, take none).
+COLLECTIVE_SM_SHARE = Figure(0.20, "reported: ~20% of GEMM efficiency lost beside the EP exchange, DeepEP reserving "
+                             "20 of 132 SMs (Megatron-LM docs, features/moe_a2a_overlap.md, DeepSeek-V3 on H100)")
 
 
 # Model FLOPs utilization (MFU) is measured against the datasheet dense bf16 peak (the convention of

@@ -24,6 +24,7 @@ MESH = {"fsdp": 4}
 ONE_NODE = [0, 0, 0, 0]
 DOT_S = 2 * 256 * 256 * 512 / 1e10  # one f32[256,512] x [512,256] dot
 GATHER_S = 4 * 64 * 512 * 4 * 3 / 4 / 1e9  # all-gather of f32[256,512] over 4 devices: 3/4 of it on the wire
+SLOWED = 0.2 / 0.8  # a kernel beside an NCCL transfer runs at 80% (hardware.COLLECTIVE_SM_SHARE): +25% of that time
 
 
 def _estimate(text: str, **kwargs) -> schedule.StepTerms:
@@ -57,7 +58,9 @@ def test_an_all_gather_with_a_gemm_between_start_and_done_is_overlapped():
   assert DOT_S > GATHER_S  # the GEMM is long enough to hide it
   assert (t.gemm_s, t.collectives_s, t.exposed_s) == (pytest.approx(DOT_S), pytest.approx(GATHER_S), 0.0)
   assert t.overlapped_s == pytest.approx(GATHER_S)
-  assert t.step_s == pytest.approx(DOT_S)
+  # The GEMM shares the SMs with NCCL for the gather's time: no free lunch.
+  assert t.contention_s == pytest.approx(GATHER_S * SLOWED)
+  assert t.step_s == pytest.approx(DOT_S + GATHER_S * SLOWED)
   assert t.rows[("all-gather", ("fsdp",), False)] == pytest.approx([GATHER_S, 0.0, 1])
 
 
@@ -72,7 +75,8 @@ def test_a_transfer_longer_than_the_work_between_is_exposed_for_the_difference()
   t = _estimate(_gather_module(between=DOT, after=""), nodes=[0, 0, 1, 1])
   over_ib = 100 * GATHER_S / 2
   assert t.collectives_s == pytest.approx(over_ib) and over_ib > DOT_S
-  assert t.exposed_s == pytest.approx(over_ib - DOT_S) and t.step_s == pytest.approx(over_ib)
+  # The GEMM runs beside the transfer throughout, at 80%: the transfer hides 1.25 x its FLOPs' time.
+  assert t.exposed_s == pytest.approx(over_ib - DOT_S * (1 + SLOWED)) and t.step_s == pytest.approx(over_ib)
 
 
 def test_a_sync_collective_blocks_the_stream():
@@ -191,7 +195,8 @@ def test_a_gather_started_in_one_trip_and_awaited_in_the_next_is_pipelined():
   slice_s = 2 * 64 * 512 * 4 / 1e9  # each trip's slice: read and written
   assert t.collectives_s == pytest.approx(5 * GATHER_S)  # the prologue's and one per trip
   assert t.exposed_s == pytest.approx(GATHER_S) and not t.notes
-  assert t.step_s == pytest.approx(GATHER_S + 4 * (slice_s + DOT_S))
+  assert t.contention_s == pytest.approx(4 * GATHER_S * SLOWED)  # each trip's work beside the next trip's gather
+  assert t.step_s == pytest.approx(GATHER_S + 4 * (slice_s + DOT_S) + t.contention_s)
   assert t.rows[("all-gather", ("fsdp",), False)][2] == 5
 
 

@@ -23,8 +23,10 @@ collective waits for its link and blocks the stream. A while loop runs its body 
 the inventory's count: XLA's known_trip_count, else its condition's bound): two trips are walked and the second repeated, so a transfer
 started in one trip and awaited in the next counts as pipelined. A conditional takes its slowest branch. The
 step ends when the stream and every transfer have. A pipeline's bubble, a fraction b of the step, adds
-path * b / (1 - b). Not modelled: launch gaps between kernels, GEMMs below the dense rate at small shapes,
-NCCL's kernels taking SMs from compute, two links' transfers sharing a GPU's copy engines.
+path * b / (1 - b). Compute beside a transfer is not free: while any NCCL transfer is in flight, a kernel runs at
+(1 - hardware.COLLECTIVE_SM_SHARE) of its rate (the SMs NCCL's kernels hold), the extra time `contention_s`. Not
+modelled: launch gaps between kernels, GEMMs below the dense rate at small shapes, two links' transfers sharing a
+GPU's copy engines.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Terms:
 
   Attributes:
     seconds: gemm_s, fp8_gemm_s, attention_s, memory_s, collectives_s (every collective's transfer time),
-      exposed_s (what the stream waited for them), offload_s and offload_exposed_s (host offload's copies).
+      exposed_s (what the stream waited for them), offload_s and offload_exposed_s (host offload's copies),
+      contention_s (kernels slowed beside NCCL transfers).
     counts: gemm_flops, fp8_flops (of them, grouped_flops: our grouped GEMMs'), attention_flops,
       memory_bytes, kernels (ops with a cost).
     rows: per collective row key (and ("host-offload", (), False)): [seconds, exposed seconds, count].
@@ -61,7 +64,7 @@ class Terms:
 
   seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
       ("gemm_s", "fp8_gemm_s", "attention_s", "memory_s", "collectives_s", "exposed_s", "offload_s",
-       "offload_exposed_s"), 0.0))
+       "offload_exposed_s", "contention_s"), 0.0))
   counts: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
       ("gemm_flops", "fp8_flops", "grouped_flops", "attention_flops", "memory_bytes", "kernels"), 0.0))
   rows: dict[RowKey, list[float]] = dataclasses.field(default_factory=dict)
@@ -208,11 +211,26 @@ class _Walk:
     if kind in ("gemm_s", "fp8_gemm_s"):
       # GPT-OSS's proxy (dot_product attention): its byte-bound GEMMs add 58 ms to a 434 ms step; the V3 proxy's, 0.5.
       seconds = max(seconds, self._op_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
-    state.clock += seconds
+    share = hardware.COLLECTIVE_SM_SHARE.value
+    slowed = self._beside_transfers(state, seconds) * share / (1.0 - share)
+    state.clock += seconds + slowed
     state.terms.seconds[kind] += seconds
+    state.terms.seconds["contention_s"] += slowed
     state.terms.counts[{"gemm_s": "gemm_flops", "fp8_gemm_s": "fp8_flops", "attention_s": "attention_flops",
                         "memory_s": "memory_bytes"}[kind]] += amount
     state.terms.counts["kernels"] += 1
+
+  @staticmethod
+  def _beside_transfers(state: _State, seconds: float) -> float:
+    """How much of [clock, clock + seconds] some NCCL transfer is in flight (the union over the links)."""
+    end, covered, reach = state.clock + seconds, 0.0, state.clock
+    spans = sorted((max(t.begin, state.clock), min(t.finish, end)) for link, ts in state.on_link.items()
+                   if link != "host" for t in ts)
+    for begin, finish in spans:
+      if finish > max(begin, reach):
+        covered += finish - max(begin, reach)
+        reach = finish
+    return covered
 
   def _collective_of(self, instr: Instr) -> Instr | None:
     """The collective an instruction starts or is (an async-start's wrapped one); None for anything else."""
@@ -393,8 +411,9 @@ class StepTerms:
 
   compute_s = gemm_s + fp8_gemm_s + attention_s + hidden_flops_s; memory_s: memory-bound ops;
   collectives_s = exposed_s + overlapped_s, and host offload's copies apart (offload_s, offload_exposed_s);
-  path_s, the critical path, = compute_s + memory_s + exposed_s + offload_exposed_s (a transfer that
-  outlives the stream's last op is exposed); bubble_s = path_s b / (1 - b); step_s = path_s + bubble_s."""
+  contention_s: what the kernels beside NCCL transfers lose (hardware.COLLECTIVE_SM_SHARE); path_s, the critical
+  path, = compute_s + memory_s + contention_s + exposed_s + offload_exposed_s (a transfer that outlives the
+  stream's last op is exposed); bubble_s = path_s b / (1 - b); step_s = path_s + bubble_s."""
 
   gemm_s: float
   fp8_gemm_s: float
@@ -411,6 +430,7 @@ class StepTerms:
   rows: dict[RowKey, list[float]]
   notes: list[str]
   branches: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # conditional -> the branches walked
+  contention_s: float = 0.0
   grouped_scale: float = 1.0  # our grouped GEMMs' FLOPs counted, of their shapes' (see estimate)
 
   @property
@@ -471,7 +491,7 @@ def estimate(text: str | Module, gpu: hardware.Gpu, mesh_shape: dict[str, int], 
                    offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
                    bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
                    rows=state.terms.rows, notes=sorted(walk.notes | module.described_notes), branches=walk.branches,
-                   grouped_scale=walk.grouped_scale)
+                   grouped_scale=walk.grouped_scale, contention_s=s["contention_s"])
 
 
 if __name__ == "__main__":  # python -m MaxText.plan.schedule HLO.txt h200 '{"fsdp": 8}' [gpus_per_node]

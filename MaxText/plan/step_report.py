@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from MaxText import hardware
 from MaxText.hardware import Figure, Gpu
 from MaxText.plan import schedule
 
@@ -28,6 +29,7 @@ def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,
       "fp8_gemm_s": t.fp8_gemm_s, "attention_s": t.attention_s, "hidden_flops_s": t.hidden_flops_s,
       "memory_s": t.memory_s, "collectives_s": t.collectives_s, "exposed_collectives_s": t.exposed_s,
       "overlapped_collectives_s": t.overlapped_s, "offload_s": t.offload_s, "offload_exposed_s": t.offload_exposed_s,
+      "contention_s": t.contention_s,
       "bubble_s": t.bubble_s, "bubble_fraction": bubble_fraction,
       "serial_step_s": t.compute_s + t.memory_s + t.collectives_s + t.offload_s + t.bubble_s,
       "flops_per_device": t.counts["gemm_flops"] + t.counts["fp8_flops"] + t.counts["attention_flops"],
@@ -103,6 +105,8 @@ def lines(e: dict[str, Any]) -> list[str]:
       f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
       f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
       f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
+      f"  beside NCCL     {ms(e.get('contention_s', 0.0))}  the kernels that ran beside a transfer, slowed by the SMs "
+      f"its kernels hold ({hardware.COLLECTIVE_SM_SHARE.value:.0%}, MaxText/hardware.py)",
       *([f"  host offload    {ms(e['offload_s'])}  exposed {e['offload_exposed_s'] * 1e3:.2f} (PCIe, beside the stream)"]
         if e["offload_s"] else []),
       f"  pipeline bubble {ms(e['bubble_s'])}  (bubble fraction {e['bubble_fraction']:.3g})",

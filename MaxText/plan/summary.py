@@ -81,8 +81,9 @@ def of(report: dict[str, Any], commit: str, date: str) -> dict[str, Any]:
                  "usable_gib": round(v.get("usable_bytes", 0.0) / GiB, 2), "fits": v.get("fits"),
                  "marginal": v.get("marginal"), "host_offloaded_gib": round(report["memory"]["host_offloaded"] / GiB, 2)},
       "step_s": round(e["step_s"], 4), "tflops_per_gpu": round(e["tflops_per_gpu"], 1),
-      "terms_s": {k: round(e[k], 4) for k in ("compute_s", "memory_s", "collectives_s", "exposed_collectives_s",
-                                               "offload_exposed_s", "bubble_s", "serial_step_s")},
+      "terms_s": {k: round(e.get(k, 0.0), 4) for k in ("compute_s", "memory_s", "contention_s", "collectives_s",
+                                                        "exposed_collectives_s", "offload_exposed_s", "bubble_s",
+                                                        "serial_step_s")},
       "sensitivity": [{"label": s["label"], "step_s": round(s["step_s"], 4), "tflops_per_gpu": round(s["tflops_per_gpu"], 1)}
                       for s in e.get("sensitivity", [])],
       "grouped_gemm_shapes_over_counted": round(e["grouped_shapes_flops"] / e["grouped_flops"], 3) if e["grouped_flops"] else None,
