@@ -37,6 +37,7 @@ SEAM_MODULES = (
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
     "patches.pipeline_v3",  # upstream's pipeline with V3's MoE layers: the bias rides with the weights, sown values per layer
+    "patches.cudnn_mla_vmap",  # jax's cuDNN attention under vmap (pipeline stages) with MLA's unequal head sizes
     "patches.pipeline_mtp",  # MTP after the pipeline on each stage's share of the batch (our block), not gathered whole
     "patches.train_schedule",  # token-count switches: bias-update rate -> 0, MTP loss weight (train_step)
     "patches.moe_profile",  # upstream's profiler step hooks: a one-step trace every N steps -> moe_time/ scalars

@@ -22,11 +22,15 @@ class UpstreamMismatch(RuntimeError):
   """The installed upstream is not the one a patch was written for."""
 
 
-def installed_maxtext_version() -> str:
+def installed_package_version(package: str) -> str:
   try:
-    return importlib.metadata.version("maxtext")
+    return importlib.metadata.version(package)
   except importlib.metadata.PackageNotFoundError:
     return "not installed"
+
+
+def installed_maxtext_version() -> str:
+  return installed_package_version("maxtext")
 
 
 def source_sha256(obj: Any) -> str:
@@ -52,7 +56,9 @@ class Seam:
     attr: attribute path inside it, e.g. "gmm" or "MetricLogger.write_metrics".
     sha256: `source_sha256` of the target in maxtext UPSTREAM_VERSION; None for
       targets with no Python source (then only the version is checked).
-    version: the upstream version the seam was written for.
+    version: the version of `package` the seam was written for.
+    package: the distribution whose version is checked: maxtext, or jax for a seam inside jax that
+      maxtext's pin does not decide (patches/cudnn_mla_vmap.py).
   """
 
   name: str
@@ -60,6 +66,7 @@ class Seam:
   attr: str
   sha256: str | None
   version: str = UPSTREAM_VERSION
+  package: str = "maxtext"
   _original: Any = field(default=None, init=False, repr=False)
   _replacement: Any = field(default=None, init=False, repr=False)
 
@@ -69,12 +76,13 @@ class Seam:
 
   def check(self, installed_version: str | None = None) -> None:
     """Raises UpstreamMismatch, naming both versions, if the target moved."""
-    have = installed_version or installed_maxtext_version()
+    have = installed_version or installed_package_version(self.package)
     where = f"{self.module}.{self.attr}"
+    pkg = self.package
     if have != self.version:
       raise UpstreamMismatch(
-          f"patch '{self.name}' targets maxtext {self.version} ({where}), but maxtext {have} is installed; "
-          f"install maxtext=={self.version} (see requirements/lock.txt) or port the patch"
+          f"patch '{self.name}' targets {pkg} {self.version} ({where}), but {pkg} {have} is installed; "
+          f"install {pkg}=={self.version} (see requirements/lock.txt) or port the patch"
       )
     if self.sha256 is None or self.applied:  # applied: checked then; the attribute is now ours
       return
@@ -82,13 +90,13 @@ class Seam:
       got = source_sha256(self.target())
     except (AttributeError, ImportError, OSError, TypeError) as e:
       raise UpstreamMismatch(
-          f"patch '{self.name}' targets {where} in maxtext {self.version}, but it cannot be read in the "
-          f"installed maxtext {have}: {e}"
+          f"patch '{self.name}' targets {where} in {pkg} {self.version}, but it cannot be read in the "
+          f"installed {pkg} {have}: {e}"
       ) from e
     if got != self.sha256:
       raise UpstreamMismatch(
-          f"patch '{self.name}': {where} differs from maxtext {self.version}'s (source hash {got}, "
-          f"expected {self.sha256}) in the installed maxtext {have}; re-read the seam before patching"
+          f"patch '{self.name}': {where} differs from {pkg} {self.version}'s (source hash {got}, "
+          f"expected {self.sha256}) in the installed {pkg} {have}; re-read the seam before patching"
       )
 
   @property

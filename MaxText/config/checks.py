@@ -171,13 +171,7 @@ def check_pipeline(run: RunConfig, config: Any) -> None:
   """Pipeline settings that would fail deep in jax, or train MoE layers wrong without a word (patches/pipeline_v3.py)."""
   if not config.using_pipeline_parallelism:
     return
-  qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-  if config.attention == "cudnn_flash_jax" and config.attention_type == "mla" and qk_dim != config.v_head_dim:
-    # Seen compiling the 2-node proxy for compile-only H200s: "cannot reshape array of shape (2, 16, 4096, 128, 128)".
-    raise ConfigError(f"config key 'attention' = 'cudnn_flash_jax' ({_origin(run, 'attention')}) cannot run in "
-                      "pipeline stages: jax 0.11.2's batching rule for cuDNN attention reshapes the values with the "
-                      f"keys' head size (fused_attention_stablehlo.py ~844), and MLA's differ ({qk_dim} against "
-                      f"{config.v_head_dim}); use attention=dot_product, or cudnn_flash_te with Transformer Engine")
+  # attention=cudnn_flash_jax with MLA's unequal head sizes runs in the stages: patches/cudnn_mla_vmap.py.
   if config.num_experts <= 1:
     return
   if config.pipeline_fsdp_ag_per_repeat:
