@@ -174,3 +174,47 @@ def test_a_closed_loops_echo_on_another_thread_is_dropped_and_every_other_error_
     assert [v for _, v in shown] == [closed, other, plain_closed, closed, closed]
   else:  # the same words raised anywhere but call_soon_threadsafe still show
     assert shown == [("sys", other), ("sys", plain_closed), ("sys", closed)]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_tensorstores_callbacks_into_a_closed_loop_print_nothing_and_other_unraisable_errors_show(monkeypatch,
+                                                                                                  tmp_path, verbose):
+  """What a disk that fills during an async save printed before our line (76 tracebacks of 6 lines, one a write):
+  orbax closes its event loop, tensorstore completes the writes in flight and calls each one's callback,
+  asyncio's call_soon_threadsafe, from C; the loop refuses it, and tensorstore reports the error as unraisable
+  (sys.unraisablehook, which the hooks did not wrap). Real tensorstore writes here, their callbacks a closed loop's;
+  a callback failing another way still shows, and verbose shows all."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+  shown = []
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: shown.append(value))
+  monkeypatch.setattr(threading, "excepthook", lambda args: shown.append(args.exc_value))
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: shown.append(unraisable.exc_value))
+  quiet.closed_loop_hooks(verbose)
+  loop = asyncio.new_event_loop()
+  loop.close()
+  other = RuntimeError("a callback that failed another way")
+
+  def fails_otherwise(_future):
+    raise other
+
+  spec = {"driver": "zarr", "kvstore": f"file://{tmp_path}/", "metadata": {"shape": [4096], "dtype": "<i4",
+                                                                            "chunks": [1024]}}
+  array = ts.open(spec, create=True).result()
+  for callback in (loop.call_soon_threadsafe, loop.call_soon_threadsafe, fails_otherwise):
+    write = array.write(np.arange(4096, dtype=np.int32))
+    write.commit.add_done_callback(callback)
+    write.commit.result()
+  deadline = time.monotonic() + 10
+  while len(shown) < (3 if verbose else 1) and time.monotonic() < deadline:  # a callback may run just after
+    time.sleep(0.05)
+  if verbose:
+    assert [str(e) for e in shown] == ["Event loop is closed", "Event loop is closed", str(other)]
+  else:
+    assert shown == [other]

@@ -52,6 +52,25 @@ def test_a_read_only_disk_mid_run_is_not_called_full(tmp_path):
   assert full.startswith(f"storage full: could not write {path}: No space left on device; "), full
 
 
+def test_a_full_disk_met_first_by_tensorboard_while_an_async_save_is_written_names_the_save(tmp_path):
+  """A disk that fills during an async save: TensorBoard's next write in the main thread fails first, but the
+  writes that filled the disk were the save's, and the exit does not wait for it. The line names the checkpoint
+  write (before: only the TensorBoard file); with no save in flight it names the file that failed, as before."""
+  run_dir = tmp_path / "run"
+  events = run_dir / "tensorboard" / "run" / "events.out.tfevents.1.vm"
+  (run_dir / "checkpoints" / "8.orbax-checkpoint-tmp-1796614770").mkdir(parents=True)
+  (run_dir / "checkpoints" / "unrelated.orbax-checkpoint-tmp-1").mkdir()
+  line = disk_full.line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(events)), run_dir, False)
+  assert line.startswith(f"checkpoint not saved: the disk filled while checkpoint 8 was being written to "
+                         f"{run_dir / 'checkpoints'} in the background ({events} could not be written either: No space "
+                         "left on device); "), line
+  assert line.endswith("the last complete checkpoint (none) is kept; summary.json not written; free space or move "
+                       "base_output_directory"), line
+  (run_dir / "checkpoints" / "8.orbax-checkpoint-tmp-1796614770").rmdir()
+  assert disk_full.line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(events)), run_dir).startswith(
+      f"storage full: could not write {events}: No space left on device; ")
+
+
 SUMMARY_PAST_THE_LIMIT = r"""
 import json, resource, signal, sys
 from pathlib import Path

@@ -5,7 +5,9 @@ TensorBoard's events (patches/tensorboard.py writes them in the caller's thread)
 a checkpoint (patches/checkpoint_guard.SaveFailed), the lock, the run's records and summary.json all
 land on the same disk. Whichever write fails first, MaxText/run/loop.py turns it into one line: what could
 not be written, where, how much is free there, and the last complete checkpoint, which is kept (a save
-that failed leaves no step a resume would take: MaxText/checkpoints/records.py). The process then exits
+that failed leaves no step a resume would take: MaxText/checkpoints/records.py). Where an async save is
+still being written, the line names it: the disk most likely filled under its writes, and the exit does
+not wait for it. The process then exits
 without waiting for writer threads or atexit handlers (a full disk once left one waiting forever).
 """
 
@@ -66,5 +68,20 @@ def line(e: BaseException, run_dir: Path, summary_written: bool | None = None) -
   if reason.startswith(UNWRITABLE):  # a disk remounted read-only, permissions: not a lack of space
     return (f"storage not writable: could not write {path}: {reason}; {kept}; make it writable or move "
             "base_output_directory")
-  return (f"storage full: could not write {path}: {reason}; {shutil.disk_usage(probe).free / 2**20:.1f} MiB free "
-          f"there; {kept}; free space or move base_output_directory")
+  free = f"{shutil.disk_usage(probe).free / 2**20:.1f} MiB free there"
+  saving = saves_in_flight(run_dir)
+  if saving:  # the write that filled the disk was most likely the save's; this one only came first to the line
+    return (f"checkpoint not saved: the disk filled while checkpoint {saving[-1]} was being written to "
+            f"{run_dir / 'checkpoints'} in the background ({path} could not be written either: {reason}); {free}; "
+            f"{kept}; free space or move base_output_directory")
+  return f"storage full: could not write {path}: {reason}; {free}; {kept}; free space or move base_output_directory"
+
+
+def saves_in_flight(run_dir: Path) -> list[int]:
+  """The steps orbax is still writing (async_checkpointing: <step>.orbax-checkpoint-tmp*), oldest first: the exit
+  that follows a storage failure does not wait for them, so none of them is saved."""
+  from MaxText.checkpoints import records  # pylint: disable=import-outside-toplevel
+
+  root = run_dir / "checkpoints"
+  found = (p.name.split(records.IN_FLIGHT)[0] for p in root.glob(f"*{records.IN_FLIGHT}*")) if root.is_dir() else ()
+  return sorted({int(step) for step in found if step.isdigit()})

@@ -14,10 +14,11 @@ through the logging levels, not prints:
   UpstreamNoise                 orbax's per-file INFO lines and a full disk's tracebacks from orbax's writer
                                 threads (our one line says it), in any mode; without verbose, the upstream
                                 warnings a user cannot act on (upstream's own deprecated call into orbax)
-  closed_loop_hooks             without verbose, "Event loop is closed" from tensorstore's threads: an async
+  closed_loop_hooks             without verbose, "Event loop is closed" from tensorstore's callbacks: an async
                                 save that failed (a full disk) leaves tensorstore completing writes whose
                                 callbacks find orbax's loop closed; each printed a traceback (PyErr_Print, so
-                                sys.excepthook) before our line (tests/test_reliability_cases.py, async saves)
+                                sys.excepthook, or unraisable) on whichever thread tensorstore completed the
+                                write from, the main one included (tests/test_quiet.py)
 
 `verbose=true` keeps absl at INFO, as upstream runs. Upstream's bare prints are the patches' business
 (patches/quiet_notices.py, released here by import_notices; patches/quiet_tflops.py).
@@ -33,6 +34,7 @@ import threading
 from MaxText.console import ending
 
 CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+ASYNCIO_LOOP_FILE = os.path.join("asyncio", "base_events.py")  # where call_soon_threadsafe refuses a closed loop
 
 # Upstream warnings that say nothing a user can change: upstream 0.2.5 passes dataset_type to its own checkpointer
 # factory (maxtext/common/checkpointing.py ~551), which then warns that the argument is deprecated.
@@ -110,25 +112,29 @@ def install_filter(verbose: bool) -> None:
   absl.addFilter(UpstreamNoise(verbose))
 
 
-def _a_closed_loop_off_the_main_thread(exc: BaseException | None) -> bool:
-  """asyncio's refusal of a callback from another thread after its loop closed: the echo of a write orbax
-  abandoned, whose own error reaches us (and our line) through orbax."""
+def _a_closed_loops_echo(exc: BaseException | None) -> bool:
+  """asyncio's refusal of a callback after its loop closed: the echo of a write orbax abandoned, whose own error
+  reaches us (and our line) through orbax. Either called from C (a tensorstore callback: asyncio's
+  call_soon_threadsafe is the outermost frame, nothing of Python's above it, on whichever thread tensorstore
+  completed the write from, the main thread too) or raised through it off the main thread."""
   if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
     return False
-  if threading.current_thread() is threading.main_thread():
-    return False  # the main thread's own errors always show
   frames = []
   tb = exc.__traceback__
   while tb is not None:
-    frames.append(tb.tb_frame.f_code.co_name)
+    frames.append((tb.tb_frame.f_code.co_name, tb.tb_frame.f_code.co_filename))
     tb = tb.tb_next
-  return "call_soon_threadsafe" in frames
+  if frames and frames[0][0] == "call_soon_threadsafe" and frames[0][1].endswith(ASYNCIO_LOOP_FILE):
+    return True
+  if threading.current_thread() is threading.main_thread():
+    return False  # the main thread's own errors always show
+  return any(name == "call_soon_threadsafe" for name, _ in frames)
 
 
 def closed_loop_hooks(verbose: bool) -> None:
-  """sys.excepthook and threading.excepthook drop _a_closed_loop_off_the_main_thread, unless verbose; every
+  """sys.excepthook, threading.excepthook and sys.unraisablehook drop _a_closed_loops_echo, unless verbose; every
   other error prints as before. Idempotent."""
   if verbose or getattr(sys.excepthook, "closed_loop_quiet", False):
     return
-  ending.drop_errors(_a_closed_loop_off_the_main_thread)  # for the process: no undo
+  ending.drop_errors(_a_closed_loops_echo, lambda unraisable: _a_closed_loops_echo(unraisable.exc_value))  # no undo
   sys.excepthook.closed_loop_quiet = True
