@@ -10,8 +10,8 @@ Per GPU and step, T = per_device_batch_size x max_target_length tokens a microba
                and nu over data too and adds the bf16 copy upstream gathers; the remat checkpoints (each layer's
                input; in a pipeline every iteration's, R M + S - 1 of T S / M tokens, and upstream's stage and
                circular buffers, 2 T S); the largest transient (analytic_memory's MoE / MLA / logits working
-               sets, dot_product attention's scores and their gradient under a pipeline, where cuDNN attention
-               is refused) and two layers' gathered weights in bf16 (this layer's and the prefetched next)
+               sets; cuDNN attention keeps no scores, in pipeline stages too: patches/cudnn_mla_vmap.py) and two
+               layers' gathered weights in bf16 (this layer's and the prefetched next)
   FSDP         each weight group all-gathered over its FSDP-like axes (the routed experts over fsdp, the rest
                over fsdp x expert) twice a layer run (forward, the backward's recompute) and reduce-scattered
                once, in the compute dtype (analytic_comms' forms); a pipeline gathers its stage's layer at every
@@ -24,10 +24,8 @@ Per GPU and step, T = per_device_batch_size x max_target_length tokens a microba
                stage 1 carrying a token to min(K, N, M) nodes, not K experts; moe_fp8 sends the passes towards
                the experts in e4m3 (1 + 4/128 B a value, MaxText/moe/fp8_dispatch.py); the stage permutes
   compute      MaxText's FLOPs a GPU a step plus the remat recompute (flops.recompute_flops) at the measured
-               GEMM rate, cuDNN attention at its rate, the routed experts at the FP8 rate under moe_fp8; under a
-               pipeline, dot_product attention: the full S x S scores at the GEMM rate and 32 B a score through
-               HBM (forward 8, backward 16, recompute 8); the pipelined layers' share / (1 - bubble),
-               bubble = (S - 1) / (R M + S - 1)
+               GEMM rate, cuDNN attention at its rate (in pipeline stages too), the routed experts at the FP8
+               rate under moe_fp8; the pipelined layers' share / (1 - bubble), bubble = (S - 1) / (R M + S - 1)
   memory-bound the recipe's compiled plan's (configs/recipes/plans/), the same for every layout; 0 without one
   fits         the arithmetic x the compiler's bytes over the arithmetic's for the run's own layout (its compiled
                plan's; 1.39-2.82 on the six 671B recipes: XLA's gathered float32 layers, the gradient
@@ -51,7 +49,6 @@ from MaxText.plan import analytic_comms, analytic_memory
 
 ACT = 2  # bytes of a bf16 activation or gathered weight
 FP8_ROW = 1 + 4 / 128  # bytes a value of an e4m3 row with its f32 scale per 128 (MaxText/moe/fp8_dispatch.py)
-SCORE_BYTES = 32  # dot_product attention: HBM bytes a score a layer run (forward 8, backward 16, recompute 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +143,13 @@ def memory(s: Shape, l: Layout) -> tuple[float, list[str]]:
   host = kept if offloaded else 0.0
   kept = 0.0 if offloaded else kept
   work = analytic_memory.estimate({**c, "per_device_batch_size": max(t, t_micro) / seq}, s.gpus)[1].transient
-  scores = 0.0
-  if l.stages > 1:  # dot_product attention: heads x seq^2 bf16 scores and their gradient, a sequence at a time
-    scores = max(l.batch, l.batch * l.stages // l.pipeline_micro) * c["base_num_query_heads"] * seq**2 * ACT * 2
   gathered = 2 * (per["routed"] / ep + per["moe_other"]) * ACT
-  out = states + kept + buffers + work + scores + gathered
+  out = states + kept + buffers + work + gathered
   gb = lambda x: f"{x / 2**30:.1f}"  # noqa: E731
   lines = [f"states {gb(states)} GiB ({params / 1e9:.3f}B params a GPU x {w}+{g}+({mu}+{w})/{opt_split}"
            f"{'+2 (ZeRO-1 bf16 copy)' if l.zero1 else ''} B)",
            f"checkpoints {gb(kept)} GiB{f' (+{gb(host)} GiB in host memory)' if host else ''}, pipeline buffers "
-           f"{gb(buffers)}, working set {gb(work)}, attention scores {gb(scores)}, gathered layers {gb(gathered)}",
+           f"{gb(buffers)}, working set {gb(work)}, gathered layers {gb(gathered)}",
            f"total {gb(out)} GiB of {gb(s.usable_bytes)} usable"]
   return out, lines
 
@@ -304,15 +298,8 @@ def estimate(s: Shape, l: Layout) -> Estimate:
   attention = s.attention_flops * (4 / 3 if recompute else 1)  # the recompute runs its forward again
   gemm = s.model_flops + recompute - attention - (routed if l.fp8 else 0.0)
   compute = gemm / gpu.gemm_flops.value + (routed / gpu.fp8_grouped_flops.value if l.fp8 else 0.0)
+  compute += attention / gpu.attention_flops.value  # cuDNN's, in pipeline stages too (patches/cudnn_mla_vmap.py)
   memory_bound = s.memory_bound_s
-  if l.stages > 1:  # dot_product attention: the full scores (twice causal's FLOPs) as GEMMs, the scores through HBM
-    compute += 2 * attention / gpu.gemm_flops.value
-    layers = c["base_num_decoder_layers"] + int(c.get("mtp_num_layers", 0))
-    sequences = l.batch * l.accum  # a GPU a step
-    memory_bound += (SCORE_BYTES * c["base_num_query_heads"] * c["max_target_length"] ** 2 * layers * sequences
-                     / gpu.hbm_bandwidth.value)
-  else:
-    compute += attention / gpu.attention_flops.value
   share = pipelined_layers(l) / (c["base_num_decoder_layers"] + int(c.get("mtp_num_layers", 0)))
   stretch = share * bubble(l) / (1 - bubble(l))  # the pipelined share's bubble iterations
   bubble_s = (compute + memory_bound) * stretch

@@ -5,7 +5,7 @@ The class enumerated (MaxText/plan/layout_cost.py's Layout): every GPU of a node
   pipeline      S = 1, 2, 4, 8, 16 stages (dcn_pipeline_parallelism), S x R of the MoE layers pipelined, one a
                 stage a repeat (pipeline_parallel_layers, num_pipeline_repeats), M = S j pipeline microbatches
                 with j dividing the per-GPU batch (num_pipeline_microbatches; a microbatch holds whole sequences);
-                attention=dot_product (cuDNN attention is refused in stages, MaxText/config/checks.py)
+                the run's attention (cuDNN's runs in stages with MLA: patches/cudnn_mla_vmap.py)
   EP            8 x k GPUs, k = 1, 2, 4, 8 nodes (dcn_expert_parallelism); across nodes flat (a2a_padded) or
                 two-level (moe_dispatch_backend=hierarchical), with or without node-limited routing
   the rest      fsdp x data over the nodes left (every split; data > 1 is HSDP), ZeRO-1 where data > 1
@@ -220,7 +220,7 @@ def overrides(s: Shape, l: Layout) -> dict[str, Any]:
       "dcn_pipeline_parallelism": l.stages, "per_device_batch_size": l.batch, "gradient_accumulation_steps": l.accum}
   if l.stages > 1:
     out.update(pipeline_parallel_layers=layout_cost.pipelined_layers(l), num_pipeline_repeats=l.repeats,
-               num_pipeline_microbatches=l.pipeline_micro, attention="dot_product")
+               num_pipeline_microbatches=l.pipeline_micro)
   if l.zero1:
     out["shard_optimizer_over_data"] = True
   if l.remat == "full":
