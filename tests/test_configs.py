@@ -111,6 +111,33 @@ def test_cli_value_is_read_back_exactly_by_omegaconfs_command_line_parser(value)
   assert omegaconf.OmegaConf.from_cli([f"k={fork_config.cli_value(value)}"])["k"] == value
 
 
+def test_print_config_writes_an_emoji_as_key_value_reads_it_back(upstream_patched, tmp_path):  # pylint: disable=unused-argument,redefined-outer-name
+  """--print-config's values are what key=value reads back: an emoji as YAML's \\U escape (before, JSON's surrogate
+  pair, "\\ud83d\\ude80", which YAML refuses)."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  from MaxText.config import report  # pylint: disable=import-outside-toplevel
+
+  run = fork_config.load(["configs/deepseek3-tiny.yml", f"run_name={NAME}", f"base_output_directory={tmp_path}"])
+  lines = dict(line.split("  # ")[0].split(" = ", 1) for line in report.print_config(run) if not line.startswith("#"))
+  assert "\\ud83d" not in lines["run_name"] and yaml.safe_load(lines["run_name"]) == NAME
+  assert omegaconf.OmegaConf.from_cli([f"jax_cache_dir={lines['jax_cache_dir']}"])["jax_cache_dir"] == str(
+      tmp_path / NAME / "jax_cache")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("base_config: deepseek3-tiny.yml\nsteps: 3\n\tlog_period: 1\n",
+     "line 3 is indented with a tab; YAML indents with spaces only"),  # before: "while scanning a plain scalar"
+    ("base_config: deepseek3-tiny.yml\nsteps: [3\n", "line 3, column 1: did not find expected ',' or ']'"),
+])
+def test_a_yaml_that_does_not_parse_is_one_line_naming_the_line(text, says, tmp_path):
+  path = tmp_path / "bad.yml"
+  path.write_text(text)
+  with pytest.raises(fork_config.ConfigError) as e:
+    fork_config.load([str(path)])
+  assert str(e.value) == f"cannot parse {path}: {says}"
+
+
 def test_an_override_that_is_not_utf8_is_one_line():
   with pytest.raises(fork_config.ConfigError, match=r"override 'run_name=a\\udcff' is not UTF-8 text"):
     fork_config.load(["configs/deepseek3-tiny.yml", b"run_name=a\xff".decode("utf-8", "surrogateescape")])

@@ -87,7 +87,7 @@ def cli_value(value: Any) -> str:
     high, low = int(m.group(1), 16), int(m.group(2), 16)
     return f"\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
 
-  return _JSON_ESCAPE.sub(one, json.dumps(value))
+  return _JSON_ESCAPE.sub(one, json.dumps(value, default=str))
 
 
 def _resolve_base(name: str, relative_to: Path) -> Path | None:
@@ -111,7 +111,7 @@ def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = (), origins: dict[str,
   except FileNotFoundError as e:
     raise ConfigError(f"config file not found: {path}") from e
   except Exception as e:  # yaml.YAMLError and friends: report the file and the parser's word
-    raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from e
+    raise ConfigError(f"cannot parse {path}: {_parse_problem(path, e)}") from e
   if not isinstance(cfg, omegaconf.DictConfig):
     raise ConfigError(f"{path} must hold a mapping of key: value, not a {type(cfg).__name__}")
   merged = omegaconf.OmegaConf.create({})
@@ -129,6 +129,19 @@ def load_yaml_chain(path: Path, _seen: tuple[Path, ...] = (), origins: dict[str,
   if origins is not None:
     origins.update((str(k), str(path)) for k in cfg.keys())
   return _resolved(omegaconf.OmegaConf.merge(merged, cfg), str(path))
+
+
+def _parse_problem(path: Path, e: Exception) -> str:
+  """The parser's problem where it found it (line and column, counted from 1), not its context ("while scanning a
+  plain scalar"); a tab in a line's indentation named as such (YAML indents with spaces only)."""
+  mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+  if mark is None or not problem:
+    return str(e).splitlines()[0]
+  lines = path.read_text(errors="replace").splitlines()
+  line = lines[mark.line] if mark.line < len(lines) else ""
+  if "\t" in line[:len(line) - len(line.lstrip())]:
+    return f"line {mark.line + 1} is indented with a tab; YAML indents with spaces only"
+  return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _yaml_value(value: Any) -> str:

@@ -127,7 +127,8 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
   sources = _sources(run, composed)
   lines = [f"# config {run.config_path}", "# maxtext-moe keys"]
   for name, value in run.fork.model_dump().items():
-    lines.append(f"{name} = {json.dumps(value)}  # {sources.get(name, 'maxtext-moe default')}")
+    # cli_value: what key=value reads back (an emoji as YAML's \U escape, not JSON's surrogate pair)
+    lines.append(f"{name} = {fork_config.cli_value(value)}  # {sources.get(name, 'maxtext-moe default')}")
 
   # Printing a config never joins a job: upstream would start jax.distributed while it resolves
   # (on CPU from XPK's variables), so it resolves without, and the run's own value is shown.
@@ -146,7 +147,7 @@ def print_config(run: fork_config.RunConfig) -> list[str]:
       source = "upstream base.yml" if base[name] == final[name] else "upstream, derived (base.yml has another value)"
     else:
       source = "upstream, derived"
-    lines.append(f"{name} = {json.dumps(final[name], default=str)}  # {source}")
+    lines.append(f"{name} = {fork_config.cli_value(final[name])}  # {source}")
   return lines
 
 
