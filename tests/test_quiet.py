@@ -218,3 +218,14 @@ def test_tensorstores_callbacks_into_a_closed_loop_print_nothing_and_other_unrai
     assert [str(e) for e in shown] == ["Event loop is closed", "Event loop is closed", str(other)]
   else:
     assert shown == [other]
+
+
+def test_orbax_removing_an_unfinished_saves_folder_is_said_once_in_our_words():
+  """Orbax warns (atomicity.py) as it removes the folder of a save the last run cut short, when that step is saved
+  again; the resume already said so in one line (MaxText/checkpoints/resume.py incomplete_saves). verbose shows it."""
+  message = ("Attempted to create temporary directory /run/checkpoints/8.orbax-checkpoint-tmp-1796614770 which "
+             "already exists. Removing existing directory since it is not finalized.")
+  record = _record(logging.WARNING, message, path="/site-packages/orbax/checkpoint/_src/path/atomicity.py")
+  assert not quiet.UpstreamNoise(False).filter(record) and quiet.UpstreamNoise(True).filter(record)
+  other = _record(logging.WARNING, "Attempted something else", path="/site-packages/orbax/checkpoint/_src/path/atomicity.py")
+  assert quiet.UpstreamNoise(False).filter(other)

@@ -36,9 +36,13 @@ from MaxText.console import ending
 CPP_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 ASYNCIO_LOOP_FILE = os.path.join("asyncio", "base_events.py")  # where call_soon_threadsafe refuses a closed loop
 
-# Upstream warnings that say nothing a user can change: upstream 0.2.5 passes dataset_type to its own checkpointer
-# factory (maxtext/common/checkpointing.py ~551), which then warns that the argument is deprecated.
-UNACTIONABLE = ("Specifying dataset_type upon checkpointer creation is deprecated",)
+# Upstream warnings that say nothing a user can change, or that ours say already: upstream 0.2.5 passes dataset_type
+# to its own checkpointer factory (maxtext/common/checkpointing.py ~551), which then warns that the argument is
+# deprecated.
+# Orbax's warning as it removes the folder of a save the last run never finished (atomicity.py, on the next save of
+# that step): our resume already said it in its words (MaxText/checkpoints/resume.py incomplete_saves).
+UNACTIONABLE = ("Specifying dataset_type upon checkpointer creation is deprecated",
+                "which already exists. Removing existing directory since it is not finalized")
 
 # Upstream INFO lines a user must see at any verbosity: a step that overflowed its ragged buffer and was run again
 # by the dropless program (maxtext/trainers/pre_train/train.py, moe_dropless_fallback=step). The step's own
