@@ -75,6 +75,35 @@ def test_an_async_all_reduce_counts_its_transfer_once():
   assert checked["ok"], checked["violations"]
 
 
+SCALAR_ALL_REDUCE = """\
+    HloModule m, is_scheduled=true
+
+    %add (a: f32[], b: f32[]) -> f32[] {
+      %a = f32[] parameter(0)
+      %b = f32[] parameter(1)
+      ROOT %s = f32[] add(%a, %b)
+    }
+
+    ENTRY %main (v: f32[32], s: f32[]) -> f32[32] {
+      %v = f32[32]{0} parameter(0)
+      %s = f32[] parameter(1)
+      %three = (f32[32]{0}, f32[], f32[32]{0}, f32[], u32[], u32[]) all-reduce-start(%v, %s), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+      %three_done = (f32[32]{0}, f32[]) all-reduce-done(%three)
+      ROOT %r = f32[32]{0} get-tuple-element(%three_done), index=0
+    }
+    """
+
+
+def test_an_async_all_reduce_with_a_scalar_operand_counts_its_transfer_once():
+  """Operands then results, one of them a scalar (a loss, a norm): the results are the transfer, 32 floats and one
+  (before: the scalars left out of the comparison, the pair read as results alone and counted twice)."""
+  from test_plan_account import _both
+
+  _, rows, checked, _ = _both(SCALAR_ALL_REDUCE)
+  assert rows["all-reduce"]["count"] == 1 and rows["all-reduce"]["bytes"] == 32 * 4 + 4
+  assert checked["ok"], checked["violations"]
+
+
 # --- the sensitivity line: each variant scales the link it names, one way ------------------------------------------
 
 LINKS = [(kind, across) for kind in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
@@ -167,7 +196,7 @@ def test_the_microbatch_loop_counts_from_its_init_and_adds_up_to_the_config():
              for n in inv["inventory_notes"])
   comps, entry = hlo_inventory.parse_module(text)
   loops = account.microbatches(comps, entry, 10)
-  assert loops == {"expected": 10, "loop": "mb", "trips": 8, "peeled": 2, "walked": 10}
+  assert loops == {"expected": 10, "loop": "mb", "trips": 8, "per_trip": 1, "peeled": 2, "walked": 10}
   estimate = step_report.report(terms, 1.0, 0.0)
   ok = account.check(list(rows.values()), terms.rows, estimate, loops)
   assert ok["ok"] and any("10 microbatches walked" in line for line in ok["lines"])
@@ -175,6 +204,44 @@ def test_the_microbatch_loop_counts_from_its_init_and_adds_up_to_the_config():
   assert not wrong["ok"] and wrong["violations"] == [
       "microbatch loop mb: 8 trips + 2 peeled = 10 microbatches walked, gradient_accumulation_steps 11"]
   assert account.microbatches(comps, entry, 1) is None  # one microbatch: nothing to check
+
+
+def test_a_double_buffered_microbatch_loop_counts_two_microbatches_a_trip():
+  """XLA's double buffering unrolls the gradient-accumulation loop's body twice (two layer scans a trip, its
+  induction variable stepping by 2): 4 trips of 2 and the 2 peeled are the config's 10 (before: 4 + 1 = 5 walked,
+  a violation of a correct program)."""
+  from MaxText.plan import account, hlo_inventory
+
+  text = textwrap.dedent(PEELED).replace(
+      "  ROOT %r = (s32[], f32[64,512]{1,0}) copy(%scan)\n",
+      '  %scan2 = (s32[], f32[64,512]{1,0}) while(%scan), condition=%scan_cond, body=%scan_body, '
+      'backend_config={"known_trip_count":{"n":"4"}}\n  ROOT %r = (s32[], f32[64,512]{1,0}) copy(%scan2)\n')
+  text = text.replace('body=%mb_body, backend_config={"known_induction_variable":{"tuple_index":"0"}}',
+                      'body=%mb_body, backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"1","step":"2"}}')
+  assert text.count("while(") == 5
+  comps, entry = hlo_inventory.parse_module(text)
+  loops = account.microbatches(comps, entry, 10)
+  assert loops == {"expected": 10, "loop": "mb", "trips": 4, "per_trip": 2, "peeled": 2, "walked": 10}
+  lines, violations = account._loop_lines(loops, None)  # pylint: disable=protected-access
+  assert violations == [] and lines == ["microbatch loop mb: 4 trips x 2 (double-buffered) + 2 peeled = 10 "
+                                        "microbatches walked, gradient_accumulation_steps 10"]
+
+
+def test_a_pipeline_loop_without_a_trip_count_is_not_checked_rather_than_violated():
+  """One compiled pipeline loop with XLA's trip count, which agrees with the schedule, and one without: nothing holds
+  the second to the schedule, so the account says "not checked" (before: a violation, exit 9)."""
+  from MaxText.plan import account, bubble
+
+  sched = {"iterations": 11}
+  both = bubble.cross_check(sched, [{"trip_count": 11, "step": 1}, {"trip_count": None, "step": 1}])
+  assert both["agrees"] and both["unchecked"] and bubble.verdict(both) == "not checked"
+  lines, violations = account._loop_lines(None, both)  # pylint: disable=protected-access
+  assert violations == [] and lines == ["pipeline not checked: a compiled pipeline loop has no known trip count "
+                                        "(XLA's backend_config): cannot check the schedule's 11"]
+  wrong = bubble.cross_check(sched, [{"trip_count": 10, "step": 1}, {"trip_count": None, "step": 1}])
+  assert bubble.verdict(wrong) == "DISAGREE"  # a known count that misses is a violation whatever the rest
+  assert account._loop_lines(None, wrong)[1] == [  # pylint: disable=protected-access
+      "pipeline: compiled pipeline loops cover [10] iterations, the schedule 11"]
 
 
 def test_a_pipeline_whose_compiled_loops_disagree_with_its_schedule_violates_the_account():

@@ -45,25 +45,37 @@ def _iterations(loop: dict[str, Any]) -> int | None:
 
 
 def cross_check(sched: dict[str, Any], loops: list[dict[str, Any]]) -> dict[str, Any]:
-  """The compiled pipeline loops' iterations against the schedule's."""
+  """The compiled pipeline loops' iterations against the schedule's: `agrees` over the loops with a known trip
+  count, `unchecked` where one has none."""
   want = sched["iterations"]
   covered = sorted({n for n in map(_iterations, loops) if n is not None})
+  known = [l for l in loops if l["trip_count"] is not None]
+  unchecked = len(known) < len(loops)  # a loop without a trip count: held to nothing, neither agreeing nor not
   # A loop agrees when it runs the schedule's iterations, less the remainder double buffering peels off (< step).
-  agrees = bool(loops) and all(_iterations(l) is not None and 0 <= want - _iterations(l) < l.get("step", 1)
-                               for l in loops)
+  agrees = bool(known) and all(0 <= want - _iterations(l) < l.get("step", 1) for l in known)
   if not loops:
     note = "no loop of the compiled program permutes over the stage axis"
-  elif any(l["trip_count"] is None for l in loops):
-    note = f"a compiled pipeline loop has no known trip count (XLA's backend_config): cannot check the schedule's {want}"
-  elif not agrees:
+  elif known and not agrees:
     note = f"compiled pipeline loops cover {covered} iterations, the schedule {want}"
+  elif unchecked:
+    note = f"a compiled pipeline loop has no known trip count (XLA's backend_config): cannot check the schedule's {want}"
   elif covered != [want]:
     note = (f"XLA unrolled the loops (step {max(l.get('step', 1) for l in loops)}): {covered[0]} iterations inside, "
             f"{want - covered[0]} outside")
   else:
     note = ""
-  return {"compiled_loops": loops, "compiled_trip_counts": sorted({l["trip_count"] for l in loops if l["trip_count"] is not None}),
-          "compiled_iterations": covered, "agrees": agrees, "note": note}
+  return {"compiled_loops": loops, "compiled_trip_counts": sorted({l["trip_count"] for l in known}),
+          "compiled_iterations": covered, "agrees": agrees, "unchecked": unchecked, "note": note}
+
+
+def verdict(check: dict[str, Any]) -> str:
+  """cross_check's answer in a word: DISAGREE where a loop with a known trip count misses the schedule (or no loop
+  permutes over the stages), "not checked" where the rest have none, else "agree"."""
+  if check["compiled_trip_counts"] and not check["agrees"]:
+    return "DISAGREE"
+  if check.get("unchecked"):
+    return "not checked"
+  return "agree" if check["agrees"] else "DISAGREE"
 
 
 def pipelined_share(sched: dict[str, Any], loops: list[dict[str, Any]], hlo_dot_flops: float) -> float | None:

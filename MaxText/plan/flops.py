@@ -12,9 +12,12 @@ def _microbatches(config) -> int:
 
 
 def _routed_forward_flops(config) -> float:
-  """The routed experts' three GEMMs (wi_0, wi_1, wo) per device a step (every microbatch), forward only."""
+  """The routed experts' three GEMMs (wi_0, wi_1, wo) per device a step (every microbatch), forward only: every MoE
+  decoder layer and each MTP module's, a MoE layer too (upstream's count takes them so:
+  maxtext_utils.calculate_tflops_training_per_device, "the final layer is always an MoE layer")."""
   tokens = config.per_device_batch_size * config.max_target_length * _microbatches(config)
-  moe_layers = config.num_decoder_layers - getattr(config, "first_num_dense_layers", 0)
+  moe_layers = (config.num_decoder_layers - getattr(config, "first_num_dense_layers", 0)
+                + getattr(config, "mtp_num_layers", 0))
   return 2 * tokens * config.num_experts_per_tok * 3 * config.emb_dim * config.moe_mlp_dim * moe_layers
 
 

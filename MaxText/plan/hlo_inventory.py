@@ -299,14 +299,18 @@ def _result_bytes(kind: str, instr: Instr, n: int) -> float:
   (its operand is n times its result: counting it made the 128 x H100 plan's reduce-scatters
   1.5 TB, 2026-12-01), 2 out for a permute or an all-to-all. An all-reduce-start is printed
   either with its results alone (a tuple of them where several arrays are reduced together) or,
-  like the others, with its operands and results (and u32 sync flags): an array for each operand
-  twice is the latter, and its transfer is half of it."""
+  like the others, with its operands and results (and u32 sync flags): the operands' arrays again
+  as the next ones is the latter, and its transfer is the results. Compared array by array, scalars
+  included: counting only the shaped ones took a pair with a scalar operand for results alone, twice."""
   shaped = [(d, s) for d, s in arrays(instr.type_text) if s]
   total = sum(dtype_bytes(d) * math.prod(s) for d, s in shaped)
   if not instr.opcode.endswith("-start") or not instr.type_text.startswith("("):
     return total
-  if kind == "all-reduce":
-    return total / 2 if len(shaped) == 2 * len(instr.operands) else total
+  if kind == "all-reduce":  # operands then results: the first k arrays again as the next k (a scalar operand too)
+    every, k = arrays(instr.type_text), len(instr.operands)
+    if len(every) >= 2 * k and every[:k] == every[k:2 * k]:
+      return sum(dtype_bytes(d) * math.prod(s) for d, s in every[k:2 * k])
+    return total
   if kind in ("collective-permute", "all-to-all"):
     return total / 2
   if kind == "all-gather":

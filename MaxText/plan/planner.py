@@ -358,7 +358,7 @@ def print_report(r: dict[str, Any]) -> None:
   if p:
     print(f"\npipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} microbatches: "
           f"{p['iterations']} iterations, bubble {p['bubble_fraction']:.1%} (delay x (stages - 1) / iterations)")
-    print(f"  compiled pipeline loops ({len(p['compiled_loops'])}): {'agree' if p['agrees'] else 'DISAGREE'}"
+    print(f"  compiled pipeline loops ({len(p['compiled_loops'])}): {bubble.verdict(p)}"
           f"{' (' + p['note'] + ')' if p['note'] else ''}; pipelined share of the compute "
           f"{p['pipelined_share']:.1%} ({p['pipelined_share_from']}); bubble {p['bubble_s'] * 1e3:.3f} ms of the step "
           "(in the path: the loop runs its iterations)")
