@@ -96,6 +96,19 @@ def test_the_line_names_the_lost_process_from_the_services_status():
   assert keeper.lost_process("INTERNAL: something new", 1) == "a process of the job was lost (INTERNAL: something new)"
 
 
+def test_a_peer_that_never_joined_is_named_with_the_wait_that_ran_out(monkeypatch):
+  """Process 0's status (jaxlib 0.11.2) when another died at start: its wait for the job to form ran out. The line
+  said "a process of the job was lost (DEADLINE_EXCEEDED: Deadline Exceeded)" and gave the heartbeat timeout."""
+  monkeypatch.setenv("MAXTEXT_MOE_COORDINATOR_TIMEOUT_S", "5")
+  status = ("DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/RegisterTask\n"
+            "=== Source Location Trace: === \nexternal/xla+/xla/pjrt/distributed/coordination/coordination_service_"
+            "error_util.cc:64\n")
+  assert keeper.line(status, 0) == (
+      "maxtext-moe: process lost: not every process joined the job within the start's wait of 5 s "
+      "(MAXTEXT_MOE_COORDINATOR_TIMEOUT_S): one died at start or never began; its own log says why; process 0 "
+      "stopped too, before any step")
+
+
 def test_the_relay_passes_lines_on_and_drops_xlas_fatal_and_its_prelude():
   """What the keeper copies of its child's stderr: everything until XLA's fatal line for the coordination service;
   the records XLA logs on the way there are dropped with it, and passed on when no fatal follows."""

@@ -39,6 +39,7 @@ from MaxText.config.command_line import EXIT_PROCESS_LOST
 
 KEPT_ENV = "MAXTEXT_MOE_KEPT"  # set in the child: it is the one kept, and starts no keeper of its own
 HEARTBEAT_TIMEOUT_S = 60  # the default of MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S (jax's own is 100 s)
+COORDINATOR_TIMEOUT_S = 300  # the default of MAXTEXT_MOE_COORDINATOR_TIMEOUT_S: the job's start waits this long
 HOLD_S = 2.0  # XLA logs the service's error a millisecond before its fatal line (measured); this is margin
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
@@ -64,8 +65,21 @@ def heartbeat_timeout_s() -> int:
   return int(os.environ.get("MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S))
 
 
+def coordinator_timeout_s() -> int:
+  """How long jax.distributed's start waits for every process to join (MaxText/run/launch.py passes it)."""
+  return int(os.environ.get("MAXTEXT_MOE_COORDINATOR_TIMEOUT_S", COORDINATOR_TIMEOUT_S))
+
+
+def _never_joined(status: str) -> bool:
+  """The start's wait ran out: a process never registered with the service (it died at start, or never began)."""
+  return "RegisterTask" in status
+
+
 def lost_process(status: str, own_rank: int | None = None) -> str:
   """Which process the coordination service's status (the text after XLA's fatal line) says was lost, in words."""
+  if _never_joined(status):
+    return (f"not every process joined the job within the start's wait of {coordinator_timeout_s()} s "
+            "(MAXTEXT_MOE_COORDINATOR_TIMEOUT_S): one died at start or never began; its own log says why")
   if m := re.search(r"unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)", status):
     ranks = sorted({int(r) for r in re.findall(r"\d+", m[1])})
     return f"process{'es' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped heartbeating"
@@ -81,6 +95,8 @@ def line(status: str, own_rank: int | None) -> str:
   """Our one line for a survivor: who was lost, that this process stopped too, the bound, what to do."""
   timeout = heartbeat_timeout_s()
   rank = f"process {own_rank}" if own_rank is not None else "this process"
+  if _never_joined(status):
+    return f"maxtext-moe: process lost: {lost_process(status, own_rank)}; {rank} stopped too, before any step"
   return (f"maxtext-moe: process lost: {lost_process(status, own_rank)}; {rank} stopped too (heartbeat timeout "
           f"{timeout} s, MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S): run the job again with the same run_name to resume from "
           "the last complete checkpoint")

@@ -211,10 +211,10 @@ def discover(environ: Mapping[str, str] | None = None) -> ProcessInfo:
   return info
 
 
-# JAX's own default. A process that cannot reach the coordinator in that time is killed by a fatal check inside
-# XLA ("another task died; see the other task logs"), which Python cannot catch: wait_for_coordinator says it first.
-COORDINATOR_TIMEOUT_S = 300
-
+# The start's wait (keeper.coordinator_timeout_s: JAX's own default, 300 s). A process that cannot reach the
+# coordinator in that time is killed by a fatal check inside XLA ("another task died; see the other task logs"),
+# which Python cannot catch: wait_for_coordinator says it first. One whose peers never join ends the same way; the
+# keeper's line then says so, naming the wait.
 
 def wait_for_coordinator(address: str, timeout_s: float, info: ProcessInfo, poll_s: float = 1.0) -> None:
   """Returns once the coordinator's TCP port accepts a connection; else one LaunchError naming the address."""
@@ -247,7 +247,7 @@ def initialize(info: ProcessInfo, hardware: str) -> None:
     return
   if hardware == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeout_s = int(os.environ.get("MAXTEXT_MOE_COORDINATOR_TIMEOUT_S", COORDINATOR_TIMEOUT_S))
+  timeout_s = keeper.coordinator_timeout_s()
   if info.process_id != 0:  # process 0 serves the coordinator; the others must reach it
     wait_for_coordinator(info.coordinator_address, timeout_s, info)
   jax.distributed.initialize(
