@@ -64,7 +64,7 @@ def test_budget_starts_a_run_only_when_the_longest_so_far_fits():
 
 
 def test_drift_split_variants_differ_only_in_remat():
-  """The offload drift split (BENCHMARKS.md "Host offload"): ours twice, custom remat with the offload preset's
+  """The offload drift split (docs/cluster.md "Host offload, measured"): ours twice, custom remat with the offload preset's
   saved names kept on the device, then offloaded; only remat keys differ from ours."""
   bench_train = sys.modules["bench_train"]
   ours = set(bench_train.VARIANTS["ours"][0])

@@ -212,7 +212,7 @@ def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
 def test_the_128_gpu_recipe_keeps_the_experts_resident_across_nodes():
   """Not NVIDIA's reference layout (ICI FSDP 8 x DCN FSDP 2 x ICI EP 8, which gathers the experts over the nodes every
   microbatch): EP 64 over 8 nodes, fsdp 2 for the rest, the two-level dispatch with V3's node-limited routing (the
-  re-lay of BENCHMARKS.md "Planned recipes", 64.8 -> 170.1 TFLOP/s/GPU planned)."""
+  re-lay of docs/planner.md "The 671B recipes", 64.8 -> 170.1 TFLOP/s/GPU planned)."""
   c = fork_config.load([str(REPO / "configs/recipes/deepseek3-671b-128xh100.yml")])
   up = c.upstream
   assert (up["ici_expert_parallelism"], up["dcn_expert_parallelism"], up["dcn_fsdp_parallelism"]) == (8, 8, 2)
@@ -221,7 +221,7 @@ def test_the_128_gpu_recipe_keeps_the_experts_resident_across_nodes():
   # NVIDIA's reference batch is 6 sequences per GPU; on 80 GB one fits (the recipe's plan).
   assert (up["max_target_length"], up["per_device_batch_size"], up["remat_policy"]) == (4096, 1, "custom")
   # NVIDIA offloads the experts' up-projections; ours recomputes them until the custom-remat loss drift is
-  # explained (BENCHMARKS.md "Host offload"), and offloads the layer inputs only.
+  # explained (docs/cluster.md "Host offload, measured"), and offloads the layer inputs only.
   assert up["moe_mlpwi_0"] == up["moe_mlpwi_1"] == "remat" and up["decoder_layer_input"] == "offload"
 
 

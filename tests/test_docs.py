@@ -113,3 +113,10 @@ def test_every_tool_is_named_with_its_command_in_the_tools_readme():
       assert str(script.name) in (REPO / "tools" / "te_offline" / "build.sh").read_text()
       continue
     assert re.search(rf"`(?:[A-Z_]+=\S+ )*(?:python3|bash|source) tools/{re.escape(str(script))}\b", readme), script
+
+
+def test_the_front_pages_stay_short():
+  """README.md and BENCHMARKS.md are read first, whole: detail goes to a docs/ page (or to git history), not here."""
+  for name, limit in (("README.md", 300), ("BENCHMARKS.md", 400)):
+    lines = len((REPO / name).read_text().splitlines())
+    assert lines <= limit, f"{name} has {lines} lines, over {limit}: move detail to the docs/ page that owns it"

@@ -4,7 +4,7 @@ Upstream's train step for the tiny model is lowered for CUDA on this CPU
 machine (tests/lower_train_step.py): with `xla_presets=[host_offload]` the
 MoE up-projections (moe_mlpwi_0/1, routed tokens x moe_mlp_dim) carry
 `_xla_buffer_placement = "pinned_host"`; without it nothing is placed on host.
-Peak memory and step time on the H200: BENCHMARKS.md "Host offload" (tools/bench_train.py).
+Peak memory and step time on the H200: docs/cluster.md "Host offload, measured" (tools/bench_train.py).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def test_host_offload_preset_carries_its_xla_and_pjrt_settings():
 
 @pytest.mark.slow
 def test_custom_remat_saves_what_full_remat_recomputes(tmp_path):
-  """The custom policy the offload preset implies, with the names kept on the device (BENCHMARKS.md "Host
-  offload": on the H200 its losses part from full remat's after the first update, +0.19 over 12 steps), trains as
+  """The custom policy the offload preset implies, with the names kept on the device (docs/cluster.md "Host
+  offload, measured": on the H200 its losses part from full remat's after the first update, +0.19 over 12 steps), trains as
   full remat on CPU within float32's rounding (measured 5e-7 at one step: the fusions differ; in bf16 the two ran
   bit for bit over 12 steps, not held here). A saved tensor that differed from its recomputation (another
   layer's, a stale one) would part the float32 losses by orders more. So the H200's drift is not a wrong saved

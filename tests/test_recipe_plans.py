@@ -1,4 +1,4 @@
-"""Recipe headers and the "Planned recipes" rows against the plan summaries committed beside the recipes
+"""Recipe headers and BENCHMARKS.md's system-table rows against the plan summaries committed beside the recipes
 (configs/recipes/plans/<recipe>.json, written by tools/replan_recipes.py from real plans; MaxText/plan/summary.py)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_the_header_block_and_the_row_say_every_axis_the_precision_and_the_plan(
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_each_recipe_header_states_its_committed_plan(recipe):
   """A header cannot drift from its plan: its block is the summary's lines, the summary a real plan's whose one
-  account held, and BENCHMARKS.md's "Planned recipes" row is the same summary's."""
+  account held, and its row in BENCHMARKS.md's system tables is the same summary's."""
   path = REPO / "configs" / "recipes" / "plans" / f"{recipe.stem}.json"
   assert path.exists(), f"no plan summary for {recipe.name}: python3 tools/replan_recipes.py --only {recipe.stem}"
   s = json.loads(path.read_text())

@@ -3,8 +3,8 @@
 Transformer Engine is not installed where these run, so `transformer_engine.jax.ep`
 is replaced by a stand-in with the signatures of the released TE 2.20.2
 (transformer_engine/jax/ep.py and sharding.py in its wheel; on the H200 the adapter's
-api_mismatch against the real module is None: tools/te_ep_probe.py, BENCHMARKS.md
-"Transformer Engine"): global view, P
+api_mismatch against the real module is None: tools/te_ep_probe.py, docs/container.md
+"Transformer Engine, measured"): global view, P
 ranks of T/P tokens each (ep innermost), every rank's receive buffer
 expert-major with zones padded to the alignment and listed in token_counts,
 rows within a zone in an order of TE's choosing (the stand-in reverses them so

@@ -9,7 +9,7 @@ each array stored in the chunks that sharding gives it, and our record of its di
 export never reads), in a child process with 8 simulated CPU devices, a shard at a time (MaxText/hf/sink.py). Then
 exports it under /usr/bin/time (OUT_ROOT/hf, bf16), removes the run's checkpoint (disk), imports the export under
 /usr/bin/time (OUT_ROOT/imported), and prints one line per command: peak resident memory against the bound
-2 x the largest tensor (float32) + 1 GiB (BENCHMARKS.md "Hugging Face export and import").
+2 x the largest tensor (float32) + 1 GiB (docs/huggingface.md "Host memory, measured").
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # The proxy config pins remat_policy=full, which would win over the preset's custom.
     "ours_offload": (["moe_block=ours", "xla_presets=[host_offload]", "remat_policy=custom"], True),
     "ours_minimal": (["moe_block=ours", "remat_policy=minimal"], True),
-    # The offload drift split (BENCHMARKS.md "Host offload"): "ours" run twice is the run-to-run floor on this GPU;
+    # The offload drift split (docs/cluster.md "Host offload, measured"): "ours" run twice is the run-to-run floor on this GPU;
     # custom remat keeping host_offload's saved names on the device separates what is recomputed from the host copy.
     "ours_repeat": (["moe_block=ours"], True),
     "ours_custom": (["moe_block=ours", "remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=device",

@@ -3,7 +3,7 @@
   python3 tools/replan_recipes.py --jobs 6 --timeout 1500                  # all twelve, compile-only
   python3 tools/replan_recipes.py --only '*-8xh100' --jobs 1 --timeout 900  # the six one-node family recipes
   python3 tools/replan_recipes.py --headers                                 # rewrite the headers from the summaries
-  python3 tools/replan_recipes.py --table                                   # BENCHMARKS.md's "Planned recipes" rows
+  python3 tools/replan_recipes.py --table                                   # BENCHMARKS.md's system-table rows
 
 Each recipe is planned as a user would plan it, `python -m MaxText.plan <recipe> --json ...` in its own process,
 --jobs at a time, each given --timeout seconds (the planner's own limit; the process is killed a minute after).

@@ -5,7 +5,7 @@
 
 Prints one JSON line: step_s, TFLOP/s/GPU, collectives_s and exposed_s by that estimator, for the same program
 and the same inputs the plan's estimate had (target GPU, mesh, nodes, FLOP counts): an estimator's change apart
-from any layout change (BENCHMARKS.md "Planned recipes"). Uses only schedule.estimate's arguments every
+from any layout change (docs/planner.md "The 671B recipes"). Uses only schedule.estimate's arguments every
 version since d090e34 takes.
 """
 

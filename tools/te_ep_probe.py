@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""te_ncclep on one GPU, up to what one GPU allows (BENCHMARKS.md "Transformer Engine").
+"""te_ncclep on one GPU, up to what one GPU allows (docs/container.md "Transformer Engine, measured").
 
     source tools/te_offline/install.sh build/te && PYTHONPATH=$PWD:$PYTHONPATH python3 tools/te_ep_probe.py
 

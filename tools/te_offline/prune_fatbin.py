@@ -9,7 +9,7 @@ container stays at its address (the host-side __fatBinC_Wrapper_t pointers are n
 touched): the wanted entries are moved to the container's start, its size field shrunk,
 and the freed tail zeroed, so the file keeps its layout and compresses to a fraction (the
 wheel: 276 MB -> 32 MB). A container without the wanted architecture is left whole. The
-pruned library ran TE's grouped GEMM on the H200 (BENCHMARKS.md "Transformer Engine").
+pruned library ran TE's grouped GEMM on the H200 (docs/container.md "Transformer Engine, measured").
 """
 
 from __future__ import annotations
