@@ -71,15 +71,23 @@ class TrainResult:
     return {int(k): v for k, v in self.summary["losses"].items()}
 
 
-# One compile cache for the session's training runs (each xdist worker its own: a cache file is not
-# written atomically). The tiny programs repeat across tests, and on two cores their compile is most of
-# a run: 27 of 35 s, 37 s against 87 s for a repeat run while another process competed (2026-12-02).
+# One compile cache for a test session's training runs, shared by its xdist workers. The tiny programs repeat across
+# tests and workers, and on two cores their compile is most of a run: 27 of 35 s, 37 s against 87 s for a repeat
+# run while another process competed (2026-12-02). jax writes a cache entry in place (not atomically) unless the
+# cache has a size limit, which makes it take a file lock for every read and write (jax/_src/lru_cache.py): the
+# runs get one, so that workers sharing the directory never read a half-written entry.
 _SHARED_JAX_CACHE: list[Path] = []
+JAX_CACHE_ENV = {"JAX_COMPILATION_CACHE_MAX_SIZE": str(32 * 2**30)}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_jax_cache(tmp_path_factory):
-  _SHARED_JAX_CACHE.append(tmp_path_factory.mktemp("jax_cache"))
+  # Under xdist each worker's base temp directory sits in the session's (popen-gwN under it): share that one.
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent
+  _SHARED_JAX_CACHE.append(root / "jax_cache")
+  _SHARED_JAX_CACHE[0].mkdir(parents=True, exist_ok=True)
   yield
   _SHARED_JAX_CACHE.clear()
 
@@ -96,6 +104,7 @@ def train_command(tmp_path: Path, *args: str, run_name: str = "run", env: dict |
   own_cache = any(a.startswith("jax_cache_dir=") or a == "dump_hlo=true" for a in args)
   if shared_cache and _SHARED_JAX_CACHE and not own_cache:
     args = (*args, f"jax_cache_dir={_SHARED_JAX_CACHE[0]}")
+    full_env = {**JAX_CACHE_ENV, **full_env}
   cmd = [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out_dir}", f"run_name={run_name}"]
   return cmd, full_env, out_dir / run_name
 
