@@ -47,7 +47,7 @@ SEAM_MODULES = (
     "patches.routed_moe",  # RoutedMoE.__call__ -> our route/dispatch/gmm/combine block (moe_block)
     "patches.te_ncclep_bootstrap",  # upstream's TE MoE bootstrap moment also bootstraps te_ncclep's NCCL EP
     "patches.grain_iterator_close",  # a grain pipeline's iterator closes at exit without an AssertionError traceback
-    "patches.data_passes",  # grain data that runs out: another pass, or a saved stop with exit 9 (data_exhausted)
+    "patches.data_passes",  # grain data that runs out: another pass, or a saved stop with exit 11 (data_exhausted)
 )
 
 

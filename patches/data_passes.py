@@ -23,7 +23,7 @@ grain train iterator (the eval iterator is another function: its end is the end 
                position. With enable_data_shuffling=false each pass reads the files in the same order, as
                upstream's own repeat does;
        stop    saves the last step trained (patches/checkpoint_guard.save_last_step), fills `exhausted`, and
-               ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 9 with one
+               ends upstream's loop through its own StopTraining; MaxText/run/loop.py then exits 11 with one
                line naming the files and the step. With several processes, whose shards end at different steps,
                every batch is agreed on first (one all-gather of a flag): all stop at the first step any process
                lacks a batch for, and one that had read it puts it back (grain's get_state/set_state).

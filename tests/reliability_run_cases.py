@@ -400,7 +400,7 @@ def training_cases(tmp: Path) -> list[Case]:
            name="schedule.json deleted, allow_schedule_change=true"),
       # The data runs out (20 documents: 10 batches) before steps=14: a saved stop, or another pass (the default).
       Case(grain(data, f"grain_train_files={data}/small.array_record", "steps=14", "checkpoint_period=100",
-                 "data_exhausted=stop"), code=9, trains=True, check=checkpoints_are([0, 9]),
+                 "data_exhausted=stop"), code=11, trains=True, check=checkpoints_are([0, 9]),
            says="data exhausted: grain_train_files '.*small.array_record' ran out at step 10 .*checkpoint of step 9, "
            "the last step trained, saved", name="grain data that runs out, data_exhausted=stop"),
       Case(grain(data, f"grain_train_files={data}/small.array_record", "steps=14", "checkpoint_period=100"), code=0,

@@ -1,5 +1,5 @@
 """Grain data that runs out before `steps` (patches/data_passes.py): another pass (data_exhausted=repeat, the
-default) or a saved stop with exit 9 (data_exhausted=stop); a dataset that cannot fill one batch is refused
+default) or a saved stop with exit 11 (data_exhausted=stop); a dataset that cannot fill one batch is refused
 before the compile. Upstream ended such a run with exit 0, no line, and the steps since its last checkpoint lost."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import patches
 from conftest import REPO, run_train
 from MaxText.checkpoints import resume
 from MaxText.config import ConfigError
+from MaxText.config.command_line import EXIT_DATA_EXHAUSTED
 from MaxText.run import loop
 
 TINY = "configs/deepseek3-tiny.yml"
@@ -222,9 +223,9 @@ def small_corpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_that_runs_out_stops_with_exit_9_and_the_last_step_saved(tmp_path, small_corpus):
+def test_data_that_runs_out_stops_with_exit_11_and_the_last_step_saved(tmp_path, small_corpus):
   result = run_train(tmp_path, *_grain(small_corpus, "steps=14", "data_exhausted=stop"))
-  assert result.returncode == 9, result.stderr[-3000:]
+  assert result.returncode == EXIT_DATA_EXHAUSTED == 11, result.stderr[-3000:]
   said = [line for line in result.stderr.splitlines() if line.startswith("maxtext-moe:")]
   assert len(said) == 1 and f"grain_train_files '{small_corpus}' ran out at step 10" in said[0], said
   assert "checkpoint of step 9, the last step trained, saved" in said[0]

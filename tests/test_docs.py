@@ -95,11 +95,28 @@ def test_troubleshooting_explains_every_exit_code():
   from MaxText.config import command_line  # pylint: disable=import-outside-toplevel
 
   codes = sorted({v for k, v in vars(command_line).items() if k.startswith("EXIT_") and isinstance(v, int)})
-  assert codes == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 75, 130]
+  assert codes == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 75, 130]
   for doc in ("README.md", "docs/troubleshooting.md", "docs/cluster.md"):
     text = (REPO / doc).read_text()
     for code in codes:
       assert re.search(rf"^\| {code} \| \S", text, re.M), (doc, code)
+
+
+def test_the_trainer_and_the_planner_share_only_their_common_codes():
+  """A code means one thing across `python -m MaxText.train` and `python -m MaxText.plan`: 9 meant "data exhausted"
+  to the one and "the plan's account is violated" to the other; the trainer's data exhausted is 11 now. Both
+  tables say so."""
+  from MaxText.config import command_line  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import __main__ as plan_cli  # pylint: disable=import-outside-toplevel
+
+  shared = set(command_line.EXIT_CODES) & set(plan_cli.EXIT_CODES)
+  assert shared == {command_line.EXIT_OK, command_line.EXIT_ERROR, command_line.EXIT_CONFIG, command_line.EXIT_ABORTED}
+  assert command_line.EXIT_DATA_EXHAUSTED == 11 and plan_cli.EXIT_INVARIANT == 9
+  planner = (REPO / "docs" / "planner.md").read_text()
+  trouble = (REPO / "docs" / "troubleshooting.md").read_text()
+  assert re.search(r"^\| 9 \| planned, but the one account .* is violated", planner, re.M)
+  assert "9 (planned, but the\nplan's account is violated" in trouble
+  assert re.search(r"^\| 11 \| the grain data ran out", trouble, re.M)
 
 
 def test_every_tool_is_named_with_its_command_in_the_tools_readme():

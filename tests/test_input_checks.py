@@ -50,12 +50,16 @@ BAD_VALUES = {
     "learning_rate_schedule_steps=0": "'learning_rate_schedule_steps' = 0 (as set): must be > 0, or -1",
     # Only remat_policy=custom reads a remat location: the offload asked for would never happen.
     "moe_mlpwi_0=offload": "'moe_mlpwi_0' = 'offload' (command line) does nothing under remat_policy = 'full'",
+    # It was accepted and did nothing: synthetic data never runs out, so a run asked to stop there never would.
+    "data_exhausted=stop": "'data_exhausted' = 'stop' (command line) applies to grain data only, and dataset_type is "
+                           "'synthetic': synthetic data never runs out; leave data_exhausted unset",
 }
 
 
 # Three in the fast tier (a config load each); the rest, and every one through the command line
 # (tests/reliability_bad_inputs.py), in the slow tier.
-FAST_BAD_VALUES = ("log_period=0", "remat_policy=nosuch", "run_name=../escape", "moe_mlpwi_0=offload")
+FAST_BAD_VALUES = ("log_period=0", "remat_policy=nosuch", "run_name=../escape", "moe_mlpwi_0=offload",
+                   "data_exhausted=stop")
 
 
 @pytest.mark.parametrize("override", [o if o in FAST_BAD_VALUES else pytest.param(o, marks=pytest.mark.slow)

@@ -48,6 +48,10 @@ def _origin(run: RunConfig, key: str) -> str:
   return "as set" if key in run.explicit else "upstream default"
 
 
+def _origin_of(run: RunConfig, key: str) -> str:
+  return run.origins.get(key, "as set")
+
+
 def check_fork(run: RunConfig) -> None:
   """Our keys against this machine, before patches apply (routed_moe would refuse with a RuntimeError)."""
   if run.fork.moe_block == "te" and importlib.util.find_spec("transformer_engine") is None:
@@ -101,6 +105,13 @@ def check_upstream_values(run: RunConfig, config: Any) -> None:
     if getattr(config, key, 0) > INT32_MAX:
       raise ConfigError(f"config key '{key}' = {getattr(config, key)} ({_origin(run, key)}): more than "
                         f"{INT32_MAX}, the most the optimizer's int32 step counter holds")
+  dataset_type = str(getattr(config.dataset_type, "value", config.dataset_type))  # upstream's enum, or its string
+  if "data_exhausted" in run.explicit and dataset_type != "grain":
+    why = ("synthetic data never runs out" if dataset_type == "synthetic" else
+           f"upstream's {dataset_type} iterator ends the run its own way when its data runs out")
+    raise ConfigError(f"config key 'data_exhausted' = {run.fork.data_exhausted!r} ({_origin_of(run, 'data_exhausted')})"
+                      f" applies to grain data only, and dataset_type is {dataset_type!r}: {why}; leave "
+                      "data_exhausted unset, or use dataset_type=grain")
   check_schedule(run, config)
   _check_choices(run, config)
   check_remat_names(run, config)

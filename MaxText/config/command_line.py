@@ -17,8 +17,10 @@ EXIT_LOCKED = 5  # another live job holds the run directory
 EXIT_SAVE_FAILED = 6  # a checkpoint could not be written (disk full, unwritable); the last good one is kept
 EXIT_OUT_OF_MEMORY = 7  # an allocation failed: device or host memory (XLA's RESOURCE_EXHAUSTED, numpy's MemoryError)
 EXIT_MOE_OVERFLOW = 8  # a bounded MoE dispatch buffer dropped rows (on_overflow=error); that step was not saved
-EXIT_DATA_EXHAUSTED = 9  # the data ran out with data_exhausted=stop; the last step trained was saved
 EXIT_PROCESS_LOST = 10  # another process of a multi-process job died: this one stopped too (MaxText/run/keeper.py)
+# The data ran out with data_exhausted=stop; the last step trained was saved. Not 9: the planner's 9 is a plan
+# whose account is violated (MaxText/plan/account.py), and one code should not mean two things.
+EXIT_DATA_EXHAUSTED = 11
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1/SIGINT: checkpoint saved at the next step boundary (EX_TEMPFAIL: rerun)
 EXIT_ABORTED = 130  # a second SIGINT: stopped at once, nothing saved since the last checkpoint
 
@@ -34,10 +36,10 @@ EXIT_CODES = {
     EXIT_SAVE_FAILED: "the run's storage refused a write (full, read-only); the last complete checkpoint is kept",
     EXIT_OUT_OF_MEMORY: "the train step does not fit in device memory, or the run in the host's (the figure named)",
     EXIT_MOE_OVERFLOW: "a bounded MoE dispatch buffer dropped rows; that step was not saved",
-    EXIT_DATA_EXHAUSTED: "the data ran out before `steps` (data_exhausted=stop): the files and the step named, the "
-                         "last step trained saved",
     EXIT_PROCESS_LOST: "another process of the job died or went silent (named): this one stopped too, within the "
                        "heartbeat timeout; run the job again to resume from the last complete checkpoint",
+    EXIT_DATA_EXHAUSTED: "the data ran out before `steps` (data_exhausted=stop): the files and the step named, the "
+                         "last step trained saved",
     EXIT_PREEMPTED: "stopped by SIGTERM, SIGUSR1 or a first Ctrl-C after saving the step in flight: run again to resume",
     EXIT_ABORTED: "a second Ctrl-C: stopped at once, nothing saved since the last checkpoint",
 }

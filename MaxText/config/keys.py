@@ -47,7 +47,7 @@ class ForkConfig(pydantic.BaseModel):
   data_exhausted: Literal["repeat", "stop"] = pydantic.Field(
       default="repeat",
       description="When a grain dataset runs out before `steps`: repeat starts another pass over it (one line; the "
-      "pass counted in the summary and in TensorBoard's data/pass), stop saves the last step trained and exits 9 "
+      "pass counted in the summary and in TensorBoard's data/pass), stop saves the last step trained and exits 11 "
       "naming the files and the step (patches/data_passes.py).")
   allow_data_change: bool = pydantic.Field(
       default=False,
