@@ -50,7 +50,7 @@ ITERATOR = Seam(name="data_passes (iterator)", module="maxtext.input_pipeline.mu
 # Set by apply() (fork.data_exhausted) and MaxText/run/loop.py (the start of this invocation).
 _mode = ["repeat"]
 _on_pass: Callable[[int, int], None] = lambda pass_no, step: None  # hooks.on_data_pass(pass, first step)
-_position = {"pass": 1, "step": 0, "files": ""}  # the pass being read and the step the next batch is for
+_position = {"pass": 1, "step": 0, "files": "", "epochs": 1}  # the pass being read, the step the next batch is for
 exhausted: dict[str, Any] = {}  # filled when the data ran out with data_exhausted=stop: {"step", "pass", "saved", "files"}
 
 
@@ -85,6 +85,11 @@ class _PassConfig:
 
 def current_pass() -> int:
   return _position["pass"]
+
+
+def epochs_per_pass() -> int:
+  """Upstream's num_epoch: the epochs one pass of its pipeline holds (dataset.repeat(num_epoch))."""
+  return _position["epochs"]
 
 
 def reading() -> bool:
@@ -240,6 +245,7 @@ def wrap(original):
     if type(it) is not multihost_dataloading.MultiHostDataLoadIterator:  # pylint: disable=unidiomatic-typecheck
       return it  # elastic, colocated or several iterators: upstream's own end of data
     _position["files"] = config.grain_train_files or config.grain_train_mixture_config_path or ""
+    _position["epochs"] = max(1, int(getattr(config, "num_epoch", 1) or 1))
     _check_one_batch(it, config)
     it.__class__ = _passes_class(multihost_dataloading.MultiHostDataLoadIterator)
     it.passes_config, it.pass_built = config, 1
@@ -259,7 +265,7 @@ def apply(fork=None, hooks=None) -> None:
   global _on_pass
   _mode[0] = getattr(fork, "data_exhausted", "repeat") or "repeat"
   _on_pass = getattr(hooks, "on_data_pass", None) or (lambda pass_no, step: None)
-  _position.update(step=0, files="", **{"pass": 1})
+  _position.update(step=0, files="", epochs=1, **{"pass": 1})
   exhausted.clear()
   _live.clear()
   ITERATOR.check()

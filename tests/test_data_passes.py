@@ -122,6 +122,7 @@ def test_repeat_shuffles_each_pass_as_upstreams_num_epoch_does(seam, num_epoch):
   upstream = _upstream_maker(n)(_config(enable_data_shuffling=True, data_shuffle_seed=3, num_epoch=3 * num_epoch),
                                 None, [0])
   assert read == _batches(upstream, 3 * per_pass) and data_passes.current_pass() == 3
+  assert data_passes.epochs_per_pass() == num_epoch  # the summary's "epochs 5-6" of pass 3 at num_epoch=2
   again = wrap(_upstream_maker(n), _config(enable_data_shuffling=True, data_shuffle_seed=3, num_epoch=num_epoch))
   data_passes.start(0, 1)
   assert _batches(again, 3 * per_pass) == read  # the same seed, the same order, pass after pass

@@ -218,6 +218,11 @@ def test_summary_lines_say_what_ran_how_fast_and_where_the_outputs_are(tmp_path)
   assert lines[2:] == [f"  run directory {tmp_path}",
                        f"  checkpoints   1 saved in {tmp_path / 'checkpoints'}; the last, step 1: 3.00 MiB in 0.3 s",
                        f"  tensorboard   tensorboard --logdir {tmp_path / 'tensorboard'}"]
+  assert metrics.summary_lines({**summary, "data_passes": 2, "data_epochs_per_pass": 1})[2] == \
+      "  data          pass 2 over the grain data"
+  # Upstream's num_epoch=3: a pass holds 3 epochs (it read as "pass 1", as if one).
+  assert metrics.summary_lines({**summary, "data_passes": 2, "data_epochs_per_pass": 3})[2] == \
+      "  data          pass 2 over the grain data, epochs 4-6 (a pass is num_epoch=3 epochs)"
 
 
 def test_bad_mfu_peak_is_one_config_error_line(tmp_path):

@@ -215,6 +215,7 @@ def close_summary(records: run_records.RunRecords, progress: metrics.ProgressTra
   summary["compile_s"] = sum(compiles.compiles) if compiles.compiles else None
   summary["checkpoint_saves"] = list(checkpoint_guard.finish_save_reports())
   summary["data_passes"] = data_passes.current_pass() if data_passes.reading() else None  # grain's passes
+  summary["data_epochs_per_pass"] = data_passes.epochs_per_pass() if data_passes.reading() else None  # num_epoch
   summary["data_exhausted"] = dict(data_passes.exhausted) or None
   if process.num_processes > 1:
     metrics.write_summary(summary, records.files, f"summary.rank{process.process_id}.json")

@@ -210,12 +210,21 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
          f"{m.get('worst_layer')}), CV {m['cv']:.2f}, {int(m['experts_without_tokens'])} idle expert(s), "
          f"router entropy {m['router_entropy']:.2f}, {int(m['overflow_layers'])} overflowed layer(s)"]
         if (m := summary.get("moe_load")) else []),
-      *([f"  data          pass {summary['data_passes']} over the grain data"]
+      *([f"  data          {_passes_text(summary['data_passes'], summary.get('data_epochs_per_pass') or 1)}"]
         if summary.get("data_passes") else []),
       f"  run directory {summary['run_dir']}",
       f"  checkpoints   {_saves_text(summary) if summary['checkpoints'] else 'disabled'}",
       f"  tensorboard   tensorboard --logdir {summary['tensorboard']}",
   ]
+
+
+def _passes_text(pass_no: int, epochs: int) -> str:
+  """The pass over the grain data; with upstream's num_epoch > 1 a pass holds that many epochs, so "pass 1" alone
+  read as one epoch."""
+  if epochs == 1:
+    return f"pass {pass_no} over the grain data"
+  return (f"pass {pass_no} over the grain data, epochs {(pass_no - 1) * epochs + 1}-{pass_no * epochs} (a pass is "
+          f"num_epoch={epochs} epochs)")
 
 
 def print_summary(summary: dict[str, Any]) -> None:
