@@ -106,6 +106,23 @@ def test_a_two_level_dispatch_pads_each_stage_by_its_own_capacity():
   assert inside["wire_bytes"] == pytest.approx(4 * 8 * 96 * 256 * 7 / 8)
 
 
+def test_kept_dispatched_rows_take_the_recomputes_dispatch_out_of_the_arithmetic():
+  """Under remat the recompute re-runs the dispatch's exchange unless its rows are kept (moe_x_sorted: device or
+  offload): a2a_padded 6 -> 5 passes a layer, hierarchical between nodes 5 -> 4 and inside 6 -> 5."""
+  from MaxText.plan import analytic_comms
+
+  def passes(backend, kept):
+    layout = {**LAYOUT, "groups": [], "top_k": 8, "num_experts": 64, "moe_layers": 1, "microbatches": 1,
+              "recompute": True, "dispatch_kept": kept, "dispatch": backend, "ep_nodes": 2}
+    rows = _by_key(analytic_comms.expected(layout, {"fsdp": 1, "expert": 16}))
+    return {key[2]: row["wire_bytes"] for key, row in rows.items() if key[0] == "all-to-all"}
+
+  flat, flat_kept = passes("a2a_padded", False), passes("a2a_padded", True)
+  assert list(flat_kept.values()) == pytest.approx([w * 5 / 6 for w in flat.values()])
+  two, two_kept = passes("hierarchical", False), passes("hierarchical", True)
+  assert two_kept[True] == pytest.approx(two[True] * 4 / 5) and two_kept[False] == pytest.approx(two[False] * 5 / 6)
+
+
 def test_each_row_off_by_more_than_1_5x_carries_its_cause():
   from MaxText.plan import analytic_comms
 

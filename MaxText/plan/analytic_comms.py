@@ -15,7 +15,9 @@ as hlo_inventory.py counts them):
                         grad_dtype: wire 2 g (d - 1) / d
   EP dispatch + combine the all-to-all over `expert`, per MoE layer and microbatch: 4 passes (dispatch, combine and
                         their transposes) + 2 where remat recomputes the layer's forward (remat_policy full or
-                        custom); hierarchical's stage 1 + 1 (its combine's exchange is not recomputed: 5). The dropless minimum sends T K rows of D (T tokens a device, top-K); a2a_padded's
+                        custom), + 1 where the dispatched rows are kept (moe_x_sorted: device or offload: the
+                        recompute reads them, MaxText/moe/block.py); hierarchical's stage 1 + 1 (its combine's
+                        exchange is not recomputed: 5), + 0 with the rows kept. The dropless minimum sends T K rows of D (T tokens a device, top-K); a2a_padded's
                         buffer n C rows, C = ceil(f T K / n); hierarchical's stage 1 (between nodes) N C1 rows against
                         T P (P = min(K, N, M) nodes a token), stage 2 (inside a node) L C2 rows against T K;
                         ragged_a2a sends the minimum. Wire (m - 1) / m of the rows, m the exchange's group.
@@ -104,7 +106,9 @@ def _dispatch(rows: dict, layout: dict[str, Any], mesh_shape: dict[str, int]) ->
   if n <= 1 or backend in ("local", "te_ncclep"):
     return
   t, k, row = layout["tokens"], layout["top_k"], layout["emb_dim"] * BYTES[layout["dtype"]]
-  per_layer = 6 if layout["recompute"] else 4
+  # Remat's recompute re-runs the combine's exchange and, unless the dispatched rows are kept, the dispatch's.
+  redispatch = layout["recompute"] and not layout.get("dispatch_kept", False)
+  per_layer = 4 + layout["recompute"] + redispatch
   passes = per_layer * layout["moe_layers"] * layout["microbatches"]
   what = f"{backend}: {per_layer} passes x {layout['moe_layers']} MoE layers x {layout['microbatches']} microbatches"
   if backend == "hierarchical":
@@ -112,7 +116,7 @@ def _dispatch(rows: dict, layout: dict[str, Any], mesh_shape: dict[str, int]) ->
     # exchange feeds `collect`, whose backward needs only its maps (MaxText/moe/dispatch/hierarchical.py), so XLA
     # drops it: 5 passes. Inside a node the combine's exchange feeds `weighted_collect`, which keeps its rows for
     # the weights' gradient: recomputed, 6 as a2a_padded.
-    between = 5 if layout["recompute"] else 4
+    between = 4 + redispatch
     passes1 = between * layout["moe_layers"] * layout["microbatches"]
     big_n = max(1, layout["ep_nodes"])
     local = n // big_n
@@ -316,5 +320,7 @@ def layout_of(config: Any, fork: Any, state: Any, mesh_shape: dict[str, int], pl
       "node_limit": int(config.topk_routing_group) if fork.moe_node_limited_routing else 0,
       "ep_nodes": int(config.dcn_expert_parallelism),
       "recompute": str(getattr(config, "remat_policy", "full")) in ("full", "custom"),
+      "dispatch_kept": str(getattr(config, "remat_policy", "full")) == "custom"
+      and str(getattr(config, "moe_x_sorted", "remat")) in ("device", "offload"),
       "pipeline": bubble.schedule(config),
   }
