@@ -150,6 +150,7 @@ def run_training(run: fork_config.RunConfig, stop: lifecycle.StopRequest | None 
 
     quiet.install_filter(run.fork.verbose)
     quiet.closed_loop_hooks(run.fork.verbose)
+    quiet.shared_memory_echo(run.fork.verbose)  # before grain starts a worker, and with it the resource tracker
     compiles = _watch_train_step_compile(lead)
 
     def upstream_main(_argv):

@@ -19,6 +19,11 @@ through the logging levels, not prints:
                                 callbacks find orbax's loop closed; each printed a traceback (PyErr_Print, so
                                 sys.excepthook, or unraisable) on whichever thread tensorstore completed the
                                 write from, the main one included (tests/test_quiet.py)
+  shared_memory_echo            without verbose, Python's resource tracker's "There appear to be N leaked
+                                shared_memory objects to clean up at shutdown" after a grain run: the buffers
+                                grain's worker had in flight when the iterator closed. The tracker unlinks them
+                                (nothing is left in /dev/shm), so the warning, printed after our closing line,
+                                asks for nothing
 
 `verbose=true` keeps absl at INFO, as upstream runs. Upstream's bare prints are the patches' business
 (patches/quiet_notices.py, released here by import_notices; patches/quiet_tflops.py).
@@ -107,6 +112,18 @@ class UpstreamNoise(logging.Filter):
     # its exc_info (async_checkpointer.py's _thread_func, about 80 lines of traceback): the disk's words are there.
     failed = record.exc_info[1] if record.exc_info else None
     return failed is None or checkpoint_guard.no_space_reason(failed) is None
+
+
+# The resource tracker's warning, as a -W filter: the tracker is a process of its own, started on grain's first
+# worker, and takes the interpreter's warning options from sys.warnoptions then (multiprocessing.resource_tracker,
+# subprocess._args_from_interpreter_flags). The message is matched from its start.
+TRACKER_FILTER = "ignore:resource_tracker:UserWarning"
+
+
+def shared_memory_echo(verbose: bool) -> None:
+  """Without verbose, the resource tracker started after this call cleans up grain's in-flight buffers silently."""
+  if not verbose and TRACKER_FILTER not in sys.warnoptions:
+    sys.warnoptions.append(TRACKER_FILTER)
 
 
 def install_filter(verbose: bool) -> None:
