@@ -91,11 +91,12 @@ MAY_IMPORT = {
     "MaxText.hardware": set(),
     "MaxText.console": set(),
     "MaxText.moe": set(),
+    "MaxText.attention": {"MaxText.moe"},  # beside the MoE pieces: their varying-axes typing and TE release
     "MaxText.config": {"MaxText.console", "MaxText.moe", "patches"},
     "MaxText.checkpoints": {"MaxText.config", "MaxText.console"},
     # The seams raise the config's one-line error (MaxText.config.keys alone, which imports nothing of ours), and
     # read and write our checkpoint records around upstream's saves and restores.
-    "patches": {"MaxText.config.keys", "MaxText.checkpoints", "MaxText.console", "MaxText.moe"},
+    "patches": {"MaxText.config.keys", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "MaxText.attention"},
     "MaxText.plan": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.hardware", "MaxText.moe",
                      "patches"},
     "MaxText.hf": {"MaxText.config", "MaxText.checkpoints", "MaxText.console", "MaxText.moe", "patches"},

@@ -41,6 +41,9 @@
 #             its own limit, GPU_CHECK_FP8_TEXT_S, default 540 s
 #   fp8-quant the one-pass FP8 quantization kernels at the proxy's shapes against XLA's x * 2, and the weights'
 #             blocks in both layouts, the step's one-pass kernel against XLA's passes (tools/bench_quant.py)
+#   sinks     attention with sinks (GPT-OSS's heads and window) through jax's cuDNN and our custom VJP against a
+#             float32 reference, forward and gradients (tools/sinks_selftest.py: PASS/FAIL per case); with
+#             Transformer Engine installed, TE's learnable softmax too
 #   te-block  the 1xH200 proxy on upstream's te_moe_block path (TE's MoE block; it bootstraps NCCL EP, so
 #             one process is refused by our config check: this item shows that refusal on one GPU)
 #
@@ -200,6 +203,12 @@ PY
       (cd "$repo" && timeout "$limit" python3 tools/bench_quant.py --out "$out/quant") 2>&1 | tee "$out/bench_quant.log" \
           | tail -n 12
       ;;
+    sinks)
+      kernels=cudnn; python3 -c "import transformer_engine.jax" 2>/dev/null && kernels=cudnn,te
+      (cd "$repo" && timeout "$limit" python3 tools/sinks_selftest.py --kernels "$kernels") 2>&1 | tee "$out/sinks.log" \
+          | grep -E "^(jax|PASS|FAIL|ALL|[0-9]+ FAILED|sinks_selftest)"
+      rows+=("sinks $(tail -n 1 "$out/sinks.log")")
+      ;;
     te-block)
       # The keys upstream's te_moe_block requires. Two of them depart from DeepSeek-V3 as published
       # (no bias update, no top-k renormalisation): TE's block supports neither. In one process our
@@ -207,7 +216,7 @@ PY
       proxy_run proxy_te_block moe_block=te te_moe_block=true prefuse_moe_weights=true \
           te_gmm_quantization=te_no_quant routed_bias_update_rate=0.0 norm_topk_prob=false
       ;;
-    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-profile, fp8-gmm, fp8-text, te-block)"; exit 2 ;;
+    *) echo "unknown item '$item' (tiny, selftest, selftest-small, tokamax, offload, ours, block, plan-honesty, plan-ep, plan-fp8, plan-recipes, te, fp8, fp8-profile, fp8-gmm, fp8-text, sinks, te-block)"; exit 2 ;;
   esac
 done
 
