@@ -37,6 +37,7 @@ SEAM_MODULES = (
     "patches.megablox_gmm",  # upstream's sparse_matmul grouped GEMMs -> MaxText/moe/gmm backends
     "patches.deepseek_v3_router",  # DeepSeek-V3's router (moe.py's model_name checks) for moe_router=deepseek_v3
     "patches.pipeline_v3",  # upstream's pipeline with V3's MoE layers: the bias rides with the weights, sown values per layer
+    "patches.attention_sinks",  # attention=cudnn_flash_jax with sinks (GPT-OSS): jax's cuDNN + our custom VJP
     "patches.cudnn_mla_vmap",  # jax's cuDNN attention under vmap (pipeline stages) with MLA's unequal head sizes
     "patches.a2a_groups_vmap",  # jax's grouped all_to_all (hierarchical dispatch) under vmap over another axis (stages)
     "patches.pipeline_mtp",  # MTP after the pipeline on each stage's share of the batch (our block), not gathered whole

@@ -1,11 +1,17 @@
-"""Attention with sinks as upstream MaxText's dot_product path computes it, in float32: the sink logit
-concatenated to each row's scores, a softmax over both, the sink's column dropped. Shared by
-tests/test_attention_sinks.py (tools/sinks_selftest.py keeps its own copy: it runs without tests/)."""
+"""Shared by tests/test_attention_sinks*.py: attention with sinks as upstream MaxText's dot_product path computes
+it, in float32 (the sink logit concatenated to each row's scores, a softmax over both, the sink's column dropped;
+tools/sinks_selftest.py keeps its own copy: it runs without tests/), and `cpu_cudnn`, jax's cuDNN primitives
+with a CPU kernel."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as fa
+from jax._src.interpreters import mlir
+
+from MaxText.attention import flash_xla
 
 
 def dense_attention_with_sinks(q_BTNH, k_BSKH, v_BSKH, sinks_N, *, scale=1.0, window=None):
@@ -20,3 +26,32 @@ def dense_attention_with_sinks(q_BTNH, k_BSKH, v_BSKH, sinks_N, *, scale=1.0, wi
   sink_BNT1 = jnp.broadcast_to(sinks_N.astype(jnp.float32)[None, :, None, None], (b, n, t, 1))
   p_BNTS = jax.nn.softmax(jnp.concatenate([s_BNTS, sink_BNT1], axis=-1), axis=-1)[..., :-1]
   return jnp.einsum("bnts,bsnh->btnh", p_BNTS, v_BSNH)
+
+
+def _core_fwd(q, k, v, *unused, scale, mask_type, layout, sliding_window_length, is_training, **_):
+  assert mask_type == fa.MaskType.CAUSAL and layout == fa.AttentionLayout.BTNH.value and is_training
+  assert not any(u.size for u in unused)  # no bias, seqlens, offsets or page tables
+  return flash_xla.forward(q, k, v, scale=scale, window=sliding_window_length)
+
+
+def _core_bwd(q, k, v, *rest, scale, mask_type, layout, sliding_window_length, **_):
+  *unused, lse, out, dout = rest
+  assert mask_type == fa.MaskType.CAUSAL and layout == fa.AttentionLayout.BTNH.value
+  assert not any(u.size for u in unused)
+  return flash_xla.backward(q, k, v, lse, out, dout, scale=scale, window=sliding_window_length)
+
+
+@pytest.fixture
+def cpu_cudnn(monkeypatch):
+  """jax's cuDNN primitives with a CPU kernel, its checks answered as on an H200 with cuDNN 9.10."""
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
+  monkeypatch.setattr(fa, "check_layout", lambda *args: None)  # bf16/fp16 only on the GPU
+  cpu = mlir._platform_specific_lowerings["cpu"]  # pylint: disable=protected-access
+  core = (fa._dot_product_attention_fwd_p, fa._dot_product_attention_bwd_p)  # pylint: disable=protected-access
+  for primitive, kernel in zip(core, (_core_fwd, _core_bwd)):
+    mlir.register_lowering(primitive, mlir.lower_fun(kernel, multiple_results=True), platform="cpu")
+  yield
+  for primitive in core:
+    cpu.pop(primitive)

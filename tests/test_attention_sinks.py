@@ -16,45 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as fa
-from jax._src.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from conftest import MANY_CPU_THREADS, in_own_process, load_script
-from MaxText.attention import flash_xla, sinks
-from sinks_reference import dense_attention_with_sinks
+from MaxText.attention import sinks
+from sinks_reference import cpu_cudnn, dense_attention_with_sinks  # noqa: F401  pylint: disable=unused-import
 
 B, T, N, H = 2, 12, 4, 8
 SCALE = 0.35
 TOL = 2e-5  # float32 throughout: max |got - want| / max |want|
-
-
-def _core_fwd(q, k, v, *unused, scale, mask_type, layout, sliding_window_length, is_training, **_):
-  assert mask_type == fa.MaskType.CAUSAL and layout == fa.AttentionLayout.BTNH.value and is_training
-  assert not any(u.size for u in unused)  # no bias, seqlens, offsets or page tables
-  return flash_xla.forward(q, k, v, scale=scale, window=sliding_window_length)
-
-
-def _core_bwd(q, k, v, *rest, scale, mask_type, layout, sliding_window_length, **_):
-  *unused, lse, out, dout = rest
-  assert mask_type == fa.MaskType.CAUSAL and layout == fa.AttentionLayout.BTNH.value
-  assert not any(u.size for u in unused)
-  return flash_xla.backward(q, k, v, lse, out, dout, scale=scale, window=sliding_window_length)
-
-
-@pytest.fixture
-def cpu_cudnn(monkeypatch):
-  """jax's cuDNN primitives with a CPU kernel, its checks answered as on an H200 with cuDNN 9.10."""
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
-  monkeypatch.setattr(fa, "check_layout", lambda *args: None)  # bf16/fp16 only on the GPU
-  cpu = mlir._platform_specific_lowerings["cpu"]  # pylint: disable=protected-access
-  core = (fa._dot_product_attention_fwd_p, fa._dot_product_attention_bwd_p)  # pylint: disable=protected-access
-  for primitive, kernel in zip(core, (_core_fwd, _core_bwd)):
-    mlir.register_lowering(primitive, mlir.lower_fun(kernel, multiple_results=True), platform="cpu")
-  yield
-  for primitive in core:
-    cpu.pop(primitive)
 
 
 def _operands(kv_heads: int, sink: str, seed: int = 0):

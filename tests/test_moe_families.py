@@ -529,6 +529,10 @@ def test_each_family_proxy_runs_on_our_block_and_its_bench_variants_load(family,
   for name in ("upstream_tokamax", "upstream_ragged", "ours", "dense_equivalent"):
     loaded = fork_config.load([proxy, *bench_train.variant_overrides(name, proxy)])
     assert loaded.fork.moe_block == ("ours" if name == "ours" else "upstream"), name
+    # GPT-OSS's sinks run in our fused kernel on cudnn_flash_jax (patches/attention_sinks.py); upstream's own path
+    # for them is dot_product, so its variants take that
+    upstream_sinks = family == "gpt-oss" and name.startswith("upstream")
+    assert loaded.upstream["attention"] == ("dot_product" if upstream_sinks else "cudnn_flash_jax"), name
   view = bench_train.model_view(proxy)
   dense = dict(o.split("=", 1) for o in bench_train.dense_equivalent(view))
   assert int(dense["base_mlp_dim"]) == (view["num_experts_per_tok"] + view.get("shared_experts", 0)) * view[

@@ -126,6 +126,10 @@ def variant_overrides(name: str, config_path: str) -> list[str]:
   """VARIANTS[name]'s overrides; the dense equivalent is computed from the config's model."""
   if name == "dense_equivalent":
     return ["moe_block=upstream", *dense_equivalent(model_view(config_path))]
+  if name.startswith("upstream") and model_view(config_path).get("decoder_block") == "gpt_oss":
+    # Upstream alone refuses GPT-OSS's attention sinks in cudnn_flash_jax (patches/attention_sinks.py runs them in
+    # our fused kernel): without Transformer Engine its GPU path for them is dot_product.
+    return [*VARIANTS[name][0], "attention=dot_product"]
   return VARIANTS[name][0]
 
 
