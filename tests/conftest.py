@@ -248,6 +248,20 @@ def run_rejected(tmp_path: Path, *args: str, **kwargs) -> TrainResult:
   return result
 
 
+def config_error_line(*args: str) -> str:
+  """The line `python -m MaxText.train ARGS` prints (exit 2, nothing written) for a config its loader refuses,
+  from the loader in this process: MaxText/run/main.py prints every ConfigError as this one line, a path
+  tests/test_train.py's test_bad_input_fails_fast_with_one_clear_line holds end to end. A process of its own
+  for each bad value would import upstream again (about 3 s of CPU) to prove the same."""
+  from MaxText import config as fork_config  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(fork_config.ConfigError) as refused:
+    fork_config.load(list(args))
+  line = f"maxtext-moe: config error: {refused.value}"
+  assert "\n" not in line, line
+  return line
+
+
 # What a started run leaves in its run directory (MaxText/run/loop.py writes the
 # first right after validation, the second at the end).
 RUN_EVIDENCE = ("maxtext-moe/effective_config.json", "summary.json")

@@ -257,11 +257,10 @@ def test_routed_expert_flops_and_the_fp8_rate_held_to_its_measurement(monkeypatc
     (["recipe_num_gpus=4", "ici_fsdp_parallelism=3"], "does not match 4 device"),
     (["recipe_num_gpus=3", "ici_fsdp_parallelism=1", "ici_expert_parallelism=3"], "num_experts=8"),
     (["recipe_num_gpus=4", "target_gpu=a100"], "target_gpu"),
-    (["recipe_num_gpus=4", "stepz=3"], "stepz"),
     (["recipe_num_gpus=4", "target_gpu=b200", "moe_block=ours", "moe_fp8=blockwise"], "moe_fp8=blockwise: the B200"),
     (["recipe_num_gpus=4", "target_gpu=h200", "moe_block=ours", "moe_fp8=mxfp8"], "MXFP8 needs a Blackwell GPU"),
     (["recipe_num_gpus=4", "--heartbeat", "soon"], "--heartbeat soon: give seconds"),
-], ids=["mesh", "experts-over-ep", "target", "unknown-key", "fp8-off-hopper", "mxfp8-off-blackwell", "heartbeat"])
+], ids=["mesh", "experts-over-ep", "target", "fp8-off-hopper", "mxfp8-off-blackwell", "heartbeat"])
 def test_bad_input_is_one_line_and_exit_2(args, key):
   out = _plan_cli("configs/deepseek3-tiny.yml", *args, timeout=120)
   assert out.returncode == 2, out.stderr[-1000:]

@@ -114,3 +114,33 @@ def test_test_sh_help_is_its_own_usage(tmp_path):
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.startswith("usage: scripts/test.sh [--all] [pytest args ...]")
     assert '-m "not slow"' in proc.stdout and "--all" in proc.stdout and "-k WORD" in proc.stdout
+
+
+def test_test_sh_runs_two_workers_unless_told_otherwise(tmp_path):
+  """The fast tier on two pytest-xdist workers by default; a -n of the user's own, -p no:xdist, a debugger or one
+  named test runs as asked (a copy of the script next to a bootstrap whose "python" prints the arguments)."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "scripts").mkdir()
+  shutil.copy(REPO / "scripts/test.sh", tmp_path / "scripts/test.sh")
+  (tmp_path / "py").write_text('#!/usr/bin/env bash\necho "$@"\n')
+  (tmp_path / "py").chmod(0o755)
+  (tmp_path / "scripts/bootstrap.sh").write_text(f"#!/usr/bin/env bash\necho {tmp_path / 'py'}\n")
+  (tmp_path / "scripts/bootstrap.sh").chmod(0o755)
+
+  def argv(*args: str) -> str:
+    proc = subprocess.run(["bash", str(tmp_path / "scripts/test.sh"), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+  assert argv() == "-m pytest -m not slow -n 2"
+  assert argv("-q", "tests/test_configs.py", "-k", "yaml") == "-m pytest -m not slow -n 2 -q tests/test_configs.py -k yaml"
+  assert argv("-n", "0") == "-m pytest -m not slow -n 0"
+  assert argv("-n4") == "-m pytest -m not slow -n4"
+  assert argv("--numprocesses=3") == "-m pytest -m not slow --numprocesses=3"
+  assert argv("-p", "no:xdist") == "-m pytest -m not slow -p no:xdist"
+  assert argv("--pdb") == "-m pytest -m not slow --pdb"
+  assert argv("tests/test_x.py::test_y") == "-m pytest -m not slow tests/test_x.py::test_y"
+  assert argv("-m", "slow", "-x") == "-m pytest -n 2 -m slow -x"
