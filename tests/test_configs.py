@@ -36,7 +36,7 @@ def test_the_shipped_configs_are_the_ones_this_test_knows():
   names = {_id(p) for p in CONFIGS}
   assert {"models/deepseek3-671b.yml", "models/deepseek3-proxy-1gpu.yml", "models/deepseek3-proxy-2gpu.yml",
           "models/deepseek3-proxy-8gpu.yml", "models/deepseek3-tiny.yml", "bench/proxy-1xh200.yml"} <= names
-  assert len(RECIPES) == 6  # 128 / 256 / 1024 x H100 / H200
+  assert len(RECIPES) == 7  # 128 / 256 / 1024 x H100 / H200, 256 x B200
 
 
 def _cpu_safe_overrides(run: fork_config.RunConfig, out_dir: Path) -> list[str]:
@@ -202,7 +202,7 @@ def test_recipe_mesh_fits_its_gpu_count_and_its_stated_memory(path):
   assert f"x{run.fork.target_gpu}" in path.name  # the planner's verdict is against the recipe's own GPU
   parallelism.check_topology(run.upstream, gpus, gpus, gpus // GPUS_PER_NODE)  # one slice per 8-GPU node
   _, est, _ = analytic_memory.estimate(run.upstream, gpus)
-  hbm = 80e9 if "h100" in path.name else 141e9
+  hbm = {"h100": 80e9, "h200": 141e9, "b200": 180e9}[run.fork.target_gpu]
   assert est.device_total < hbm  # the analytic cross-check
   # The header records the compiled plan (python -m MaxText.plan), which fits the GPU's usable HBM.
   planned = re.search(r"^# Memory: ([\d.]+) GiB a GPU of ([\d.]+) usable: fits", path.read_text(), re.M)

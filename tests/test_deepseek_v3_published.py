@@ -86,11 +86,17 @@ def _id(path: Path) -> str:
   return str(path.relative_to(REPO / "configs"))
 
 
+def _by_the_layout(key: str, c: dict) -> bool:
+  """A published property the mesh itself keeps: a token's experts on at most M = 4 nodes, where the experts are on
+  no more nodes than that (the 256 x B200 recipe's EP over 2 nodes) and node-limited routing has nothing to limit."""
+  return key == "moe_node_limited_routing" and c["dcn_expert_parallelism"] <= c["topk_routing_group"]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
 def test_config_has_deepseek_v3_published_values(path):
   c, kinds = _effective(path), _kind(path)
   wrong = [f"{key} = {c[key]!r}, published {want!r} ({where})" for where, key, want, binds in PUBLISHED
-           if binds in kinds and c[key] != want]
+           if binds in kinds and c[key] != want and not _by_the_layout(key, c)]
   assert not wrong, "\n".join(wrong)
   # Group-limited routing at every size: groups of >= 2 experts, kept groups hold more than top-k
   # candidates (scaled configs say in a comment how they scale V3's 8 groups / 4 kept).
