@@ -415,6 +415,24 @@ def test_inventory_finds_the_pipeline_loop_by_its_stage_permutes():
   assert (stage["count"], stage["crosses_nodes"], stage["wire_bytes"]) == (5, True, 5 * 4 * 8 * 4)
   assert rows[("collective-permute", ("expert",))]["count"] == 5 + 7
   assert hlo_inventory.inventory(PIPELINE_HLO, {"stage": 1, "expert": 4}, [0] * 4)["pipeline_loops"] == []
+  # Under gradient accumulation the pipeline loop runs in the accumulation loop, which XLA may give no trip count
+  # and whose body also permutes over `stage` (the iteration double buffering peeled off): only the inner loop is
+  # the pipeline's (the 1,024 x H100 PP2 compile reported the accumulation loop as one with no trip count).
+  accumulate = """\
+%accumulate (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %pipe = (s32[], f32[4,8]{1,0}) while(%p), condition=%cond, body=%iteration, backend_config={"known_trip_count":{"n":"5"}}
+  %x = f32[4,8]{1,0} get-tuple-element(%pipe), index=1
+  %peeled = f32[4,8]{1,0} collective-permute(%x), channel_id=4, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%p, %peeled)
+}
+
+"""
+  accumulated = PIPELINE_HLO.replace("ENTRY %main", accumulate + "ENTRY %main").replace(
+      'while(%x), condition=%cond, body=%iteration, backend_config={"known_trip_count":{"n":"5"}}',
+      "while(%x), condition=%cond, body=%accumulate")
+  loops = hlo_inventory.inventory(accumulated, {"stage": 2, "expert": 2}, [0, 0, 1, 1])["pipeline_loops"]
+  assert [(l["trip_count"], l["dot_flops"]) for l in loops] == [(5, 5 * 3 * 2 * 4 * 8 * 8)]
 
 
 def test_bubble_is_upstreams_formula_and_costs_the_pipelined_share():

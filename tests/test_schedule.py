@@ -301,6 +301,20 @@ def test_grouped_gemm_and_attention_flops_from_their_shapes():
                                           [("f8e4m3fn", (12, 128, 128))], [("f32", (12, 128))]], [("bf16", (8, 256, 128))])
   quantize = op_cost.grouped_gemm_flops([[("bf16", (512, 128))]], [("f8e4m3fn", (512, 128)), ("f32", (1, 512))])
   assert (gmm, tgmm, fp8_tgmm, quantize) == (2 * 1024 * 256 * 128, 2 * 1024 * 128 * 256, 2 * 12 * 128 * 256 * 128, 0)
+  # Under upstream's pipeline the kernels run in the stages' vmap: a leading stage dimension on every data array (1
+  # on a device; its stage's slice), and the group sizes' too. They were counted 0 (the 1,024 x H100 PP2 plan's
+  # routed GEMMs: 195 T of ~10,000).
+  vmapped = lambda arr: [(d, (b, *s)) for d, s in arr]  # noqa: E731
+  for b in (1, 2):
+    assert op_cost.grouped_gemm_flops([vmapped([("s32", (32,))]), vmapped([("bf16", (1024, 256))]),
+                                       vmapped([("bf16", (8, 256, 128))])], vmapped([("bf16", (1024, 128))])) == b * gmm
+    assert op_cost.grouped_gemm_flops([vmapped([("bf16", (1024, 128))]), vmapped([("bf16", (1024, 256))])],
+                                      vmapped([("bf16", (8, 128, 256))])) == b * tgmm
+    assert op_cost.grouped_gemm_flops([vmapped([("f8e4m3fn", (12, 256, 128))]), vmapped([("f32", (12, 256))]),
+                                       vmapped([("f8e4m3fn", (12, 128, 128))]), vmapped([("f32", (12, 128))])],
+                                      vmapped([("bf16", (8, 256, 128))])) == b * fp8_tgmm
+    assert op_cost.grouped_gemm_flops([vmapped([("bf16", (512, 128))])],
+                                      vmapped([("f8e4m3fn", (512, 128)), ("f32", (1, 512))])) == 0
   attention = """\
       HloModule m
 

@@ -434,9 +434,12 @@ def inventory(text: str, mesh_shape: dict[str, int], nodes: list[int],
         if trips.note:
           notes.add(trips.note)
         for body in re.findall(r"body=%?([\w.\-]+)", instr.attrs):
-          before = flops[0]
+          before, inner = flops[0], len(pipeline_loops)
           visit(body, mult * trips.count, depth + 1)
-          if stage_axis and _permutes_over(comps, body, stage_axis, mesh_shape, len(nodes)):
+          # A loop holding a pipeline loop is not one: the gradient-accumulation loop, whose body also runs the
+          # iteration XLA's double buffering peeled off the pipeline loop (stage permutes of its own).
+          if stage_axis and len(pipeline_loops) == inner and _permutes_over(comps, body, stage_axis, mesh_shape,
+                                                                            len(nodes)):
             pipeline_loops.append({"trip_count": trip_count(instr), "step": induction_step(instr), "count": mult,
                                    "dot_flops": flops[0] - before})
         continue

@@ -98,12 +98,29 @@ def convolution_flops(instr: Instr, comp: Computation) -> float:
   return 2.0 * math.prod(out[0][1]) * math.prod(kernel[0][1]) / kernel[0][1][labels[1].index("o")]
 
 
-def grouped_gemm_flops(operands: list[list[tuple[str, tuple[int, ...]]]], outputs: list[tuple[str, tuple[int, ...]]]) -> float:
+def grouped_gemm_flops(operands: list[list[tuple[str, tuple[int, ...]]]], outputs: list[tuple[str, tuple[int, ...]]],
+                       vmaps: int = 2) -> float:
   """FLOPs of a Mosaic GPU kernel if its shapes are one of our grouped GEMMs' (MaxText/moe/gmm/mgpu/), else 0
   (a quantization kernel: memory-bound). Data operands are bf16 or e4m3 (f32 ones are FP8 scales):
     gmm         x [M, K] and w [G, K, N] (or [G, N, K]) -> [M, N]
     tgmm (dW)   x [M, K] and dy [M, N] -> [G, K, N]; in FP8 as P blocks of r rows, [P, K, r] and [P, N, r]
-  all 2 M K N: every row meets one group's weights (M = P r)."""
+  all 2 M K N: every row meets one group's weights (M = P r). Under a vmap (upstream's pipeline vmaps its stages:
+  a stage's kernel reads [1, M, K] and [1, G, K, N] and writes [1, M, N]) every data array leads with the vmapped
+  dimension: one slice's FLOPs times its size, through at most `vmaps` nested vmaps."""
+  flops = _slice_grouped_gemm_flops(operands, outputs)
+  if flops or not vmaps or not outputs or len(outputs[0][1]) < 3:
+    return flops
+  b = outputs[0][1][0]
+  data = [s for arr in operands for d, s in arr if d.startswith(("bf16", "f16", "f8"))]
+  if not data or any(s[:1] != (b,) for s in data):
+    return 0.0
+  peel = lambda arr: [(d, s[1:]) if s[:1] == (b,) else (d, s) for d, s in arr]  # noqa: E731
+  return b * grouped_gemm_flops([peel(arr) for arr in operands], peel(outputs), vmaps - 1)
+
+
+def _slice_grouped_gemm_flops(operands: list[list[tuple[str, tuple[int, ...]]]],
+                              outputs: list[tuple[str, tuple[int, ...]]]) -> float:
+  """grouped_gemm_flops of a kernel outside any vmap."""
   data = [s for arr in operands for d, s in arr if len(s) in (2, 3) and d.startswith(("bf16", "f16", "f8"))]
   if not outputs:
     return 0.0
