@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as fa
-from jax._src.interpreters import mlir
+
+import cpu_cudnn as cpu_cudnn_lib
 
 from MaxText.attention import flash_xla
 
@@ -43,15 +44,6 @@ def _core_bwd(q, k, v, *rest, scale, mask_type, layout, sliding_window_length, *
 
 @pytest.fixture
 def cpu_cudnn(monkeypatch):
-  """jax's cuDNN primitives with a CPU kernel, its checks answered as on an H200 with cuDNN 9.10."""
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
-  monkeypatch.setattr(fa, "check_layout", lambda *args: None)  # bf16/fp16 only on the GPU
-  cpu = mlir._platform_specific_lowerings["cpu"]  # pylint: disable=protected-access
-  core = (fa._dot_product_attention_fwd_p, fa._dot_product_attention_bwd_p)  # pylint: disable=protected-access
-  for primitive, kernel in zip(core, (_core_fwd, _core_bwd)):
-    mlir.register_lowering(primitive, mlir.lower_fun(kernel, multiple_results=True), platform="cpu")
-  yield
-  for primitive in core:
-    cpu.pop(primitive)
+  """jax's cuDNN primitives with flash_xla's kernels (tests/cpu_cudnn.py)."""
+  with cpu_cudnn_lib.kernels(monkeypatch, _core_fwd, _core_bwd):
+    yield

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as fa
 from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
-from jax._src.interpreters import batching, mlir
+from jax._src.interpreters import batching
 
+import cpu_cudnn as cpu_cudnn_lib
 from conftest import REPO, require_gpu_plan
 from patches import cudnn_mla_vmap
 from patches._seam import UpstreamMismatch
@@ -64,18 +65,9 @@ def _kernel_bwd(q, k, v, *rest, scale, mask_type, **_):
 
 @pytest.fixture
 def cpu_cudnn(monkeypatch):
-  """jax's cuDNN primitives with a CPU kernel, its checks answered as on an H200 with cuDNN 9.10."""
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
-  monkeypatch.setattr(fa, "check_layout", lambda *args: None)  # bf16/fp16 only on the GPU
-  cpu = mlir._platform_specific_lowerings["cpu"]  # pylint: disable=protected-access
-  for primitive, kernel in ((fa._dot_product_attention_fwd_p, _kernel_fwd),  # pylint: disable=protected-access
-                            (fa._dot_product_attention_bwd_p, _kernel_bwd)):  # pylint: disable=protected-access
-    mlir.register_lowering(primitive, mlir.lower_fun(kernel, multiple_results=True), platform="cpu")
-  yield fa
-  cpu.pop(fa._dot_product_attention_fwd_p)  # pylint: disable=protected-access
-  cpu.pop(fa._dot_product_attention_bwd_p)  # pylint: disable=protected-access
+  """jax's cuDNN primitives with the kernels above (tests/cpu_cudnn.py)."""
+  with cpu_cudnn_lib.kernels(monkeypatch, _kernel_fwd, _kernel_bwd) as module:
+    yield module
 
 
 @pytest.fixture
