@@ -22,6 +22,7 @@ conditional's branch as the walk took it, so they count the same transfers. Ever
 from __future__ import annotations
 
 import re
+import sys
 from collections import Counter
 from typing import Any
 
@@ -138,3 +139,11 @@ def check(plan_rows: list[dict[str, Any]], walk_rows: dict[tuple, list[float]], 
   lines = [f"transfers: rows {rows_s:.4g} s, walk {walk_s:.4g} s; exposed {estimate['exposed_collectives_s']:.4g} s; "
            f"step {estimate['step_s']:.4g} s <= nothing overlapped {estimate['serial_step_s']:.4g} s", *loop_lines]
   return {"ok": not violations, "lines": lines, "violations": violations}
+
+
+def refuse_violated(count: int, of: str, label: str, first: str) -> int:
+  """The one line a search prints when `count` of its plans (`of`: "12 layouts") hold a violated account, left out
+  of the best: the first one's label and violation. Returns EXIT_VIOLATED."""
+  print(f"maxtext-moe: plan invariant violated in {count} of {of} (left out of the best): {label}: {first}",
+        file=sys.stderr, flush=True)
+  return EXIT_VIOLATED

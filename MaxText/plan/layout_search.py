@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import sys
 from typing import Any, Callable, Iterator
 
 from MaxText import config as fork_config
@@ -334,9 +333,7 @@ def main(args: list[str], top: int = TOP, compile_n: int = 0, timeout_s: float =
     plan.write_json({"search_layouts": results, "refused": dict(refused)}, json_path)
   if violated:
     i, first = violated[0]
-    print(f"maxtext-moe: plan invariant violated in {len(violated)} of {min(compile_n, len(best))} compiled layouts "
-          f"(left out of the best): {i}: {first}", file=sys.stderr, flush=True)
-    return account.EXIT_VIOLATED
+    return account.refuse_violated(len(violated), f"{min(compile_n, len(best))} compiled layouts", str(i), first)
   return 0 if best else 2
 
 

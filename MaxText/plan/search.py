@@ -21,7 +21,6 @@ then exits 9 (a single plan's code) with one line naming it.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 from MaxText import config as fork_config
@@ -132,7 +131,5 @@ def main(args: list[str], timeout_s: float, json_path: str | None, heartbeat_s: 
     plan.write_json({"search": results}, json_path)
   if bad:
     label, violated = bad[0]
-    print(f"maxtext-moe: plan invariant violated in {len(bad)} of {len(results)} layouts (left out of the best): "
-          f"{label}: {violated[0]}", file=sys.stderr, flush=True)
-    return account.EXIT_VIOLATED
+    return account.refuse_violated(len(bad), f"{len(results)} layouts", label, violated[0])
   return 0 if ranked else 2
