@@ -1,7 +1,8 @@
-"""The Transformer Engine releases our two TE adapters are written to.
+"""The Transformer Engine releases our TE adapters are written to.
 
 gmm/te.py (grouped_gemm with GroupedNoScaleTensor operands) and dispatch/te_ncclep.py (ep.py's
 EpLayerConfig API) were both checked against the released 2.20.2 source and run on it on an H200;
+MaxText/attention/sinks_te.py (fused attention's learnable softmax) is written to the same release, never run;
 TE's JAX API changes between minor releases, so anything else is refused by name, not guessed at.
 docker/manifest.yaml and pyproject.toml's [te] extra name the same series (tests/test_te_release.py).
 """
