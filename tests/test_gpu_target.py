@@ -161,7 +161,8 @@ def test_tiny_model_for_16_h100s_on_two_nodes_without_a_gpu(tmp_path):
   assert e["compute_s"] == pytest.approx(e["gemm_s"] + e["fp8_gemm_s"] + e["attention_s"] + e["hidden_flops_s"])
   assert e["collectives_s"] == pytest.approx(e["exposed_collectives_s"] + e["overlapped_collectives_s"])
   assert e["overlapped_collectives_s"] > 0 and e["exposed_collectives_s"] > 0  # some hidden behind work, some not
-  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["exposed_collectives_s"]
+  assert e["contention_s"] > 0  # kernels beside the exchange run at (1 - hardware.COLLECTIVE_SM_SHARE) of their rate
+  assert e["step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["contention_s"] + e["exposed_collectives_s"]
                                       + e["offload_exposed_s"])  # no bubble
   assert e["step_s"] < e["serial_step_s"] == pytest.approx(e["compute_s"] + e["memory_s"] + e["collectives_s"]
                                                            + e["offload_s"])
