@@ -415,7 +415,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
   the estimate off it: MaxText/plan/planner.py)."""
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
-  from MaxText.plan import bubble, flops, memory_report  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import bubble, flops, memory_ops, memory_report  # pylint: disable=import-outside-toplevel
 
   hlo = step.compiled.as_text()
   if hlo_path:
@@ -434,6 +434,7 @@ def _compiled_result(step: Compiled, topology: Topology, hlo_path: str | None) -
       routed_expert_flops=float(flops.routed_expert_flops(step.config)),
       tokens_per_device=float(step.config.per_device_batch_size * step.config.max_target_length),
       largest_buffers=buffers, nodes=nodes, layout=step.layout,
+      stack_frames=memory_ops.stack_frames(step.compiled),  # names the memory-bound ops' sources (schedule.parse)
       pipeline_schedule=bubble.schedule(step.config),
       pipelined_layers_share=float(step.config.pipeline_parallel_layers) / float(step.config.num_decoder_layers),
   )  # the collectives, read off the HLO by the parent beside the schedule's walk (MaxText/plan/planner.py)

@@ -237,7 +237,7 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
   # at every iteration): the bubble is inside the path, and the term the schedule would add on top stays 0.
   # MaxText/plan/bubble.py reports it, checked against the compiled loop.
   bubble_fraction = 0.0
-  module = schedule.parse(hlo_text)
+  module = schedule.parse(hlo_text, child.get("stack_frames"))
   fp8 = run.fork.moe_fp8 != "none"
   terms = schedule.estimate(module, gpu, child["mesh"], child["nodes"], fp8_experts=fp8,
                             counted_flops=model_flops + recompute, routed_flops=child.get("routed_expert_flops", 0.0),

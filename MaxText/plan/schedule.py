@@ -42,6 +42,7 @@ from typing import Any
 from MaxText import hardware
 from MaxText.plan import hlo_inventory, op_cost
 from MaxText.plan.hlo_inventory import Computation, Instr, nbytes
+from MaxText.plan.memory_ops import Frames, Groups
 
 # Ops that move no bytes of their own: structure, aliases, and the waits handled by the walk.
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "add-dependency", "opt-barrier",
@@ -60,6 +61,7 @@ class Terms:
     counts: gemm_flops, fp8_flops (of them, grouped_flops: our grouped GEMMs'), attention_flops,
       memory_bytes, kernels (ops with a cost).
     rows: per collective row key (and ("host-offload", (), False)): [seconds, exposed seconds, count].
+    memory_ops: the memory-bound ops' seconds and bytes by source op (MaxText/plan/memory_ops.py).
   """
 
   seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
@@ -68,6 +70,7 @@ class Terms:
   counts: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
       ("gemm_flops", "fp8_flops", "grouped_flops", "attention_flops", "memory_bytes", "kernels"), 0.0))
   rows: dict[RowKey, list[float]] = dataclasses.field(default_factory=dict)
+  memory_ops: Groups = dataclasses.field(default_factory=Groups)
 
   def add_scaled(self, later: Terms, earlier: Terms, times: int) -> None:
     """self += times * (later - earlier): a loop trip's terms repeated."""
@@ -79,6 +82,7 @@ class Terms:
       mine_row = self.rows.setdefault(key, [0.0, 0.0, 0.0])
       for i in range(3):
         mine_row[i] += times * (row[i] - before[i])
+    self.memory_ops.add_scaled(later.memory_ops, earlier.memory_ops, times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +125,11 @@ class Module:
   described_notes: set[str] = dataclasses.field(default_factory=set)
   gemm_cache: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
   opaque: set[str] = dataclasses.field(default_factory=set)
+  frames: Frames = dataclasses.field(default_factory=list)  # the stack-frame table its stack_frame_ids index
 
 
-def parse(text: str) -> Module:
+def parse(text: str, frames: Frames | None = None) -> Module:
+  """`frames`: the compile's stack-frame table (memory_ops.stack_frames), which names the memory-bound ops' sources."""
   comps, entry = hlo_inventory.parse_module(text)
   # What hlo_inventory's parse leaves out, per computation: parameter numbers, roots.
   param_index: dict[tuple[str, str], int] = {}
@@ -139,7 +145,7 @@ def parse(text: str) -> Module:
         roots[current] = m[2]
   return Module(comps, entry, param_index, {
       c.name: next((i for i in c.instrs if i.name == roots.get(c.name)), c.instrs[-1] if c.instrs else None)
-      for c in comps.values()})
+      for c in comps.values()}, frames=[tuple(f) for f in frames or []])
 
 
 class _Walk:
@@ -219,6 +225,8 @@ class _Walk:
     state.terms.counts[{"gemm_s": "gemm_flops", "fp8_gemm_s": "fp8_flops", "attention_s": "attention_flops",
                         "memory_s": "memory_bytes"}[kind]] += amount
     state.terms.counts["kernels"] += 1
+    if kind == "memory_s":
+      state.terms.memory_ops.add(instr.name, instr.attrs, seconds, amount, self.module.frames)
 
   @staticmethod
   def _beside_transfers(state: _State, seconds: float) -> float:
@@ -432,6 +440,7 @@ class StepTerms:
   branches: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # conditional -> the branches walked
   contention_s: float = 0.0
   grouped_scale: float = 1.0  # our grouped GEMMs' FLOPs counted, of their shapes' (see estimate)
+  memory_ops: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every group, largest first
 
   @property
   def compute_s(self) -> float:
@@ -491,7 +500,8 @@ def estimate(text: str | Module, gpu: hardware.Gpu, mesh_shape: dict[str, int], 
                    offload_s=s["offload_s"], offload_exposed_s=s["offload_exposed_s"], path_s=path,
                    bubble_s=path * bubble_fraction / (1.0 - bubble_fraction), counts=dict(c),
                    rows=state.terms.rows, notes=sorted(walk.notes | module.described_notes), branches=walk.branches,
-                   grouped_scale=walk.grouped_scale, contention_s=s["contention_s"])
+                   grouped_scale=walk.grouped_scale, contention_s=s["contention_s"],
+                   memory_ops=state.terms.memory_ops.rows())
 
 
 if __name__ == "__main__":  # python -m MaxText.plan.schedule HLO.txt h200 '{"fsdp": 8}' [gpus_per_node]

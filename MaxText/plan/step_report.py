@@ -37,9 +37,12 @@ def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,
       "grouped_shapes_flops": t.counts["grouped_flops"] / t.grouped_scale,
       "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
       "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
-      "recompute_flops": recompute_flops, "notes": t.notes,
+      "recompute_flops": recompute_flops, "notes": t.notes, "memory_ops": t.memory_ops[:MEMORY_OPS],
       "tflops_per_gpu": model_flops / 1e12 / t.step_s if t.step_s else None,
   }
+
+
+MEMORY_OPS = 15  # the memory-bound groups the report keeps (MaxText/plan/memory_ops.py); the printout, the first 8
 
 
 def _scaled(figure: Figure, factor: float, what: str) -> Figure:
@@ -90,6 +93,21 @@ def _seconds(s: float) -> str:
   return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.4g} ms"
 
 
+def memory_op_lines(rows: list[dict[str, Any]], memory_s: float) -> list[str]:
+  """The largest memory-bound groups, one line each: ms, share, GB, ops a step, owner, source, name stack."""
+  out = [f"    {'ms':>8} {'share':>5} {'GB':>7} {'ops':>5}  {'owner':<8} source: op (the largest memory-bound, by source)"]
+  for r in rows:
+    share = r["seconds"] / memory_s if memory_s else 0.0
+    out.append(f"    {r['seconds'] * 1e3:8.2f} {share:5.1%} {r['bytes'] / 1e9:7.2f} {r['ops']:5d}  {r['owner']:<8} "
+               f"{r['source'] or '(no source)'}: {_tail(r['op'])}")
+  return out if rows else []
+
+
+def _tail(op: str, width: int = 90) -> str:
+  """A name stack's last `width` characters (its innermost steps say most)."""
+  return op if len(op) <= width else "..." + op[-width + 3:]
+
+
 def lines(e: dict[str, Any]) -> list[str]:
   """The estimate as the planner prints it."""
   ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
@@ -103,6 +121,7 @@ def lines(e: dict[str, Any]) -> list[str]:
       f"estimate: step {e['step_s'] * 1e3:.2f} ms, the critical path through the scheduled step (MaxText/plan/schedule.py)",
       f"  compute         {ms(e['compute_s'])}  {compute}",
       f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
+      *memory_op_lines(e.get("memory_ops", [])[:8], e["memory_s"]),
       f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
       f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
       f"  beside NCCL     {ms(e.get('contention_s', 0.0))}  the kernels that ran beside a transfer, slowed by the SMs "
