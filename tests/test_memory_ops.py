@@ -76,7 +76,7 @@ def test_memory_bound_ops_group_by_source_across_loop_trips_and_layers():
   norm = rows["maxtext/layers/normalizations.py:55"]
   assert (norm["owner"], norm["ops"], norm["bytes"]) == ("upstream", 3, pytest.approx(3 * 3 * ARRAY_BYTES))
   assert rows["jax/_src/lax/control_flow/loops.py:10"]["owner"] == "jax/flax"
-  assert rows[""]["op"] == "(no op_name: copy)" and rows[""]["owner"] == "?"
+  assert (rows[""]["op"], rows[""]["owner"]) == ("copy f32[256,512]", "xla")  # the compiler's own: by opcode and shape
   # The report keeps the groups and prints the largest under the memory-bound line.
   e = step_report.report(t, model_flops=1e9, recompute_flops=0.0)
   assert e["memory_ops"] == t.memory_ops
@@ -92,6 +92,10 @@ def test_owners_and_names():
   assert memory_ops.owner("/v/lib/python3.12/site-packages/maxtext/layers/moe.py") == "upstream"
   assert memory_ops.owner("/v/lib/python3.12/site-packages/MaxText/layers/moe.py") == "upstream"
   assert memory_ops.owner("/v/lib/python3.12/site-packages/flax/nnx/module.py") == "jax/flax"
+  # A venv inside the repo is still the packages'.
+  assert memory_ops.short_path(f"{memory_ops.REPO}/.venv/lib/python3.12/site-packages/maxtext/a.py") == "maxtext/a.py"
+  assert memory_ops.owner(f"{memory_ops.REPO}/.venv/lib/python3.12/site-packages/maxtext/a.py") == "upstream"
+  assert memory_ops.owner(f"{memory_ops.REPO}/.venv/lib/python3.12/site-packages/jax/_src/numpy/lax_numpy.py") == "jax/flax"
   assert memory_ops.normalise("jit(f)/transpose(jvp(MoeBlock_0))/while/body/while/body/layers_12/dot_general") == \
       "jit(f)/transpose(jvp(MoeBlock_N))/layers_N/dot_general"
 

@@ -12,7 +12,8 @@ suffixes such as `layers_12` or `dot_general.3`, are dropped), while the forward
 source_line where the HLO text holds them, else its stack_frame_id read through the module's stack-frame table
 (the text prints only the id: `stack_frames` keeps the table beside it): the innermost frame in this repo's code or
 upstream MaxText's, else the innermost frame. Owner: "ours" (this repo: MaxText/, patches/, tools/), "upstream"
-(site-packages maxtext/), "jax/flax" (jax, flax and every other library), "?" (no source).
+(site-packages maxtext/), "jax/flax" (jax, flax and every other library), "xla" (an op without an op_name: the
+compiler's own, such as a loop's carried buffer copied; grouped by opcode and shape), "?" (no source).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import dataclasses
 import re
 from pathlib import Path
 from typing import Any
+
+from MaxText.plan.hlo_inventory import Instr
 
 Frames = list[tuple[str, int, int]]  # stack_frame_id - 1 -> (file, line, parent frame id; 0: none)
 REPO = Path(__file__).resolve().parents[2]
@@ -32,17 +35,20 @@ def owner(path: str) -> str:
     return "?"
   if re.search(r"-packages/maxtext/", path, re.IGNORECASE):
     return "upstream"
-  if path.startswith(f"{REPO}/") or (re.search(r"(^|/)(MaxText|patches)/", path) and "-packages/" not in path):
-    return "ours"
-  return "jax/flax"
+  if "-packages/" in path:
+    return "jax/flax"
+  return "ours" if path.startswith(f"{REPO}/") or re.search(r"(^|/)(MaxText|patches)/", path) else "jax/flax"
 
 
 def short_path(path: str) -> str:
   """A path from its package or the repo: 'MaxText/moe/dispatch.py', 'maxtext/layers/moe.py', 'jax/_src/...'."""
+  packaged = re.search(r"-packages/(.*)$", path)  # first: the venv may sit inside the repo
+  if packaged:
+    return packaged[1]
   if path.startswith(f"{REPO}/"):
     return path[len(str(REPO)) + 1:]
-  after = re.search(r"-packages/(.*)$", path) or re.search(r"(?:^|/)((?:MaxText|patches)/.*)$", path)
-  return after[1] if after else path
+  ours = re.search(r"(?:^|/)((?:MaxText|patches)/.*)$", path)
+  return ours[1] if ours else path
 
 
 def normalise(op_name: str) -> str:
@@ -77,14 +83,16 @@ class Groups:
   totals: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
   info: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)  # -> (example op, owner)
 
-  def add(self, name: str, attrs: str, seconds: float, moved: float, frames: Frames) -> None:
-    op_name = re.search(r'op_name="([^"]*)"', attrs)
-    where, who = source(attrs, frames)
-    bare = re.sub(r"[.]\d+$", "", name)
-    key = (normalise(op_name[1]) if op_name else f"(no op_name: {bare})", where)
+  def add(self, instr: Instr, seconds: float, moved: float, frames: Frames) -> None:
+    op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
+    where, who = source(instr.attrs, frames)
+    if op_name:
+      key = (normalise(op_name[1]), where)
+    else:  # the compiler's own op (a loop's carried buffer copied, a layout changed): by opcode and shape
+      key, who = (f"{instr.opcode} {re.sub(r'[{][^}]*[}]', '', instr.type_text)}", where), "xla"
     row = self.totals.setdefault(key, [0.0, 0.0, 0.0])
     row[0], row[1], row[2] = row[0] + seconds, row[1] + moved, row[2] + 1
-    self.info.setdefault(key, (name, who))
+    self.info.setdefault(key, (instr.name, who))
 
   def add_scaled(self, later: Groups, earlier: Groups, times: int) -> None:
     """self += times * (later - earlier): a loop trip's ops repeated (schedule.Terms.add_scaled)."""

@@ -226,7 +226,7 @@ class _Walk:
                         "memory_s": "memory_bytes"}[kind]] += amount
     state.terms.counts["kernels"] += 1
     if kind == "memory_s":
-      state.terms.memory_ops.add(instr.name, instr.attrs, seconds, amount, self.module.frames)
+      state.terms.memory_ops.add(instr, seconds, amount, self.module.frames)
 
   @staticmethod
   def _beside_transfers(state: _State, seconds: float) -> float:
