@@ -121,3 +121,43 @@ def test_combine_backward_gathers_the_row_cotangent_from_g_TD():
   into_rows = [(e.primitive.name, [str(v.aval) for v in e.invars]) for e in jax.make_jaxpr(vjp)(jnp.ones((13, 5))).eqns
                if any(str(v.aval) == "float32[52,5]" for v in e.outvars)]
   assert into_rows == [("gather", ["float32[13,5]", "int32[52,1]"]), ("mul", ["float32[52,5]", "float32[52,1]"])]
+
+
+def _fill_gather(x, idx):
+  return x.at[idx].get(mode="fill", fill_value=0)
+
+
+def _inverse(idx_R, rows_N):
+  return jnp.full((rows_N,), idx_R.shape[0], jnp.int32).at[idx_R].set(jnp.arange(idx_R.shape[0], dtype=jnp.int32),
+                                                                      mode="drop")
+
+
+@pytest.mark.parametrize("idx_R", [
+    [3, 6, 0, 6, 6, 1],  # empty slots (the fill value N = 6), rows 2, 4, 5 never taken
+    [6, 6, 6, 6],  # every slot empty: x gets zero gradient
+    [4, 0, 5, 2, 1, 3],  # a full permutation
+    [2, 9, 0],  # an index past N (any out-of-range index is an empty slot)
+], ids=["empty_slots", "all_empty", "permutation", "past_n"])
+def test_take_rows_matches_the_fill_gather_forward_and_gradient(idx_R):
+  """local.take_rows (backward: the gather by the inverse) against autodiff of `.at[].get(mode="fill")`."""
+  x_ND = jax.random.normal(jax.random.key(0), (6, 5))
+  idx_R = jnp.asarray(idx_R, jnp.int32)
+  inv_N = _inverse(idx_R, 6)
+  g_RD = jax.random.normal(jax.random.key(1), (idx_R.shape[0], 5))
+  got, vjp_got = jax.vjp(lambda x: local.take_rows(x, idx_R, inv_N), x_ND)
+  want, vjp_want = jax.vjp(lambda x: _fill_gather(x, idx_R), x_ND)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(vjp_got(g_RD)[0], vjp_want(g_RD)[0])
+  probe = lambda f: lambda x: jnp.sum(jnp.sin(f(x)) * g_RD)  # noqa: E731
+  np.testing.assert_allclose(jax.grad(probe(lambda x: local.take_rows(x, idx_R, inv_N)))(x_ND),
+                             jax.grad(probe(lambda x: _fill_gather(x, idx_R)))(x_ND), rtol=1e-6, atol=1e-7)
+
+
+def test_take_rows_backward_is_a_gather_not_a_scatter():
+  """Autodiff would transpose the fill gather into a scatter-add of rows into a zeroed buffer."""
+  x_ND = jnp.ones((6, 5))
+  idx_R = jnp.asarray([3, 6, 0, 1], jnp.int32)
+  _, vjp = jax.vjp(lambda x: local.take_rows(x, idx_R, _inverse(idx_R, 6)), x_ND)
+  jaxpr = str(jax.make_jaxpr(vjp)(jnp.ones((4, 5))))
+  assert "scatter" not in jaxpr and "gather" in jaxpr, jaxpr
+

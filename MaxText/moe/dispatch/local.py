@@ -98,6 +98,32 @@ def _permute_bwd(res, g_MD):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+@jax.custom_vjp
+def take_rows(x_ND, idx_R, inv_N):
+  """out_RD[r] = x_ND[idx_R[r]], zero where idx_R[r] is out of range (N: an empty slot); idx_R, inv_N 1-D.
+
+  For injective gathers only: each row of x taken at most once, and inv_N its inverse
+  (inv_N[idx_R[r]] = r; R for a row nobody takes). Then the exact backward is the gather
+  g_RD[inv_N] (zero where inv_N is R). JAX's own transpose of `.at[].get(mode="fill")` is a
+  scatter-add of the rows into a zeroed [N, D] buffer: a memset, a read-modify-write of every
+  row, and atomics on GPU. Used by ragged_a2a's expert-major regroup and its undoing.
+  """
+  return x_ND.at[idx_R].get(mode="fill", fill_value=0)
+
+
+def _take_fwd(x_ND, idx_R, inv_N):
+  return take_rows(x_ND, idx_R, inv_N), (idx_R, inv_N, vma.stamp(x_ND))
+
+
+def _take_bwd(res, g_RD):
+  idx_R, inv_N, x_type = res
+  g_ND = g_RD.at[inv_N].get(mode="fill", fill_value=0).astype(x_type.dtype)
+  return vma.like_primal(g_ND, x_type), None, None
+
+
+take_rows.defvjp(_take_fwd, _take_bwd)
+
+
 def weighted_sum(y_TKD, weights_TK, out_dtype):
   """sum_k w[t,k] * y[t,k,:] in float32 (upstream's float32_weight_sum default)."""
   return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32)).astype(out_dtype)

@@ -10,7 +10,8 @@ Inside `shard_map` over the expert axis (n shards, E_l = E/n experts each):
   dispatch: sort slots by global expert (`local`); all_to_all the per-(peer,
     local expert) counts and each shard's receive offsets; ragged_all_to_all
     the rows into a [R, D] buffer where peer p's rows start at the exclusive
-    cumsum of the receive counts; regroup expert-major (a2a_padded's map).
+    cumsum of the receive counts; regroup expert-major (a2a_padded's map,
+    moved by local.take_rows: its backward gathers by the inverse map).
   combine: regroup back, ragged_all_to_all home into the sender's sorted-slot
     layout (offsets: the sender's send starts), weighted top-k sum.
 
@@ -195,10 +196,10 @@ class RaggedA2ADispatcher:
                       recv_P=recv_P, out_offset_P=out_offset_P, home_offset_P=home_offset_P, src_R=src_R,
                       dest_R=dest_R, group_sizes_G=group_sizes, group_offset=jnp.zeros((), jnp.int32),
                       overflow=overflow, num_local_experts=num_local)
-    return recv_RD.at[src_R].get(mode="fill", fill_value=0), meta
+    return local.take_rows(recv_RD, src_R, dest_R), meta
 
   def combine(self, y_RD, weights_TK, meta: RaggedMeta):
-    back_RD = y_RD.at[meta.dest_R].get(mode="fill", fill_value=0)
+    back_RD = local.take_rows(y_RD, meta.dest_R, meta.src_R)
     back = Plan(meta.recv_start_P, meta.recv_P, meta.home_offset_P, meta.send_P)
     there = Plan(meta.send_start_P, meta.send_P, meta.out_offset_P, meta.recv_P)  # dispatch's plan: the VJP
     y_MD = ragged_exchange(back_RD, meta.slots.order_M.shape[0], back, there, self.axis_name, self.exchange_impl)
