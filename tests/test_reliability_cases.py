@@ -70,10 +70,11 @@ def test_every_case_that_trains_is_clean():
   assert total >= 20 and clean == total, fails
 
 
-# With async_checkpointing=true (upstream's default, the recipes'), orbax commits each save in the background: the
-# base run and these resumes over damage, about 3 minutes here (all 20 such cases: 7 min 10 s, 2026-12-05).
-ASYNC_CASES = ("a stray empty checkpoints/99", "checkpoint 9: a data file truncated", "checkpoint 9: 400 bytes flipped",
-               "checkpoint 9: one bit flipped", "checkpoint 9: our record deleted", "every checkpoint damaged",
+# With async_checkpointing=true (upstream's default, the recipes'), orbax commits each save in the background. The
+# cases whose outcome depends on that: our record written after the background commit, a restore that falls through
+# every checkpoint so written, and orbax's commit thread meeting a full disk. Damage to a finished checkpoint reads
+# the same however it was written: the sync run (test_every_case_that_trains_is_clean) holds those cases.
+ASYNC_CASES = ("checkpoint 9: our record deleted", "every checkpoint damaged",
                "a disk that fills mid-run (TensorBoard off)")  # orbax's commit thread met the full disk: one line
 
 
