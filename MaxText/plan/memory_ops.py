@@ -27,6 +27,8 @@ from MaxText.plan.hlo_inventory import Instr
 
 Frames = list[tuple[str, int, int]]  # stack_frame_id - 1 -> (file, line, parent frame id; 0: none)
 REPO = Path(__file__).resolve().parents[2]
+KEPT = 15  # the groups a plan keeps (its JSON: estimate.memory_ops)
+SHOWN = 8  # of them, the groups the printout and a recipe's summary keep
 
 
 def owner(path: str) -> str:

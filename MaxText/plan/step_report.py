@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from MaxText import hardware
 from MaxText.hardware import Figure, Gpu
-from MaxText.plan import schedule
+from MaxText.plan import memory_ops, schedule
 
 
 def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,
@@ -37,12 +37,10 @@ def report(t: schedule.StepTerms, model_flops: float, recompute_flops: float,
       "grouped_shapes_flops": t.counts["grouped_flops"] / t.grouped_scale,
       "attention_flops": t.counts["attention_flops"], "memory_bytes": t.counts["memory_bytes"],
       "kernels": int(t.counts["kernels"]), "model_tflops_per_device": model_flops / 1e12,
-      "recompute_flops": recompute_flops, "notes": t.notes, "memory_ops": t.memory_ops[:MEMORY_OPS],
+      "recompute_flops": recompute_flops, "notes": t.notes, "memory_ops": t.memory_ops[:memory_ops.KEPT],
       "tflops_per_gpu": model_flops / 1e12 / t.step_s if t.step_s else None,
   }
 
-
-MEMORY_OPS = 15  # the memory-bound groups the report keeps (MaxText/plan/memory_ops.py); the printout, the first 8
 
 
 def _scaled(figure: Figure, factor: float, what: str) -> Figure:
@@ -121,7 +119,7 @@ def lines(e: dict[str, Any]) -> list[str]:
       f"estimate: step {e['step_s'] * 1e3:.2f} ms, the critical path through the scheduled step (MaxText/plan/schedule.py)",
       f"  compute         {ms(e['compute_s'])}  {compute}",
       f"  memory-bound    {ms(e['memory_s'])}  {e['memory_bytes'] / 1e9:.1f} GB read and written, {e['kernels']} kernels",
-      *memory_op_lines(e.get("memory_ops", [])[:8], e["memory_s"]),
+      *memory_op_lines(e.get("memory_ops", [])[:memory_ops.SHOWN], e["memory_s"]),
       f"  collectives     {ms(e['collectives_s'])}  exposed {e['exposed_collectives_s'] * 1e3:.2f}, overlapped "
       f"{e['overlapped_collectives_s'] * 1e3:.2f} (each transfer at its link's rate)",
       f"  beside NCCL     {ms(e.get('contention_s', 0.0))}  the kernels that ran beside a transfer, slowed by the SMs "

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from MaxText.plan import memory_ops
+
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 HEADER_BEGIN = "# --- plan: "
@@ -87,7 +89,7 @@ def of(report: dict[str, Any], commit: str, date: str) -> dict[str, Any]:
       "sensitivity": [{"label": s["label"], "step_s": round(s["step_s"], 4), "tflops_per_gpu": round(s["tflops_per_gpu"], 1)}
                       for s in e.get("sensitivity", [])],
       "memory_ops": [{"op": r["op"], "source": r["source"], "owner": r["owner"], "ms": round(r["seconds"] * 1e3, 2),
-                      "gb": round(r["bytes"] / 1e9, 2), "ops": r["ops"]} for r in e.get("memory_ops", [])[:8]],
+                      "gb": round(r["bytes"] / 1e9, 2), "ops": r["ops"]} for r in e.get("memory_ops", [])[:memory_ops.SHOWN]],
       "grouped_gemm_shapes_over_counted": round(e["grouped_shapes_flops"] / e["grouped_flops"], 3) if e["grouped_flops"] else None,
       "account": {"ok": report["account"]["ok"], "violations": report["account"]["violations"]},
       "collectives_off_the_arithmetic": [
