@@ -64,6 +64,10 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "ours_repeat": (["moe_block=ours"], True),
     "ours_custom": (["moe_block=ours", "remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=device",
                      "moe_mlpwi_1=device"], True),
+    # The 671B recipes' policy (configs/recipes/deepseek3-671b-common.yml): custom remat keeping only the layer inputs,
+    # what full remat keeps; its loss against full remat's is what the recipes' Remat comment asks before a long run.
+    "ours_custom_inputs": (["moe_block=ours", "remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=remat",
+                            "moe_mlpwi_1=remat"], True),
     # Upstream's block with our grouped GEMM behind its gmm seam (patches/megablox_gmm.py).
     "ours_gmm_seam": (["moe_block=upstream", "moe_gmm_backend=auto"], True),
     # FP8 end to end (BENCHMARKS.md "FP8 end to end"): our block with its expert GEMMs in blockwise FP8 (mgpu_fp8),
