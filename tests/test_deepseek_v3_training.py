@@ -63,12 +63,25 @@ def test_token_count_switches_stop_the_bias_and_lower_the_mtp_weight(train):
   assert mtp[1] / mtp[0] > 0.8 and 0.25 < mtp[2] / mtp[1] < 0.4, mtp
 
 
-@pytest.mark.slow
-def test_resuming_a_checkpoint_with_a_trained_bias_stops_naming_the_bias(train):
-  old = train("steps=1", "checkpoint_period=1", *OLD_ROUTER, run_name="r")
+@pytest.fixture(scope="module")
+def old_router_run(tmp_path_factory):
+  """One step with the bias as a trained parameter (upstream's router), a checkpoint of it: what the two tests below
+  start from. Neither writes to it (each asserts so or only reads it)."""
+  from conftest import run_train  # pylint: disable=import-outside-toplevel
+
+  root = tmp_path_factory.mktemp("old_router")
+  old = run_train(root, "steps=1", "checkpoint_period=1", *OLD_ROUTER, run_name="r")
   assert old.returncode == 0, old.stderr[-3000:]
+  return root, old
+
+
+@pytest.mark.slow
+def test_resuming_a_checkpoint_with_a_trained_bias_stops_naming_the_bias(old_router_run):
+  from conftest import run_train  # pylint: disable=import-outside-toplevel
+
+  root, old = old_router_run
   steps_before = sorted(p.name for p in (old.run_dir / "checkpoints").iterdir())
-  new = train("steps=2", "checkpoint_period=1", run_name="r")  # the tiny config: V3's router
+  new = run_train(root, "steps=2", "checkpoint_period=1", run_name="r")  # the tiny config: V3's router
   assert new.returncode == 2
   errors = [line for line in new.stderr.splitlines() if "config error" in line]
   assert len(errors) == 1 and "gate/bias" in errors[0] and "trained parameter" in errors[0], new.stderr[-2000:]
@@ -104,9 +117,8 @@ def test_load_parameters_path_with_the_other_bias_semantics_is_one_config_error(
 
 
 @pytest.mark.slow
-def test_loading_parameters_with_a_trained_bias_stops_naming_the_key(train):
-  old = train("steps=1", "checkpoint_period=1", *OLD_ROUTER, run_name="old")
-  assert old.returncode == 0, old.stderr[-3000:]
+def test_loading_parameters_with_a_trained_bias_stops_naming_the_key(train, old_router_run):
+  _, old = old_router_run
   items = old.run_dir / "checkpoints" / "0" / "items"
   assert (items / "_METADATA").is_file()
   new = train("steps=1", f"load_parameters_path={items}", run_name="new")  # the tiny config: V3's router
