@@ -239,12 +239,21 @@ def _close(got: dict[int, float], want: dict[int, float], what: str = "loss") ->
     assert abs(value - want[step]) <= 1e-5 * abs(want[step]), (what, step, got, want)
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  """The reference the runs below are held to: the same global batch of 8 sequences on one device, 6 steps (the
+  learning-rate schedule's length in COMMON, so its first 3 steps are a 3-step run's)."""
+  one = run_train(tmp_path_factory.mktemp("one"), *COMMON, "per_device_batch_size=8", "steps=6",
+                  "enable_checkpointing=false", run_name="one")
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert one.losses()[2] < one.losses()[0]  # it trains
+  return one
+
+
 @pytest.mark.slow
-def test_a_checkpoint_of_two_nodes_of_four_resumes_on_one_node_of_eight(tmp_path):
+def test_a_checkpoint_of_two_nodes_of_four_resumes_on_one_node_of_eight(tmp_path, one_device):
   """EP 8 as DCN 2 x ICI 4 (the two-level dispatch, node-limited routing) for 3 steps, resumed as ICI 8 (flat
-  a2a_padded) for 3 more: the losses of one unbroken 1 x 8 run."""
-  unbroken = run_train(tmp_path, *COMMON, *ONE_NODE_OF_8, "steps=6", run_name="unbroken", env=EIGHT_CPUS)
-  assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+  a2a_padded) for 3 more: the losses and gradient norms of one unbroken run on one device."""
   first = run_train(tmp_path, *COMMON, *TWO_NODES_OF_4, "steps=3", run_name="split", env=EIGHT_CPUS)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "(dispatch hierarchical, gmm xla, EP 8 = 2 nodes x 4)" in first.stdout
@@ -253,26 +262,24 @@ def test_a_checkpoint_of_two_nodes_of_four_resumes_on_one_node_of_eight(tmp_path
   assert second.returncode == 0, second.stderr[-3000:]
   assert "resuming from checkpoint step 2" in second.stdout and "(dispatch a2a_padded, gmm xla, EP 8)" in second.stdout
   assert sorted(first_losses) == [0, 1, 2] and sorted(second.losses()) == [3, 4, 5]
-  _close({**first_losses, **second.losses()}, unbroken.losses())
-  _close(_grad_norms(second.run_dir), _grad_norms(unbroken.run_dir), "gradient norm")  # both runs' event files
+  _close({**first_losses, **second.losses()}, one_device.losses())
+  norms = _grad_norms(second.run_dir)  # both runs' event files
+  assert sorted(norms) == list(range(6)), norms
+  _close(norms, _grad_norms(one_device.run_dir), "gradient norm")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ring", "a2a_padded", "hierarchical"])
-def test_training_on_two_nodes_of_four_matches_one_device(tmp_path, backend):
+def test_training_on_two_nodes_of_four_matches_one_device(tmp_path, one_device, backend):
   """`python -m MaxText.train` with dcn_expert_parallelism=2 x ici_expert_parallelism=4 on 8 CPU devices against
   one device, same global batch of 8 sequences."""
-  one = run_train(tmp_path, *COMMON, "per_device_batch_size=8", "steps=3", "enable_checkpointing=false",
-                  run_name="one")
-  assert one.returncode == 0, one.stderr[-3000:]
   run = run_train(tmp_path, *COMMON, *TWO_NODES_OF_4[:5], f"moe_dispatch_backend={backend}", "steps=3",
                   "enable_checkpointing=false", run_name="nodes", env=EIGHT_CPUS)
   assert run.returncode == 0, run.stderr[-3000:]
   assert f"(dispatch {backend}, gmm xla, EP 8" in run.stdout
   assert sorted(run.losses()) == [0, 1, 2]
-  _close(run.losses(), one.losses())
-  _close(_grad_norms(run.run_dir), _grad_norms(one.run_dir), "gradient norm")
-  assert one.losses()[2] < one.losses()[0]  # it trains
+  _close(run.losses(), one_device.losses())
+  _close(_grad_norms(run.run_dir), _grad_norms(one_device.run_dir), "gradient norm")
 
 
 # --- the exchange beside the grouped GEMMs (compile-only H200s) ---------------------------------------------
