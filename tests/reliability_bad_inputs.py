@@ -1,7 +1,7 @@
 """Hostile but realistic cases on the tiny config, and whether each keeps the README's exit-code promises.
 
   PYTHONPATH=$PWD python tests/reliability_bad_inputs.py [--subprocess] [--no-train | --train-only]
-      [--async-checkpoints] [-k WORD ...]
+      [--async-checkpoints] [-k WORD ...] [--bases DIR] [--jax-cache DIR]
 
 Each case is a command line a user runs (`python -m MaxText.train`, or `python -m MaxText.plan`), with what
 it finds on disk (a broken data file, a damaged checkpoint, a torn lock, a full disk) and what must come of
@@ -45,6 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs/deepseek3-tiny.yml")
 HANG_S = 600  # a case still running after this hangs
 SETUP_FAILED = 97  # a case's shell setup (a private mount namespace, a tmpfs) failed: it did not run
+# --bases, --jax-cache: the base runs and the compile cache of the cases that train, kept across invocations (the
+# slow tier's three share its session's: they would otherwise train the same base runs and compile the same tiny
+# steps once each); None: under the invocation's temporary directory.
+SHARED: dict[str, Path | None] = {"bases": None, "jax_cache": None}
 
 
 @dataclasses.dataclass
@@ -123,8 +127,8 @@ def config_cases(tmp: Path) -> list[Case]:
       "steps=abc", "learning_rate=fast", "per_device_batch_size=two", "enable_checkpointing=maybe",
       "num_experts=4.5", "vocab_size=abc", "checkpoint_period=soon", "progress_every=often",
       # out of range
-      "per_device_batch_size=0", "per_device_batch_size=-2", "per_device_batch_size=0.5", "vocab_size=-1",
-      "vocab_size=0", "max_target_length=0", "max_target_length=-8", "checkpoint_period=0", "checkpoint_period=-5",
+      "per_device_batch_size=0", "per_device_batch_size=-2", "vocab_size=-1",
+      "vocab_size=0", "max_target_length=0", "max_target_length=-8", "checkpoint_period=-5",
       "steps=-5", "steps=0", "learning_rate=-1", "base_emb_dim=0", "base_num_decoder_layers=0",
       "num_experts_per_tok=16", "num_experts_per_tok=0", "num_experts=0", "progress_every=-1",
       "moe_a2a_padded_capacity_factor=0", "moe_te_ncclep_alignment=3", "base_num_query_heads=0",
@@ -139,8 +143,8 @@ def config_cases(tmp: Path) -> list[Case]:
       "remat_policy=nosuch", "remat_policy=Full", "context_parallel_strategy=nosuch", "routed_score_func=nosuch",
       "mlp_activations=[silu,nosuch]",
       # combinations, and backends this machine cannot run
-      "moe_block=te", "base_config=models/deepseek3-tiny.yml",
-      "hardware=tpu", "hardware=gpu", "recipe_num_gpus=8", "moe_gmm_backend=mgpu", "moe_gmm_backend=tokamax",
+      "base_config=models/deepseek3-tiny.yml",
+      "hardware=gpu", "recipe_num_gpus=8", "moe_gmm_backend=mgpu", "moe_gmm_backend=tokamax",
       "moe_gmm_backend=te",
       # paths and the run's name
       "base_output_directory=/proc/maxtext-out", "base_output_directory=/no/such/parent/out",
@@ -149,6 +153,13 @@ def config_cases(tmp: Path) -> list[Case]:
       "steps", "=3", "steps:3", "steps=${nosuch}", "steps=${oc.env:MAXTEXT_MOE_NO_SUCH_VARIABLE}", "steps=${steps}",
   ]
   out = [Case((o,)) for o in overrides]
+  # Bad values held to the words of their line too (one of each kind: a range, a choice this machine cannot run, a
+  # backend that is not installed, a value that once crashed after the compile).
+  out += [Case((o,), says=re.escape(s)) for o, s in (
+      ("per_device_batch_size=0.5", "global batch of 0.5"),
+      ("hardware=tpu", "config key 'hardware' = 'tpu' (as set), but jax found 1 CPU device(s)"),
+      ("moe_block=te", "'moe_block' = 'te' needs Transformer Engine"),
+      ("checkpoint_period=0", "'checkpoint_period' = 0"))]
   # Keys that contradict upstream's block (pinned: the tiny config's block may be ours).
   out += [Case(("moe_block=upstream", o)) for o in ("moe_dispatch_backend=te_ncclep", "moe_dispatch_backend=ring")]
   out += [Case(("moe_block=upstream", "moe_gmm_backend=xla", o)) for o in ("sparse_matmul=false", "megablox=false")]
@@ -310,15 +321,17 @@ def run_case(case: Case, tmp: Path, index: int, force_subprocess: bool, show: bo
 
   out_dir = tmp / f"case{index}"
   run_dir = out_dir / "bad"
+  cache = SHARED["jax_cache"] or tmp / "jax_cache"
   data = reliability_run_cases.data_fixture(tmp)
   if case.base:
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(reliability_run_cases.base_run(tmp, case.base), run_dir, symlinks=True)
+    shutil.copytree(reliability_run_cases.base_run(SHARED["bases"] or tmp / "bases", case.base, cache), run_dir,
+                    symlinks=True)
   if case.setup:
     out_dir.mkdir(parents=True, exist_ok=True)
     case.setup(run_dir, data)
   before = _records(run_dir) if case.base else None
-  args = _command_args(case, out_dir, tmp / "jax_cache")
+  args = _command_args(case, out_dir, cache)
   if case.subprocess or force_subprocess:
     code, stdout, stderr = _run_subprocess(case, args, out_dir, run_dir)
   else:
@@ -348,7 +361,12 @@ def main() -> int:
   parser.add_argument("-k", action="append", default=[],
                       help="only the cases whose command line or name holds this (given again: any of them)")
   parser.add_argument("--show", action="store_true", help="print the output of each case that is not clean")
+  parser.add_argument("--bases", type=Path, help="train the base runs here once, for every invocation given it")
+  parser.add_argument("--jax-cache", type=Path, help="the compile cache of the cases that train (default: a new one)")
   opts = parser.parse_args()
+  SHARED.update(bases=opts.bases, jax_cache=opts.jax_cache)
+  if opts.jax_cache:  # a cache with a size limit locks each entry it reads and writes (tests/conftest.py, JAX_CACHE_ENV)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 * 2**30))
   counts: dict[str, int] = {}
   with tempfile.TemporaryDirectory() as tmp_name:
     tmp = Path(tmp_name)

@@ -14,15 +14,18 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import _SHARED_JAX_CACHE, JAX_CACHE_ENV, REPO  # pylint: disable=protected-access
 
 
 def _harness(*options: str) -> tuple[int, int, str]:
-  """(cases, clean, the FAIL lines) of one run of the harness."""
+  """(cases, clean, the FAIL lines) of one run of the harness. The three runs below share their base runs and the
+  session's compile cache (tests/conftest.py): each trained its own bases and compiled them cold before."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  env["PYTHONPATH"] = str(REPO)
-  proc = subprocess.run([sys.executable, "tests/reliability_bad_inputs.py", "--show", *options], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=3600, check=False)
+  env.update({**JAX_CACHE_ENV, "PYTHONPATH": str(REPO)})
+  cache = _SHARED_JAX_CACHE[0]
+  shared = ("--bases", str(cache.parent / "reliability_bases"), "--jax-cache", str(cache))
+  proc = subprocess.run([sys.executable, "tests/reliability_bad_inputs.py", "--show", *shared, *options], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=3600, check=False)
   found = re.search(r"^(\d+) cases: (\d+) clean", proc.stdout, re.M)
   assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
   fails = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("FAIL"))
@@ -56,18 +59,20 @@ def test_a_damaged_checkpoint_named_in_any_words_is_clean(tmp_path, why):
 
 @pytest.mark.slow
 def test_every_case_that_stops_before_training_is_clean():
-  """Bad config, data, tokenizers, run directories, locks and full disks at start: one line, the documented code."""
+  """Bad config, data, tokenizers, run directories, locks and full disks at start: one line, the documented code;
+  torn locks taken over, and each kind of step directory that is not a checkpoint told apart (a dry run)."""
   total, clean, fails = _harness("--no-train")
-  assert total >= 120 and clean == total, fails
+  assert total >= 165 and clean == total, fails
 
 
 @pytest.mark.slow
 def test_every_case_that_trains_is_clean():
-  """Damaged checkpoints, torn locks, the remedy of an exit 4, a stop without checkpoints, disks that fill. A
-  damaged checkpoint is clean when the resume names its damage in any words (does not load, non-finite values,
-  digests that differ) and sets it aside: 400 flipped bytes meet whichever check they reach first."""
+  """Damaged checkpoints and stray steps set aside, a dead node's lock taken over, the remedy of an exit 4, a stop
+  without checkpoints, disks that fill. A damaged checkpoint is clean when the resume names its damage in any words
+  (does not load, non-finite values, digests that differ) and sets it aside: 400 flipped bytes meet whichever check
+  they reach first."""
   total, clean, fails = _harness("--train-only")
-  assert total >= 20 and clean == total, fails
+  assert total >= 17 and clean == total, fails
 
 
 # With async_checkpointing=true (upstream's default, the recipes'), orbax commits each save in the background. The
