@@ -69,12 +69,14 @@ def test_every_cpu_backend_across_nodes_matches_one_device_and_the_dense_referen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [8, 16])
-def test_node_limited_routing_sends_each_token_to_at_most_m_nodes(devices):
+def test_node_limited_routing_sends_each_token_to_at_most_m_nodes():
   """On hierarchical's dispatch plan: the (token, node) rows a token sends over the node axis are the nodes its
   experts sit on, at most M = topk_routing_group when the routing groups are the nodes; without the limit the
-  same tokens reach every node."""
-  rows = _check(devices, "nodes_per_token")
+  same tokens reach every node. One process of 16 devices plans both layouts, 2 nodes x 4 (on 8 of them, as a
+  process of 8 would) and 4 x 4."""
+  rows = _check(16, "nodes_per_token")
+  assert [(r["layout"], r["node_limit"]) for r in rows] == [("expert2x4", None), ("expert2x4", 1), ("expert4x4", None),
+                                                            ("expert4x4", 2)], rows
   for r in rows:
     assert r["rows_equal_expert_nodes"], r
     if r["node_limit"]:
