@@ -16,7 +16,7 @@ import pytest
 import numpy as np
 import yaml
 
-from conftest import REPO, run_rejected
+from conftest import _SHARED_JAX_CACHE, JAX_CACHE_ENV, REPO, run_rejected  # pylint: disable=protected-access
 from MaxText.run import launch
 from MaxText.config import parallelism
 
@@ -359,13 +359,15 @@ def test_two_cpu_processes_on_localhost_report_the_same_loss(tmp_path):
 def test_two_processes_on_an_expert_parallel_mesh_resume_exactly(tmp_path):
   """A resume on an expert-parallel mesh, as far as CPUs allow: our block at EP=2 over two processes (each holds
   half the experts, so each checkpoint is written and read in two halves through orbax's multi-process path),
-  stopped after step 2's checkpoint and resumed, gives an unbroken run's losses to the bit. Measured here: ~40 s a
-  run on two cores."""
+  stopped after step 2's checkpoint and resumed, gives an unbroken run's losses to the bit. The three runs share
+  the session's compile cache (tests/conftest.py): the two resumed runs load the unbroken run's train step, which
+  each process compiled cold before."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  env["MAXTEXT_MOE_PYTHON"] = sys.executable
+  env.update({**JAX_CACHE_ENV, "MAXTEXT_MOE_PYTHON": sys.executable})
   # verbose=true: upstream's INFO lines too, among them the step each process restores
   common = ["configs/deepseek3-tiny.yml", "moe_block=ours", "ici_expert_parallelism=2", "checkpoint_period=2",
-            "learning_rate_schedule_steps=4", f"base_output_directory={tmp_path}", "verbose=true"]
+            "learning_rate_schedule_steps=4", f"base_output_directory={tmp_path}", "verbose=true",
+            f"jax_cache_dir={_SHARED_JAX_CACHE[0]}"]
 
   def run(run_name: str, steps: int) -> tuple[dict[int, float], str]:
     cmd = ["bash", str(REPO / "scripts/launch_local.sh"), "-n", "2", *common, f"steps={steps}", f"run_name={run_name}"]
