@@ -59,7 +59,8 @@ def test_a_grain_iterator_without_a_parent_closes_without_an_assertion():
 
 # A resumed run's data iterator kept to exit (patches/checkpoint_guard.py holds the last step's arguments), as the
 # trainer's process ends. The sleeping finalizer sits between the set-state queue's (priority 10, whose feeder
-# thread then closes the queue's pipe) and grain's _close_if_alive (1), so the race CI lost once is lost every time.
+# thread then closes the queue's pipe) and grain's _close_if_alive (1), so the race CI lost once is lost every time
+# on an idle machine.
 _EXIT_RACE = """
 import multiprocessing.util, sys, time
 import numpy as np
@@ -103,7 +104,12 @@ def test_a_resumed_iterator_closed_when_training_returns_is_not_drained_by_exits
                               env=env, check=False) for how in ((), ("close-first",))}
   for run in runs.values():
     assert run.returncode == 0 and run.stdout == "batch 1\n", run.stderr[-3000:]
-  assert "OSError: handle is closed" in runs[()].stderr and "_close_if_alive" in runs[()].stderr  # the race, lost
+  # Left to exit, the iterator fails in a finalizer: grain's _close_if_alive on the closed pipe (the race CI lost), or,
+  # on a loaded machine, its shared-memory batches' __del__ first (CI's slow tier, 2026-12-07); either is exit's
+  # finalizers meeting an open iterator, which the close-first run below never does.
+  lost = runs[()].stderr
+  assert ("OSError: handle is closed" in lost and "_close_if_alive" in lost) or (
+      "Exception ignored in" in lost and "SharedMemoryArray.__del__" in lost), lost[-3000:]
   assert "_close_if_alive" not in runs[("close-first",)].stderr, runs[("close-first",)].stderr[-3000:]
   assert "handle is closed" not in runs[("close-first",)].stderr
 
