@@ -57,6 +57,7 @@ class Result:
   stdout: str
   stderr: str
   run_dir: Path
+  seconds: float = 0.0  # the command's wall time
 
 
 @dataclasses.dataclass
@@ -154,8 +155,10 @@ def config_cases(tmp: Path) -> list[Case]:
   ]
   out = [Case((o,)) for o in overrides]
   # Bad values held to the words of their line too (one of each kind: a range, a choice this machine cannot run, a
-  # backend that is not installed, a value that once crashed after the compile).
-  out += [Case((o,), says=re.escape(s)) for o, s in (
+  # backend that is not installed, a value that once crashed after the compile), and refused before any compile
+  # (checkpoint_period=0 once took 49 s and a traceback).
+  before_compile = lambda r: None if r.seconds < 60 else f"slow: refused after {r.seconds:.0f} s"  # noqa: E731
+  out += [Case((o,), says=re.escape(s), check=before_compile) for o, s in (
       ("per_device_batch_size=0.5", "global batch of 0.5"),
       ("hardware=tpu", "config key 'hardware' = 'tpu' (as set), but jax found 1 CPU device(s)"),
       ("moe_block=te", "'moe_block' = 'te' needs Transformer Engine"),
@@ -332,11 +335,12 @@ def run_case(case: Case, tmp: Path, index: int, force_subprocess: bool, show: bo
     case.setup(run_dir, data)
   before = _records(run_dir) if case.base else None
   args = _command_args(case, out_dir, cache)
+  started = time.monotonic()
   if case.subprocess or force_subprocess:
     code, stdout, stderr = _run_subprocess(case, args, out_dir, run_dir)
   else:
     code, stdout, stderr = _run_inprocess(case, args)
-  outcome = verdict(case, Result(code, stdout, stderr, run_dir), before)
+  outcome = verdict(case, Result(code, stdout, stderr, run_dir, time.monotonic() - started), before)
   if show and outcome[0] != "clean":
     at = stderr.find("Traceback")
     shown = stderr[max(0, at - 500): at + 5000] if at >= 0 else stderr[-5000:]
@@ -365,8 +369,11 @@ def main() -> int:
   parser.add_argument("--jax-cache", type=Path, help="the compile cache of the cases that train (default: a new one)")
   opts = parser.parse_args()
   SHARED.update(bases=opts.bases, jax_cache=opts.jax_cache)
-  if opts.jax_cache:  # a cache with a size limit locks each entry it reads and writes (tests/conftest.py, JAX_CACHE_ENV)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 * 2**30))
+  if opts.jax_cache:  # a cache with a size limit locks each entry it reads and writes (tests/conftest.py)
+    from conftest import JAX_CACHE_ENV  # pylint: disable=import-outside-toplevel  # this folder is on sys.path
+
+    for key, value in JAX_CACHE_ENV.items():
+      os.environ.setdefault(key, value)
   counts: dict[str, int] = {}
   with tempfile.TemporaryDirectory() as tmp_name:
     tmp = Path(tmp_name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_train
 from MaxText import config as fork_config
 
 TOKENS_PER_STEP = 2 * 128  # tiny: per_device_batch_size 2 x max_target_length 128, one CPU device
@@ -67,8 +68,6 @@ def test_token_count_switches_stop_the_bias_and_lower_the_mtp_weight(train):
 def old_router_run(tmp_path_factory):
   """One step with the bias as a trained parameter (upstream's router), a checkpoint of it: what the two tests below
   start from. Neither writes to it (each asserts so or only reads it)."""
-  from conftest import run_train  # pylint: disable=import-outside-toplevel
-
   root = tmp_path_factory.mktemp("old_router")
   old = run_train(root, "steps=1", "checkpoint_period=1", *OLD_ROUTER, run_name="r")
   assert old.returncode == 0, old.stderr[-3000:]
@@ -77,8 +76,6 @@ def old_router_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resuming_a_checkpoint_with_a_trained_bias_stops_naming_the_bias(old_router_run):
-  from conftest import run_train  # pylint: disable=import-outside-toplevel
-
   root, old = old_router_run
   steps_before = sorted(p.name for p in (old.run_dir / "checkpoints").iterdir())
   new = run_train(root, "steps=2", "checkpoint_period=1", run_name="r")  # the tiny config: V3's router
