@@ -1,5 +1,5 @@
 """export_hf and import_hf when the output cannot be written, the input is damaged or another run writes the same
-OUT_DIR: the documented exit code after under 10 s of CPU, one line of ours on stderr and nothing on stdout (no
+OUT_DIR: the documented exit code after under 20 s of CPU, one line of ours on stderr and nothing on stdout (no
 library's chatter, no traceback), and nothing left beside OUT_DIR (OUT_DIR.tmp, orbax's temporary folders, the
 lock).
 
@@ -31,10 +31,10 @@ from MaxText.hf.errors import BAD_INPUT, DAMAGED, NOT_WRITTEN
 # the fast tier's 5 minutes on 2 cores has no room for its 47 s.
 pytestmark = pytest.mark.slow
 
-# Under 10 s of the process's CPU time: a shared CI machine stretches the wall time of the same work (7 s of CPU
-# took 13.6 s beside other jobs on 2 cores). The wall time has a hang's bound: the import that waited on orbax's
-# threads took 323 s.
-CPU_S, WALL_S = 10, 60
+# Under 20 s of the process's CPU time: a shared CI machine stretches the wall time of the same work (7 s of CPU
+# took 13.6 s beside other jobs on 2 cores) and its CPU time too (the full-disk import read 10.5 s of CPU there,
+# 7 s alone). The wall time has a hang's bound: the import that waited on orbax's threads took 323 s.
+CPU_S, WALL_S = 20, 60
 
 
 @pytest.fixture(scope="module")
