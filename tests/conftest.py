@@ -30,6 +30,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every process a test starts, this one's xdist workers included, compiles XLA's CPU code at LLVM's -O0
+# (tests/xla_cpu_o0/sitecustomize.py says what it saves); a process whose environment sets PYTHONPATH whole goes
+# without. This process too, before anything initialises jax's backend.
+_O0_DIR = str(REPO / "tests" / "xla_cpu_o0")
+if _O0_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+  os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_O0_DIR, os.environ.get("PYTHONPATH")) if p)
+  _spec = importlib.util.spec_from_file_location("_xla_cpu_o0", f"{_O0_DIR}/sitecustomize.py")
+  _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
 
 def require_gpu_plan(gpu: str) -> None:
   """Tests that compile for a compile-only H100/H200 need jax's CUDA compiler plugin (`scripts/bootstrap.sh

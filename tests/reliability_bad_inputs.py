@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
+# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
+_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 TINY = str(REPO / "configs/deepseek3-tiny.yml")
 HANG_S = 600  # a case still running after this hangs
 SETUP_FAILED = 97  # a case's shell setup (a private mount namespace, a tmpfs) failed: it did not run
@@ -244,7 +246,7 @@ def _run_inprocess(case: Case, args: list[str]) -> tuple[int, str, str]:
 
 def _run_subprocess(case: Case, args: list[str], out_dir: Path, run_dir: Path) -> tuple[int | None, str, str]:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  env.update({"PYTHONPATH": str(REPO), **(case.env or {})})
+  env.update({"PYTHONPATH": _PYTHONPATH, **(case.env or {})})
   module = "MaxText.plan" if case.tool == "plan" else "MaxText.train"
   cmd = [sys.executable, "-m", module, *args]
   if case.shell:  # its setup must succeed (a mount needs root): else the case did not run, exit SETUP_FAILED
