@@ -38,6 +38,8 @@ if _O0_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
   os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_O0_DIR, os.environ.get("PYTHONPATH")) if p)
   _spec = importlib.util.spec_from_file_location("_xla_cpu_o0", f"{_O0_DIR}/sitecustomize.py")
   _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+# A subprocess's PYTHONPATH: the repository, then the session's (which carries the flags above).
+SUBPROCESS_PYTHONPATH = os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])
 
 
 def require_gpu_plan(gpu: str) -> None:

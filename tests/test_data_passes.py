@@ -15,13 +15,10 @@ import pytest
 
 import text_fixture
 import patches
-from conftest import REPO, run_train
+from conftest import REPO, SUBPROCESS_PYTHONPATH, run_train
 from MaxText.checkpoints import resume
 from MaxText.config import ConfigError
 from MaxText.run import loop
-
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 TINY = "configs/deepseek3-tiny.yml"
 PEER_TIMEOUT_S = 90  # two processes start (jax, orbax) and save once: about 20 s on two busy cores
@@ -264,7 +261,7 @@ def test_processes_whose_shards_run_out_at_different_steps_stop_together(tmp_pat
   and save step 1 together, the position saved for the process that had a third batch before it. Before the
   agreement, the process that ran out checked and saved its state alone while the other waited in step 2's
   collective: both hung for good (JAX's preemption notifier takes SIGTERM, so only a SIGKILL ended them)."""
-  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": _PYTHONPATH, "JAX_PLATFORMS": "cpu"}
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": SUBPROCESS_PYTHONPATH, "JAX_PLATFORMS": "cpu"}
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, "tests/data_passes_peer.py", str(i), port, str(tmp_path)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -16,12 +16,9 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SUBPROCESS_PYTHONPATH
 from MaxText.config.command_line import EXIT_PROCESS_LOST
 from MaxText.run import keeper
-
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 HEARTBEAT_S = 5
 # The survivor ends within the heartbeat timeout of the victim's last heartbeat (a dead coordinator: at once, when
@@ -38,7 +35,7 @@ def _free_port() -> int:
 def _survivor(tmp_path, mode: str, victim: int, how: str = "kill", **env: str) -> tuple[int, str, float]:
   """Runs the two processes; the victim ends itself (see the peer); returns the survivor's code, stderr and the
   seconds it took to end after the victim said it was dying."""
-  full_env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": _PYTHONPATH,
+  full_env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": SUBPROCESS_PYTHONPATH,
               "JAX_PLATFORMS": "cpu", "MAXTEXT_MOE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S), **env}
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, "tests/dead_process_peer.py", mode, str(i), port, str(tmp_path),

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUBPROCESS_PYTHONPATH
+
 REPO = Path(__file__).resolve().parents[1]
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="module")
 def rows():
   proc = subprocess.run([sys.executable, str(REPO / "tests" / "ep_remat_check.py")], capture_output=True, text=True,
-                        timeout=900, cwd=REPO, env={**os.environ, "PYTHONPATH": _PYTHONPATH}, check=False)
+                        timeout=900, cwd=REPO, env={**os.environ, "PYTHONPATH": SUBPROCESS_PYTHONPATH}, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

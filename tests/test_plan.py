@@ -16,14 +16,11 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, run_train
+from conftest import REPO, SUBPROCESS_PYTHONPATH, run_train
 from MaxText.config import parallelism
 from MaxText import hardware
 from MaxText.plan import aot, flops, gpu_target, hlo_inventory, memory_report, planner as plan
 from MaxText import config as fork_config
-
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 MESH_2x4 = {"data": 1, "fsdp": 2, "expert": 4}
 
@@ -152,7 +149,7 @@ def test_fsdp_all_gather_of_a_known_weight_on_4_simulated_devices():
       hlo = f.lower(w, x, v).compile().as_text()
       print(json.dumps(hlo_inventory.inventory(hlo, dict(mesh.shape), aot.device_nodes(mesh, aot.Topology("cpu", 4, 2, 0)))))
       """)
-  env = {**os.environ, "PYTHONPATH": _PYTHONPATH}
+  env = {**os.environ, "PYTHONPATH": SUBPROCESS_PYTHONPATH}
   env.pop("XLA_FLAGS", None)
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]

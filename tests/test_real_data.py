@@ -10,7 +10,7 @@ import pytest
 
 import text_fixture
 import patches
-from conftest import REPO, run_train
+from conftest import REPO, SUBPROCESS_PYTHONPATH, run_train
 from MaxText.checkpoints import resume
 
 TINY = "configs/deepseek3-tiny.yml"
@@ -99,9 +99,7 @@ def test_a_resumed_iterator_closed_when_training_returns_is_not_drained_by_exits
 
   script = tmp_path / "exit_race.py"
   script.write_text(_EXIT_RACE)
-  # The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-         "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "PYTHONPATH": SUBPROCESS_PYTHONPATH, "JAX_PLATFORMS": "cpu"}
   runs = {how: subprocess.run([sys.executable, str(script), *how], capture_output=True, text=True, timeout=180,
                               env=env, check=False) for how in ((), ("close-first",))}
   for run in runs.values():

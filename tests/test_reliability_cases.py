@@ -14,17 +14,15 @@ import sys
 
 import pytest
 
-from conftest import _SHARED_JAX_CACHE, JAX_CACHE_ENV, REPO  # pylint: disable=protected-access
-
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+from conftest import (_SHARED_JAX_CACHE, JAX_CACHE_ENV, REPO,  # pylint: disable=protected-access
+                      SUBPROCESS_PYTHONPATH)
 
 
 def _harness(*options: str) -> tuple[int, int, str]:
   """(cases, clean, the FAIL lines) of one run of the harness. The three runs below share their base runs and the
   session's compile cache (tests/conftest.py): each trained its own bases and compiled them cold before."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
-  env.update({**JAX_CACHE_ENV, "PYTHONPATH": _PYTHONPATH})
+  env.update({**JAX_CACHE_ENV, "PYTHONPATH": SUBPROCESS_PYTHONPATH})
   cache = _SHARED_JAX_CACHE[0]
   shared = ("--bases", str(cache.parent / "reliability_bases"), "--jax-cache", str(cache))
   proc = subprocess.run([sys.executable, "tests/reliability_bad_inputs.py", "--show", *shared, *options], cwd=REPO,

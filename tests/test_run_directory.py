@@ -14,13 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SUBPROCESS_PYTHONPATH
 from MaxText.config import checks as config_checks
 from MaxText.run import disk_full
 from MaxText.config import ConfigError
-
-# The repository, then the session's own path (tests/conftest.py: the tests' XLA flags).
-_PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.mark.parametrize("entry", ["checkpoints", "maxtext-moe", "tensorboard"])
@@ -94,7 +91,7 @@ def test_a_summary_the_disk_cannot_hold_leaves_the_previous_one_or_none(tmp_path
   """A write that fails midway (the file size limit stands in for a full disk) leaves no empty or torn summary.json:
   the line that says "summary.json not written" is then true."""
   proc = subprocess.run([sys.executable, "-c", SUMMARY_PAST_THE_LIMIT, str(tmp_path)], cwd=REPO, capture_output=True,
-                        text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": _PYTHONPATH})
+                        text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": SUBPROCESS_PYTHONPATH})
   assert proc.stdout.split() == ["refused", str(errno.EFBIG)] * 2, proc.stderr[-2000:]
   assert json.loads((tmp_path / "summary.json").read_text()) == {"losses": {"0": 1.0}}
   assert not (tmp_path / "fresh" / "summary.json").exists()
