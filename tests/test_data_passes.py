@@ -261,7 +261,8 @@ def test_processes_whose_shards_run_out_at_different_steps_stop_together(tmp_pat
   and save step 1 together, the position saved for the process that had a third batch before it. Before the
   agreement, the process that ran out checked and saved its state alone while the other waited in step 2's
   collective: both hung for good (JAX's preemption notifier takes SIGTERM, so only a SIGKILL ended them)."""
-  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": SUBPROCESS_PYTHONPATH, "JAX_PLATFORMS": "cpu"}
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": SUBPROCESS_PYTHONPATH,
+         "JAX_PLATFORMS": "cpu"}
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, "tests/data_passes_peer.py", str(i), port, str(tmp_path)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
