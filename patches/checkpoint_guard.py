@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -183,9 +182,8 @@ def _save_failed(e: BaseException, root: Path, step: int, state, last: int | Non
 def _report_save(step: int):
   def on_saved(seconds: float, nbytes: int) -> None:
     saves.append({"step": step, "bytes": nbytes, "seconds": seconds})
-    # One write: this runs on the watch thread, beside the main thread's own lines.
-    sys.stdout.write(f"[maxtext-moe] checkpoint {step} saved: {progress.fmt_bytes(nbytes)} in {seconds:.1f} s\n")
-    sys.stdout.flush()
+    # One write: this runs on the watch thread, beside the main thread's own lines (which say() writes whole too).
+    progress.say(f"[maxtext-moe] checkpoint {step} saved: {progress.fmt_bytes(nbytes)} in {seconds:.1f} s")
 
   return on_saved
 

@@ -98,7 +98,9 @@ def reading() -> bool:
 
 
 def _log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
+  from MaxText.console import progress  # pylint: disable=import-outside-toplevel
+
+  progress.say(f"[maxtext-moe] {msg}")
 
 
 def _close(iterator) -> None:

@@ -72,13 +72,13 @@ def _wrap(original):
       metrics = {**metrics, "scalar": {**metrics["scalar"], "perf/mfu": float(tflops) * 1e12 / _mfu_peak_flops[0]}}
     original(self, metrics, step, metric_type)
     if counts_LE is not None and getattr(self, "writer", None) is not None and hasattr(self.writer, "add_histogram"):
+      from MaxText.console import progress  # pylint: disable=import-outside-toplevel
       from MaxText.moe import heatmap  # pylint: disable=import-outside-toplevel
 
       draw = _moe["heatmap_every"] > 0 and (int(step) + 1) % _moe["heatmap_every"] == 0
       heatmap.write(self.writer, counts_LE, int(step), heatmap=draw)
       if draw and _lead_process():
-        print("\n".join(f"[maxtext-moe] {line}" for line in heatmap.heatmap_lines(counts_LE, int(step))),
-              flush=True)
+        progress.say("\n".join(f"[maxtext-moe] {line}" for line in heatmap.heatmap_lines(counts_LE, int(step))))
     if metric_type == "train" and metrics and _observer is not None:
       _observer(int(step), metrics.get("scalar", {}))
 

@@ -2,8 +2,8 @@
 # Run the tests: scripts/test.sh [--all] [pytest args ...]
 #
 # Without --all: the fast tier (-m "not slow"): everything but the tests that
-# start a real training run; about 5 minutes on two cores. With --all: every test
-# (the slow tier adds an hour). A -m of your own replaces the tier's. Tests run on
+# start a real training run; about 4 minutes on two cores. With --all: every test
+# (the slow tier adds about 55 minutes). A -m of your own replaces the tier's. Tests run on
 # two pytest-xdist workers unless a -n of your own says otherwise.
 # Creates .venv on first use (scripts/bootstrap.sh).
 set -euo pipefail
@@ -13,8 +13,8 @@ usage() {
 usage: scripts/test.sh [--all] [pytest args ...]
 
   (no args)      the fast tier: every test but those that start a real training
-                 run (pytest -m "not slow"); about 5 minutes on two cores
-  --all          every test: the slow tier adds the training runs (about an hour); installs jax's CUDA
+                 run (pytest -m "not slow"); about 4 minutes on two cores
+  --all          every test: the slow tier adds the training runs (about 55 minutes); installs jax's CUDA
                  compiler plugin first, which the compile-only H100/H200 plans need (they fail, not skip)
   pytest args    passed on: a file (tests/test_configs.py), -k WORD, -x, -n 0, ...;
                  a -m of your own replaces the tier's; tests run on two pytest-xdist

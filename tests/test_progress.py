@@ -217,3 +217,24 @@ def test_a_status_line_is_rewritten_in_place_on_a_terminal_and_a_line_a_minute_i
       assert stream.text.count("\r\033[K[plan] compiling") == 13 * 60 // 2 and stream.text.endswith("778 s elapsed\n")
     else:
       assert "\r" not in stream.text and stream.text.splitlines()[1] == "[plan] compiling (lowering): 60 s elapsed"
+
+
+def test_a_line_is_said_in_one_write():
+  """A save's line comes from its watch thread while the main thread writes its own: print() writes a text and its
+  newline apart, and the save's line once landed between them (tests/test_train.py in CI's slow tier)."""
+
+  class Stream:
+    def __init__(self):
+      self.writes, self.flushes = [], 0
+
+    def write(self, text):
+      self.writes.append(text)
+
+    def flush(self):
+      self.flushes += 1
+
+  stream = Stream()
+  progress.say("[progress] step 5/5 (100%)", stream)
+  progress.say("[maxtext-moe] a\n[maxtext-moe] b", stream)
+  assert stream.writes == ["[progress] step 5/5 (100%)\n", "[maxtext-moe] a\n[maxtext-moe] b\n"]
+  assert stream.flushes == 2

@@ -11,6 +11,7 @@ Each piece takes its clock as an argument, so tests drive it with a fake one.
   Eta            "candidate k of n" with an ETA from the mean time so far (plan --search)
   watch_save     a background thread that reports a checkpoint's size and duration once
                  its step directory is final (patches/checkpoint_guard.py)
+  say            a line in one write, which that thread's lines cannot split
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+
+def say(text: str, stream=None) -> None:
+  """text and its newline in one write, flushed. A checkpoint's watch thread (watch_save) writes its line while the
+  main thread writes its own, and print() writes a text and its newline apart: a save's line once landed between
+  the two, inside a progress line (tests/test_train.py in CI's slow tier)."""
+  stream = stream or sys.stdout
+  stream.write(f"{text}\n")
+  stream.flush()
 
 
 def fmt_seconds(seconds: float) -> str:

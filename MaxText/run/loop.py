@@ -28,7 +28,7 @@ from patches import grain_iterator_close
 
 
 def log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
+  progress_lines.say(f"[maxtext-moe] {msg}")
 
 
 def write_run_files(
