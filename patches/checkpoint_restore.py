@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from MaxText.console import ending
+from MaxText.console.progress import log as _log
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -62,10 +63,6 @@ ShapeMismatch = None  # bound in apply() (our ConfigError is imported lazily: pa
 _skip_at_least = 0  # fork.nonfinite_skip_batches, set by apply()
 _on_restored: Callable[[int | None], None] = lambda step: None  # hooks.on_restored, set by apply()
 skipped: dict[str, int] = {}  # filled when a skip was applied: {"checkpoint", "batches"}
-
-
-def _log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
 
 
 def skip_nonfinite_batches(run_dir: Path, restored: int, data_iterator, dataset_type: str | None) -> None:

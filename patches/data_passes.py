@@ -35,6 +35,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+from MaxText.console.progress import log as _log
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -95,12 +96,6 @@ def epochs_per_pass() -> int:
 def reading() -> bool:
   """Whether this process reads its batches through a grain train iterator of ours."""
   return bool(_position["files"])
-
-
-def _log(msg: str) -> None:
-  from MaxText.console import progress  # pylint: disable=import-outside-toplevel
-
-  progress.say(f"[maxtext-moe] {msg}")
 
 
 def _close(iterator) -> None:

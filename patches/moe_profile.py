@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from MaxText.console.progress import log as _log
 from patches._seam import Seam
 
 SEAM = Seam(
@@ -57,10 +58,6 @@ SEAM_STOP = Seam(
 KEEP = 5  # newest profiles kept under <run>/moe_profile (one H200 step of the proxy: tens of MB)
 CONVERT_TIMEOUT_S = 600
 _state: dict = {"every": 0, "run_dir": None, "first_step": None, "tracing": None}
-
-
-def _log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
 
 
 def set_run_dir(run_dir: Path) -> None:

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.console.progress import log as _log
 from patches import pipeline_v3
 from patches._seam import Seam
 
@@ -67,10 +68,6 @@ _CALLS: collections.Counter[str] = collections.Counter()
 
 def call_counts() -> dict[str, int]:
   return dict(_CALLS)
-
-
-def _log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
 
 
 def _unsupported(layer, gate_inputs, forced_routed_experts) -> list[str]:

@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from MaxText.console.progress import log as _log
 from patches import _config_view
 from patches._seam import Seam
 
@@ -37,10 +38,6 @@ SEAM = Seam(
     attr="train_step",
     sha256="e68464f0c15a65b7",
 )
-
-
-def _log(msg: str) -> None:
-  print(f"[maxtext-moe] {msg}", flush=True)
 
 
 def step_at_tokens(config, tokens: int) -> int:

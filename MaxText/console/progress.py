@@ -11,7 +11,7 @@ Each piece takes its clock as an argument, so tests drive it with a fake one.
   Eta            "candidate k of n" with an ETA from the mean time so far (plan --search)
   watch_save     a background thread that reports a checkpoint's size and duration once
                  its step directory is final (patches/checkpoint_guard.py)
-  say            a line in one write, which that thread's lines cannot split
+  say, log       a line in one write, which that thread's lines cannot split; log, the run's own
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def say(text: str, stream=None) -> None:
   stream = stream or sys.stdout
   stream.write(f"{text}\n")
   stream.flush()
+
+
+def log(msg: str) -> None:
+  """One of the run's own lines on stdout, "[maxtext-moe] msg", said whole."""
+  say(f"[maxtext-moe] {msg}")
 
 
 def fmt_seconds(seconds: float) -> str:

@@ -27,8 +27,7 @@ from MaxText.run import metrics
 from patches import grain_iterator_close
 
 
-def log(msg: str) -> None:
-  progress_lines.say(f"[maxtext-moe] {msg}")
+log = progress_lines.log
 
 
 def write_run_files(

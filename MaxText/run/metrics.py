@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from MaxText.console import progress
-from MaxText.console.progress import fmt_bytes, fmt_seconds
+from MaxText.console.progress import fmt_bytes, fmt_seconds, say
 
 
 @dataclass
@@ -69,7 +68,7 @@ class ProgressTracker:
     self.records.append(record)
     self._on_moe_stats(step, scalars)
     if self.print_every and ((step + 1) % self.print_every == 0 or step + 1 == self.total_steps):
-      progress.say(self.progress_line(record))
+      say(self.progress_line(record))
 
   def _on_moe_stats(self, step: int, scalars: dict[str, Any]) -> None:
     """Keeps the latest moe/ statistics (patches/moe_metrics.py); warns loudly when rows were dropped."""
