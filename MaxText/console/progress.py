@@ -11,7 +11,8 @@ Each piece takes its clock as an argument, so tests drive it with a fake one.
   Eta            "candidate k of n" with an ETA from the mean time so far (plan --search)
   watch_save     a background thread that reports a checkpoint's size and duration once
                  its step directory is final (patches/checkpoint_guard.py)
-  say, log       a line in one write, which that thread's lines cannot split; log, the run's own
+  say, log       a line in one write, which that thread's lines cannot split (log: the run's own
+                 "[maxtext-moe] ..." lines)
 """
 
 from __future__ import annotations
