@@ -91,6 +91,7 @@ MAY_IMPORT = {
     "MaxText.hardware": set(),
     "MaxText.console": set(),
     "MaxText.moe": set(),
+    "MaxText.accumulate": set(),  # gradient accumulation's schedules: jax only; the seam that uses them is above
     "MaxText.attention": {"MaxText.moe"},  # beside the MoE pieces: their varying-axes typing and TE release
     "MaxText.config": {"MaxText.console", "MaxText.moe", "patches"},
     "MaxText.checkpoints": {"MaxText.config", "MaxText.console"},

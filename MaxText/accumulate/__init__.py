@@ -1,0 +1,1 @@
+"""Gradient accumulation schedules over microbatches (MaxText/accumulate/combined_1f1b.py)."""
