@@ -4,6 +4,7 @@ written as a ProfiledInstructionsProto; on a real compile for compile-only H200s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,19 @@ def test_the_probe_compiles_with_the_profile():
   rows = {line.split()[0]: [float(v) for v in line.split()[1:7]] for line in proc.stdout.splitlines()
           if line.split() and line.split()[0] in ("plain", "combined")}
   assert set(rows) == {"combined"} and all(r[0] > 0 and r[4] >= 0 for r in rows.values()), proc.stdout
+
+
+@pytest.mark.slow  # the tiny model compiled twice for 8 compile-only H100s: --all only
+def test_a_plan_with_the_pgle_preset_is_scheduled_with_the_planners_costs(tmp_path):
+  require_gpu_plan("h100")
+  path = tmp_path / "plan.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DECOUPLE_GCLOUD")}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.plan", "configs/deepseek3-tiny.yml", "target_gpu=h100",
+                         "recipe_num_gpus=8", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_block=ours",
+                         "per_device_batch_size=2", "max_target_length=64", "xla_presets=[pgle]", "--json", str(path)],
+                        cwd=HERE.parent, env={**env, "PYTHONPATH": SUBPROCESS_PYTHONPATH}, capture_output=True,
+                        text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(path.read_text())
+  assert report["pgle_ops"] > 100 and f"scheduled with the planner's costs as XLA's profile ({report['pgle_ops']} ops" in proc.stdout
+  assert report["estimate"]["step_s"] > 0 and report["account"]["ok"]

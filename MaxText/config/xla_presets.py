@@ -106,6 +106,13 @@ _PRESET_LIST = (
         includes=("lhs",),
     ),
     _preset(
+        "pgle",
+        "Profile-guided latency estimation: jax profiles the step's first runs, then recompiles it so that XLA's "
+        "scheduler knows what each kernel and collective costs (a compile-only plan uses the planner's costs: "
+        "MaxText/plan/pgle.py).",
+        env={"JAX_ENABLE_PGLE": "true", "JAX_PGLE_PROFILING_RUNS": "3"},
+    ),
+    _preset(
         "command_buffers",
         "CUDA graphs for fusions and library calls (fewer launches on small MoE layers); collectives stay out.",
         flags={"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"},

@@ -42,6 +42,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -254,7 +255,8 @@ def start_upstream(run: fork_config.RunConfig) -> Any:
 
 
 def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
-                       on_phase: Callable[[str], None] = lambda phase: None) -> Compiled:
+                       on_phase: Callable[[str], None] = lambda phase: None,
+                       pgle_with: tuple[Topology, Path] | None = None) -> Compiled:
   """Patches, upstream validation, and the AOT compile of upstream's train step.
 
   Call after environment.prepare_environment (the environment is the run's) and
@@ -263,6 +265,8 @@ def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
   are checked against every array's shape, nothing is partitioned or compiled.
   on_phase(phase) as each phase starts: "starting upstream", "building the abstract
   state", then jax's "tracing", "lowering" and "compiling" (MaxText/console/progress.py's CompileWatch).
+  pgle_with: (the compile-only GPU topology, a work folder): compile with the planner's costs as XLA's scheduling
+  profile (MaxText/plan/pgle.py), as a run with the `pgle` preset schedules after its profiled steps.
   """
   import jax  # pylint: disable=import-outside-toplevel
   from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
@@ -282,6 +286,8 @@ def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
       on_phase("building the abstract state")
       step = train_step(config, mesh)
       layout = _layout(config, run, step, mesh)
+      if pgle_with is not None:
+        return _compile_with_profile(step, mesh, config, pgle_with, start, layout)
       if lower_only:
         with mesh, axis_rules(config.logical_axis_rules):
           lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
@@ -295,6 +301,26 @@ def compile_train_step(run: fork_config.RunConfig, lower_only: bool = False,
   finally:
     watch.stop()
   return Compiled(compiled, mesh, config, time.perf_counter() - start, layout)
+
+
+def _compile_with_profile(step: TrainStep, mesh: Any, config: Any, pgle_with: tuple[Topology, Path], start: float,
+                          layout: dict[str, Any]) -> Compiled:
+  """Upstream's jit and lower (train_compile.jit_and_compile's, which has no hook for compiler options), then the two
+  compiles of MaxText/plan/pgle.py."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax.core.spmd import logical_axis_rules as axis_rules  # pylint: disable=import-outside-toplevel
+
+  from MaxText import hardware  # pylint: disable=import-outside-toplevel
+  from MaxText.plan import pgle  # pylint: disable=import-outside-toplevel
+
+  topology, workdir = pgle_with
+  with jax.set_mesh(mesh), axis_rules(config.logical_axis_rules):
+    lowered = jax.jit(step.func, in_shardings=step.in_shardings, out_shardings=step.out_shardings,
+                      static_argnums=step.static_argnums, donate_argnums=step.donate_argnums,
+                      ).lower(*step.args, **step.kwargs)
+  compiled, used = pgle.compile_with_profile(lowered, hardware.GPUS[topology.target_gpu], dict(mesh.shape),
+                                             device_nodes(mesh, topology), workdir)
+  return Compiled(compiled, mesh, config, time.perf_counter() - start, {**layout, "pgle_ops": used["instructions"]})
 
 
 def _layout(config: Any, run: fork_config.RunConfig, step: TrainStep, mesh: Any) -> dict[str, Any]:
@@ -391,7 +417,11 @@ def child_main(request_path: str, result_path: str) -> int:
     prepared = environment.prepare_environment(run, extra_xla_flags=extra)
     configure_backend(topology)
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-    step = compile_train_step(prepared.run, lower_only=topology.lower_only, on_phase=on_phase)
+    # The `pgle` preset's run profiles its first steps and recompiles; a compile-only plan uses the planner's costs.
+    use_pgle = topology.platform == "gpu_target" and os.environ.get("JAX_ENABLE_PGLE", "").lower() in ("1", "true")
+    with tempfile.TemporaryDirectory(prefix="maxtext-plan-pgle-") as workdir:
+      step = compile_train_step(prepared.run, lower_only=topology.lower_only, on_phase=on_phase,
+                                pgle_with=(topology, Path(workdir)) if use_pgle else None)
   except fork_config.ConfigError as e:
     result["config_error"] = str(e)
   except Exception as e:  # pylint: disable=broad-exception-caught  # the compiler's word, reported in one line

@@ -264,6 +264,7 @@ def build_report(run, num_gpus, topology, child, substitutes, hlo_text: str) -> 
       "platform": topology.platform, "mock_topology": topology.mock_spec, "cpu_substitutes": substitutes,
       "target_gpu": {"key": gpu_key, "name": gpu.name, "from": gpu_from},
       "mesh": child["mesh"], "compile_seconds": child["compile_seconds"], "verdict": verdict,
+      "pgle_ops": (child.get("layout") or {}).get("pgle_ops"),
       # A CPU compile's buffers are not the GPU's: kept under another name.
       ("memory" if topology.compiles_for_gpu else "cpu_memory"): memory,
       "nodes": child["nodes"], "collectives": rows, "inter_node_bytes": inventory["inter_node_bytes"],
@@ -309,6 +310,9 @@ def print_report(r: dict[str, Any]) -> None:
         f"{verb} on {where} in {r['compile_seconds']:.1f} s")
   if r.get("kernel_stand_in"):
     print(f"  compiled for compute capability {r['kernel_stand_in']['compute_capability']}: {r['kernel_stand_in']['why']}")
+  if r.get("pgle_ops"):
+    print(f"  scheduled with the planner's costs as XLA's profile ({r['pgle_ops']} ops; the `pgle` preset: a run "
+          "profiles its first steps, MaxText/plan/pgle.py)")
   for k, v in r["cpu_substitutes"].items():
     print(f"  {'CPU stand-in' if r['platform'] == 'cpu' else 'set for the compile'}: {k}={v}")
   if r.get("lowered_only"):
