@@ -10,7 +10,9 @@ steps, with the Profiler's own ProfileOptions, after upstream's call:
 
   - a profiled step: (step + 1) % moe_profile_every_n_steps == 0 (the steps
     whose moe/ scalars patches/metric_logger.py keeps for that interval), and
-    never this process's first step, which compiles the train step;
+    never this process's first step, which compiles the train step, nor, under
+    jax's PGLE (the `pgle` preset), the runs it profiles itself and the one that
+    recompiles with their profile (jax holds one profiler session at a time);
   - around it, block_until_ready(state) on both sides (upstream's
     profile_cleanly), so the trace holds exactly that step's device work;
   - the trace goes to <run>/moe_profile/step_<s>/ (TensorBoard's profile tab
@@ -57,7 +59,7 @@ SEAM_STOP = Seam(
 
 KEEP = 5  # newest profiles kept under <run>/moe_profile (one H200 step of the proxy: tens of MB)
 CONVERT_TIMEOUT_S = 600
-_state: dict = {"every": 0, "run_dir": None, "first_step": None, "tracing": None}
+_state: dict = {"every": 0, "run_dir": None, "first_step": None, "tracing": None, "pgle_runs": 0}
 
 
 def set_run_dir(run_dir: Path) -> None:
@@ -67,7 +69,14 @@ def set_run_dir(run_dir: Path) -> None:
 
 def profiled(step: int) -> bool:
   every, first = _state["every"], _state["first_step"]
-  return every > 0 and step != first and (step + 1) % every == 0
+  return every > 0 and (first is None or step > first + _state["pgle_runs"]) and (step + 1) % every == 0
+
+
+def _pgle_runs() -> int:
+  """The step runs jax's PGLE profiles before it recompiles (0 without PGLE)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return int(jax.config.jax_pgle_profiling_runs) if jax.config.jax_enable_pgle else 0
 
 
 def _wrap_start(original):
@@ -148,7 +157,7 @@ def wanted(fork) -> bool:
 
 def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
   SEAM_STOP.check()
-  _state.update(every=fork.moe_profile_every_n_steps, first_step=None, tracing=None)
+  _state.update(every=fork.moe_profile_every_n_steps, first_step=None, tracing=None, pgle_runs=_pgle_runs())
   SEAM.apply(_wrap_start)
   SEAM_STOP.apply(_wrap_stop)
 
@@ -156,4 +165,4 @@ def apply(fork, hooks=None) -> None:  # pylint: disable=unused-argument
 def undo() -> None:
   SEAM_STOP.undo()
   SEAM.undo()
-  _state.update(every=0, run_dir=None, first_step=None, tracing=None)
+  _state.update(every=0, run_dir=None, first_step=None, tracing=None, pgle_runs=0)

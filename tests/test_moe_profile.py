@@ -77,7 +77,7 @@ def test_kernel_name_decides_only_without_metadata():
   assert ts.classify_row(row("fusion.3")) == "rest"
 
 
-def test_profiled_steps_skip_the_compiling_first_step():
+def test_profiled_steps_skip_the_compiling_first_step_and_pgles_own_runs():
   from patches import moe_profile
 
   moe_profile._state.update(every=2, first_step=0)
@@ -85,8 +85,11 @@ def test_profiled_steps_skip_the_compiling_first_step():
     assert [s for s in range(8) if moe_profile.profiled(s)] == [1, 3, 5, 7]
     moe_profile._state.update(every=1, first_step=4)  # a resumed run: its first step compiles
     assert [s for s in range(4, 8) if moe_profile.profiled(s)] == [5, 6, 7]
+    # the pgle preset: jax profiles the first 3 runs (steps 4-6) itself and recompiles at step 7
+    moe_profile._state.update(every=1, first_step=4, pgle_runs=3)
+    assert [s for s in range(4, 10) if moe_profile.profiled(s)] == [8, 9]
   finally:
-    moe_profile._state.update(every=0, first_step=None)
+    moe_profile._state.update(every=0, first_step=None, pgle_runs=0)
 
 
 def test_off_by_default_patches_no_profiler_hook():
