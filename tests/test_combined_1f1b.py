@@ -87,6 +87,7 @@ def test_moe_layers_on_two_nodes_of_four_match_the_plain_loop():
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   assert [(r["backend"], r["policy"]) for r in rows] == [
       ("a2a_padded", "full_remat"), ("a2a_padded", "dispatched_rows_saved"),
-      ("hierarchical", "full_remat"), ("hierarchical", "dispatched_rows_saved")]
+      ("hierarchical", "full_remat"), ("hierarchical", "dispatched_rows_saved"), ("hierarchical", "full_remat")]
+  assert [r["fp8"] for r in rows] == [False] * 4 + [True]
   for r in rows:
     assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["aux_equal"] and r["grad_norm"] > 0, r
