@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from MaxText import hardware
-from MaxText.plan import hlo_inventory, schedule
+from MaxText.plan import schedule
 
 SCHEDULER_PASS = "latency-hiding-scheduler"
 
@@ -32,22 +32,19 @@ def op_seconds(text: str, gpu: hardware.Gpu, mesh_shape: dict[str, int], nodes: 
   (the scheduler estimates those itself)."""
   module = schedule.parse(text)
   walk = schedule._Walk(module, gpu, mesh_shape, nodes, fp8_experts=False)  # pylint: disable=protected-access
-  rates = {"gemm_s": gpu.gemm_flops, "attention_s": gpu.attention_flops, "memory_s": gpu.hbm_bandwidth}
   seconds: dict[str, float] = {}
   for comp in module.comps.values():
     for instr in comp.instrs:
       inner = walk._collective_of(instr)  # pylint: disable=protected-access
       if inner is not None:
-        described = hlo_inventory.collective(inner, mesh_shape, nodes, set())
-        if described is not None:
-          key, per_link = described[0], described[-1]
-          seconds[instr.name] = per_link / hardware.link_bytes(gpu, key[0], key[2]).value
+        if (moved := walk.transfer(inner)) is not None:
+          seconds[instr.name] = moved[2]
       elif instr.opcode in ("fusion", "custom-call", "dot", "convolution"):
         try:
           kind, amount, _ = walk._cost(instr, comp)  # pylint: disable=protected-access
         except (IndexError, KeyError, ValueError):  # a shape this dump does not print: left to XLA's estimate
           continue
-        seconds[instr.name] = amount / rates.get(kind, gpu.gemm_flops).value
+        seconds[instr.name] = amount / walk.rate(kind)
   return seconds
 
 

@@ -211,9 +211,7 @@ class _Walk:
   def _compute(self, instr: Instr, comp: Computation, state: _State) -> None:
     kind, amount, grouped = self._cost(instr, comp)
     state.terms.counts["grouped_flops"] += grouped
-    rate = {"gemm_s": self.gpu.gemm_flops, "attention_s": self.gpu.attention_flops,
-            "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
-    seconds = amount / rate
+    seconds = amount / self.rate(kind)
     if kind in ("gemm_s", "fp8_gemm_s"):
       # GPT-OSS's proxy (dot_product attention): its byte-bound GEMMs add 58 ms to a 434 ms step; the V3 proxy's, 0.5.
       seconds = max(seconds, self._op_bytes(instr, comp) / self.gpu.hbm_bandwidth.value)
@@ -252,18 +250,27 @@ class _Walk:
           return inner[0]
     return None
 
-  def _transfer(self, instr: Instr, inner: Instr, state: _State) -> None:
-    self.started.add(instr.name)
+  def rate(self, kind: str) -> float:
+    """FLOP/s or bytes/s of an op kind of `_cost` on this GPU."""
+    return {"gemm_s": self.gpu.gemm_flops, "attention_s": self.gpu.attention_flops,
+            "memory_s": self.gpu.hbm_bandwidth, "fp8_gemm_s": self.gpu.fp8_grouped_flops}[kind].value
+
+  def transfer(self, inner: Instr) -> tuple[RowKey, str, float] | None:
+    """A collective's row key, link and seconds at that link's rate; None for one that moves nothing."""
     if inner.name not in self.module.described:  # the same for every walk of the module (only the rates change)
       self.module.described[inner.name] = hlo_inventory.collective(inner, self.mesh_shape, self.nodes,
                                                                    self.module.described_notes)
     described = self.module.described[inner.name]
     if described is None:
-      return
-    key, _, _, _, _, per_link = described
-    link = "ib" if key[2] else "nvlink"
-    seconds = per_link / hardware.link_bytes(self.gpu, key[0], key[2]).value
-    self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
+      return None
+    key, per_link = described[0], described[-1]
+    return key, "ib" if key[2] else "nvlink", per_link / hardware.link_bytes(self.gpu, key[0], key[2]).value
+
+  def _transfer(self, instr: Instr, inner: Instr, state: _State) -> None:
+    self.started.add(instr.name)
+    if (moved := self.transfer(inner)) is not None:
+      key, link, seconds = moved
+      self._start(instr, state, key, link, seconds, asynchronous=instr.opcode.endswith("-start"))
 
   def _host_copy(self, instr: Instr, state: _State) -> None:
     """A copy to or from host memory (memory space S(5)): a whole array (copy-start), or the slice an async
